@@ -1,0 +1,1 @@
+"""rollverify_jax."""

@@ -1,0 +1,136 @@
+"""The device mesh, the logical-axis rules, and shardings for parameters and batches (the one place).
+
+Every parameter carries ``logical_axes`` metadata (e.g. ``('embed', 'mlp')``); the rules below map each
+logical name to a mesh axis. A dimension that does not divide evenly over its mesh axes is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import gin
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("experts", None),
+    ("expert_mlp", "tensor"),
+    ("norm", None),
+)
+
+_AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+@gin.configurable
+def make_mesh(shape: Sequence[int] = (1, -1, 1), axis_types: str = "auto",
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes ('data', 'fsdp', 'tensor'); one entry of ``shape`` may be -1 (the rest)."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = list(shape)
+    if len(shape) != len(MESH_AXES):
+        raise ValueError(f"make_mesh.shape must have {len(MESH_AXES)} entries for {MESH_AXES}, got {shape}.")
+    if shape.count(-1) > 1:
+        raise ValueError(f"make_mesh.shape may hold at most one -1, got {shape}.")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide over mesh shape {shape}.")
+        shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) != len(devices):
+        raise ValueError(
+            f"Mesh shape {shape} needs {math.prod(shape)} devices but {len(devices)} are available; "
+            "use -1 for one axis to take the rest."
+        )
+    if axis_types not in _AXIS_TYPES:
+        raise ValueError(f"Unknown axis_types {axis_types!r}; use one of {sorted(_AXIS_TYPES)}.")
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(_AXIS_TYPES[axis_types],) * len(MESH_AXES),
+                         devices=devices)
+
+
+@gin.configurable
+def logical_axis_rules(rules: Sequence[tuple[str, str | tuple[str, ...] | None]] = DEFAULT_RULES,
+                       ) -> dict[str, tuple[str, ...]]:
+    """Logical name -> tuple of mesh axes (empty tuple: replicated). Override ``rules`` from gin."""
+    out = {}
+    for name, axes in rules:
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        for a in axes:
+            if a not in MESH_AXES:
+                raise ValueError(f"Rule {name!r} -> {a!r}: mesh axes are {MESH_AXES}.")
+        out[name] = tuple(axes)
+    return out
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: dict[str, tuple[str, ...]] | None = None) -> PartitionSpec:
+    """PartitionSpec for one array; each mesh axis is used once; uneven dims are replicated."""
+    rules = logical_axis_rules() if rules is None else rules
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(logical_axes, shape, strict=True):
+        if name is not None and name not in rules:
+            raise ValueError(f"No logical-axis rule for {name!r}; known: {sorted(rules)}.")
+        axes = tuple(a for a in (rules[name] if name else ()) if a not in used and mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if not axes or dim % size:
+            spec.append(None)
+            continue
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(state: nnx.State, mesh: Mesh, rules=None) -> nnx.State:
+    """PartitionSpec per parameter of an ``nnx.State`` (abstract or concrete)."""
+    def spec(v):
+        axes = v.get_metadata().get("logical_axes")
+        if axes is None:
+            return PartitionSpec()
+        return logical_to_spec(axes, v.shape, mesh, rules)
+    return jax.tree.map(spec, state, is_leaf=_is_var)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules=None) -> nnx.State:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(state, mesh, rules),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Leading (batch) dimension over ('data', 'fsdp'); the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
+    """Moves every parameter of ``model`` onto its mesh sharding (in place) and returns the model."""
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh, rules)
+    placed = jax.tree.map(lambda v, s: v.replace(jax.device_put(v[...], s)), state, shardings, is_leaf=_is_var)
+    nnx.update(model, placed)
+    return model
+
+
+def mesh_summary(mesh: Mesh) -> str:
+    return " x ".join(f"{a}={n}" for a, n in mesh.shape.items()) + f" ({np.prod(list(mesh.shape.values()))} devices)"

@@ -1,0 +1,380 @@
+"""Qwen3 (dense and MoE) in Flax NNX, numerically matching HF transformers' Qwen3/Qwen3-MoE.
+
+Attention is a swappable callable ``attention(layer_idx, q, k, v) -> out`` so the rollout engine can plug
+in paged KV-cache attention without touching the model. Every parameter carries ``logical_axes`` metadata;
+``rollverify_jax.mesh`` maps those names onto the device mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import gin
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    """Accepts 'float32' / 'bfloat16' / a jnp dtype; fails with the known names otherwise."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture of a Qwen3 / Qwen3-MoE causal LM (field names follow HF ``config.json``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    # MoE (num_experts == 0 means dense everywhere).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Numerics.
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]."
+            )
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        resolve_dtype(self.param_dtype)
+        resolve_dtype(self.dtype)
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """HF's rule: MoE block unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    def replace(self, **kw) -> Qwen3Config:
+        return dataclasses.replace(self, **kw)
+
+    def num_params(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * hd + 2 * h
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for i in range(self.num_hidden_layers):
+            if self.is_sparse_layer(i):
+                mlp = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+            else:
+                mlp = 3 * h * self.intermediate_size
+            total += attn + mlp
+        return total
+
+
+PRESETS: dict[str, Qwen3Config] = {
+    # The embedded default (~1-2M parameters); the tokenizer under assets/ decides the real vocab size.
+    "tiny": Qwen3Config(
+        vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
+    "tiny_moe": Qwen3Config(
+        vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=(0,),
+    ),
+    # ~100M parameters, for benchmarks.
+    "bench_100m": Qwen3Config(
+        vocab_size=32768, hidden_size=640, intermediate_size=1920, num_hidden_layers=12,
+        num_attention_heads=10, num_key_value_heads=5, head_dim=64, tie_word_embeddings=True,
+    ),
+    "qwen3_0_6b": Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3_4b": Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3_8b": Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    ),
+    "qwen3_30b_a3b": Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
+}
+
+
+@gin.configurable
+def model_config(preset: str = "tiny", param_dtype: str = "float32", dtype: str = "float32",
+                 **overrides) -> Qwen3Config:
+    """A preset architecture by name, with dtype and field overrides (all bindable from gin)."""
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown model preset {preset!r}; known presets: {sorted(PRESETS)}.")
+    return PRESETS[preset].replace(param_dtype=param_dtype, dtype=dtype, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pieces
+
+
+def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...], dtype, std: float = 0.02,
+           init: str = "normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """y = w * x / rms(x), computed in float32 and cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+
+    def __call__(self, x: Array) -> Array:
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(dtype) * x32.astype(dtype)
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """positions: int32[B, T] -> cos, sin: float32[B, T, head_dim] (HF's non-interleaved layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """x: [B, T, H, D]; cos/sin: [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class AttentionFn(Protocol):
+    """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] (rotated) -> out [B, T, Hq, D]."""
+
+    def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array: ...
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Grouped-query attention. q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; mask: bool[B, Tq, Tk]."""
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, tq, hkv, hq // hkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    return out.reshape(b, tq, hq, d)
+
+
+@dataclasses.dataclass
+class CausalAttention:
+    """Dense causal attention over the call's own tokens; ``valid``: bool[B, T] masks padding keys."""
+
+    valid: Array | None = None
+
+    def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array:
+        t = q.shape[1]
+        mask = jnp.tril(jnp.ones((t, t), bool))[None]
+        if self.valid is not None:
+            mask = mask & self.valid[:, None, :]
+        return dot_product_attention(q, k, v, mask)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        pd = resolve_dtype(cfg.param_dtype)
+        h, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.cfg = cfg
+        self.q_proj = _param(rngs, (h, nq * hd), ("embed", "q_heads"), pd)
+        self.k_proj = _param(rngs, (h, nkv * hd), ("embed", "kv_heads"), pd)
+        self.v_proj = _param(rngs, (h, nkv * hd), ("embed", "kv_heads"), pd)
+        self.o_proj = _param(rngs, (nq * hd, h), ("q_heads", "embed"), pd)
+        if cfg.attention_bias:
+            self.q_bias = _param(rngs, (nq * hd,), ("q_heads",), pd, init="zeros")
+            self.k_bias = _param(rngs, (nkv * hd,), ("kv_heads",), pd, init="zeros")
+            self.v_bias = _param(rngs, (nkv * hd,), ("kv_heads",), pd, init="zeros")
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+
+    def _project(self, x: Array, name: str, heads: int) -> Array:
+        dt = x.dtype
+        y = x @ getattr(self, f"{name}_proj")[...].astype(dt)
+        if self.cfg.attention_bias:
+            y = y + getattr(self, f"{name}_bias")[...].astype(dt)
+        return y.reshape(*x.shape[:2], heads, self.cfg.head_dim)
+
+    def __call__(self, layer_idx: int, x: Array, cos: Array, sin: Array, attention: AttentionFn) -> Array:
+        cfg = self.cfg
+        q = apply_rope(self.q_norm(self._project(x, "q", cfg.num_attention_heads)), cos, sin)
+        k = apply_rope(self.k_norm(self._project(x, "k", cfg.num_key_value_heads)), cos, sin)
+        v = self._project(x, "v", cfg.num_key_value_heads)
+        out = attention(layer_idx, q, k, v)
+        return out.reshape(*x.shape[:2], -1) @ self.o_proj[...].astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int, *, param_dtype, rngs: nnx.Rngs):
+        self.gate_proj = _param(rngs, (hidden, inner), ("embed", "mlp"), param_dtype)
+        self.up_proj = _param(rngs, (hidden, inner), ("embed", "mlp"), param_dtype)
+        self.down_proj = _param(rngs, (inner, hidden), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: Array) -> Array:
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))
+        return h @ self.down_proj[...].astype(dt)
+
+
+class SparseMoE(nnx.Module):
+    """Qwen3-MoE block: softmax router, top-k experts, optional renormalised top-k weights.
+
+    Tokens are sorted by expert and run through ``jax.lax.ragged_dot`` so compute scales with top-k,
+    not with the number of experts.
+    """
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        pd = resolve_dtype(cfg.param_dtype)
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.router = _param(rngs, (h, e), ("embed", "experts"), pd)
+        self.gate_proj = _param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), pd)
+        self.up_proj = _param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), pd)
+        self.down_proj = _param(rngs, (e, i, h), ("experts", "expert_mlp", "embed"), pd)
+
+    def __call__(self, x: Array) -> tuple[Array, Array]:
+        """x: [B, T, H] -> (out [B, T, H], router_logits float32[B, T, E])."""
+        cfg, dt = self.cfg, x.dtype
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        router_logits = (flat @ self.router[...].astype(dt)).astype(jnp.float32)
+        probs = jax.nn.softmax(router_logits, axis=-1)
+        top_w, top_e = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
+        if cfg.norm_topk_prob:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        top_w = top_w.astype(dt)
+        n, k = top_e.shape
+        expert_of = top_e.reshape(-1)  # [N*k]
+        order = jnp.argsort(expert_of, stable=True)
+        token_of = order // k
+        xs = flat[token_of]  # [N*k, H] sorted by expert
+        sizes = jnp.bincount(expert_of, length=cfg.num_experts).astype(jnp.int32)
+        gate = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), sizes)
+        up = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt), sizes)
+        ys = ys * top_w.reshape(-1)[order][:, None]
+        out = jnp.zeros_like(flat).at[token_of].add(ys)
+        return out.reshape(b, t, h), router_logits.reshape(b, t, -1)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int, *, rngs: nnx.Rngs):
+        pd = resolve_dtype(cfg.param_dtype)
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.is_sparse = cfg.is_sparse_layer(layer_idx)
+        if self.is_sparse:
+            self.mlp = SparseMoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
+
+    def __call__(self, x, cos, sin, attention: AttentionFn) -> tuple[Array, Array | None]:
+        x = x + self.self_attn(self.layer_idx, self.input_layernorm(x), cos, sin, attention)
+        h = self.post_attention_layernorm(x)
+        if self.is_sparse:
+            h, router_logits = self.mlp(h)
+        else:
+            h, router_logits = self.mlp(h), None
+        return x + h, router_logits
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    """``model(tokens int32[B, T]) -> logits float32[B, T, V]`` (causal, teacher-forced)."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        pd = resolve_dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+
+    def hidden_states(self, tokens: Array, positions: Array | None = None,
+                      attention: AttentionFn | None = None) -> tuple[Array, list[Array]]:
+        """tokens: int32[B, T] -> (final-normed hidden [B, T, H], router logits of the MoE layers)."""
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        attention = attention if attention is not None else CausalAttention()
+        x = self.embed_tokens[...][tokens].astype(resolve_dtype(cfg.dtype))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        router_logits = []
+        for layer in self.layers:
+            x, rl = layer(x, cos, sin, attention)
+            if rl is not None:
+                router_logits.append(rl)
+        return self.norm(x), router_logits
+
+    def logits_from_hidden(self, h: Array) -> Array:
+        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("...h,hv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Array, positions: Array | None = None, attention: AttentionFn | None = None,
+                 return_router_logits: bool = False):
+        h, router_logits = self.hidden_states(tokens, positions, attention)
+        logits = self.logits_from_hidden(h)
+        return (logits, router_logits) if return_router_logits else logits
+
+
+def init_model(cfg: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def token_logprobs(logits: Array, targets: Array, temperature: float = 1.0) -> Array:
+    """log softmax(logits / T)[targets]. logits: float32[..., V]; targets: int32[...] -> float32[...]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+ModelFactory = Callable[[], Qwen3ForCausalLM]
