@@ -109,8 +109,8 @@ PRESETS: dict[str, Qwen3Config] = {
     ),
     # ~100M parameters, for benchmarks.
     "bench_100m": Qwen3Config(
-        vocab_size=32768, hidden_size=640, intermediate_size=1920, num_hidden_layers=12,
-        num_attention_heads=10, num_key_value_heads=5, head_dim=64, tie_word_embeddings=True,
+        vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
     ),
     "qwen3_0_6b": Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -1,0 +1,69 @@
+"""Model-level properties that parity tests do not pin down: causality, presets, dtypes, attention swap."""
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollverify_jax.models import init_model, model_config
+from rollverify_jax.models.qwen3 import CausalAttention, Qwen3Config
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_model(model_config("tiny"), seed=0)
+
+
+def test_output_shape_dtype_and_causality(tiny):
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 64)
+    logits = tiny(tokens)
+    assert logits.shape == (2, 10, 64) and logits.dtype == jnp.float32
+    changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % 64)
+    other = tiny(changed)
+    np.testing.assert_array_equal(np.asarray(logits[:, :7]), np.asarray(other[:, :7]))
+    assert not np.allclose(np.asarray(logits[:, 7:]), np.asarray(other[:, 7:]))
+
+
+def test_padding_keys_are_masked(tiny):
+    """Right padding never changes the logits of the real tokens."""
+    tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, 64)
+    padded = jnp.concatenate([tokens, jnp.zeros((1, 4), jnp.int32)], axis=1)
+    valid = jnp.arange(10)[None] < 6
+    a = tiny(tokens)
+    b = tiny(padded, attention=CausalAttention(valid=valid))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b[:, :6]), atol=1e-6)
+
+
+def test_bfloat16_params_and_compute():
+    m = init_model(model_config("tiny", param_dtype="bfloat16", dtype="bfloat16"))
+    assert m.layers[0].self_attn.q_proj[...].dtype == jnp.bfloat16
+    assert m(jnp.zeros((1, 4), jnp.int32)).dtype == jnp.float32
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ValueError, match=r"Unknown model preset 'qwen9'.*'tiny'"):
+        model_config("qwen9")
+    gin.clear_config()
+    try:
+        gin.parse_config("model_config.preset = 'nope'")
+        with pytest.raises(ValueError, match="known presets"):
+            model_config()
+    finally:
+        gin.clear_config()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple of"):
+        Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=3, num_key_value_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="Unknown dtype"):
+        model_config("tiny", dtype="float8")
+
+
+def test_param_count_formula():
+    from rollverify_jax.models.hf import param_count
+    for preset in ("tiny", "tiny_moe"):
+        cfg = model_config(preset)
+        assert param_count(init_model(cfg)) == cfg.num_params()
+    assert 90e6 < model_config("bench_100m").num_params() < 130e6
