@@ -9,9 +9,13 @@ from rollverify_jax.models.qwen3 import (
     model_config,
     token_logprobs,
 )
+from rollverify_jax.models.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
 
 __all__ = [
     "PRESETS",
+    "Tokenizer",
+    "build_char_tokenizer",
+    "load_tokenizer",
     "Qwen3Config",
     "Qwen3ForCausalLM",
     "init_model",

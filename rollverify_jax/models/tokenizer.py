@@ -1,0 +1,391 @@
+"""Tokenizer over HF ``tokenizers``, loaded from an HF-layout directory, plus a Qwen-style chat template.
+
+A directory holds ``tokenizer.json`` and optionally ``tokenizer_config.json`` (``eos_token``, ``pad_token``),
+``special_tokens_map.json`` (older checkpoints keep the same keys there) and ``generation_config.json``
+(``eos_token_id``, ``pad_token_id``). The stop ids rollout needs come from all of them, because real Qwen3
+checkpoints split them: ``tokenizer_config.json`` names ``<|im_end|>`` while ``generation_config.json`` lists
+``[<|im_end|>, <|endoftext|>]``.
+
+``build_char_tokenizer`` writes the character-level tokenizer the embedded tiny default model uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import gin
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# Qwen3's template writes this empty think block after the generation prompt when enable_thinking=False,
+# so the model answers without reasoning.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+# Jinja version of `chatml_prompt` for one system turn and user turns, written into the char tokenizer's
+# tokenizer_config.json so HF `apply_chat_template` renders the same text as this module does.
+CHATML_JINJA = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+Ids = Iterable[int]  # a list, or a 1-D numpy / JAX array
+
+
+def chatml_prompt(
+    user_message: str,
+    system: str | None = None,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+) -> str:
+    """Qwen-style ChatML text for one user turn (Qwen3 adds no default system prompt, unlike Qwen2.5).
+
+    ``enable_thinking=False`` follows Qwen3's template and appends ``<think>\\n\\n</think>\\n\\n`` after the
+    generation prompt; ``None`` or ``True`` leave the prompt open so the model may think.
+    """
+    parts = []
+    if system is not None:
+        parts.append(f"{IM_START}system\n{system}{IM_END}\n")
+    parts.append(f"{IM_START}user\n{user_message}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+        if enable_thinking is False:
+            parts.append(EMPTY_THINK)
+    return "".join(parts)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """Optional config file: {} when absent, a clear error (naming the file) when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it.") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """HF configs write tokens either as a string or as an AddedToken dict ``{"content": ...}``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"Expected a token string or {{'content': ...}} dict, got {value!r}.")
+
+
+def _id_list(value: Any) -> list[int]:
+    """``eos_token_id`` in generation_config.json is an int, a list of ints, or null."""
+    if value is None:
+        return []
+    if isinstance(value, bool) or not isinstance(value, int | list):
+        raise ValueError(f"Expected a token id or a list of ids, got {value!r}.")
+    ids = [value] if isinstance(value, int) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"Expected a token id or a list of ids, got {value!r}.")
+    return list(ids)
+
+
+def _dedup(ids: Iterable[int]) -> tuple[int, ...]:
+    """Keeps the first occurrence of each id, so the order is stable across hosts and runs."""
+    return tuple(dict.fromkeys(ids))
+
+
+def _as_int_list(ids: Ids) -> list[int]:
+    """Accepts numpy / JAX arrays and lists alike; ``tokenizers`` only takes Python ints."""
+    return [int(i) for i in ids]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity eq/hash: usable as a dict key
+class Tokenizer:
+    """A loaded tokenizer with the ids rollout needs (eos, pad) resolved once at load time.
+
+    ``vocab_size`` is one past the largest id (added tokens included): the number of rows the model's
+    embedding must have at least.
+    """
+
+    hf: HFTokenizer
+    path: Path
+    vocab_size: int
+    special_tokens: dict[str, int]
+    eos_ids: tuple[int, ...]
+    pad_id: int | None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], model_vocab_size: int | None = None) -> Tokenizer:
+        """Loads ``path/tokenizer.json`` and its configs; checks the vocabulary fits ``model_vocab_size``."""
+        path = Path(path)
+        hf = _load_hf_tokenizer(path)
+        vocab_size = _vocab_size(hf)
+        if model_vocab_size is not None and vocab_size > model_vocab_size:
+            raise ValueError(
+                f"Tokenizer at {path} has vocab_size {vocab_size} (largest id {vocab_size - 1}) but the "
+                f"model's vocab_size is {model_vocab_size}: its ids would index past the embedding. Use the "
+                "tokenizer saved with this checkpoint, or a model config whose vocab_size is at least the "
+                "tokenizer's."
+            )
+        config = {**_read_json(path / SPECIAL_TOKENS_MAP_FILE), **_read_json(path / TOKENIZER_CONFIG_FILE)}
+        gen_config = _read_json(path / GENERATION_CONFIG_FILE)
+        eos_ids = _eos_ids(hf, path, config, gen_config)
+        return cls(
+            hf=hf,
+            path=path,
+            vocab_size=vocab_size,
+            special_tokens=_special_tokens(hf),
+            eos_ids=eos_ids,
+            pad_id=_pad_id(hf, path, config, gen_config, eos_ids),
+        )
+
+    def token_id(self, token: str) -> int:
+        """Id of one token string; a KeyError naming the tokenizer if it is not in the vocabulary."""
+        token_id = self.hf.token_to_id(token)
+        if token_id is None:
+            raise KeyError(f"Token {token!r} is not in the vocabulary of the tokenizer at {self.path}.")
+        return token_id
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (e.g. ``<|im_end|>``) become one id."""
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a char missing from a vocab
+            raise ValueError(f"Tokenizer at {self.path} cannot encode {text[:80]!r}: {e}") from e
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """``encode`` over many texts at once (``tokenizers`` batches them in Rust)."""
+        try:
+            encodings = self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        except Exception as e:
+            raise ValueError(f"Tokenizer at {self.path} cannot encode the batch: {e}") from e
+        return [enc.ids for enc in encodings]
+
+    def decode(self, ids: Ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (a list or a 1-D array); ids outside the vocabulary are dropped."""
+        return self.hf.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch: Iterable[Ids], skip_special_tokens: bool = True) -> list[str]:
+        """``decode`` over many sequences (e.g. the rows of an ``int32[B, T]`` array)."""
+        rows = [_as_int_list(ids) for ids in batch]
+        return self.hf.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        user_message: str,
+        system: str | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+    ) -> str:
+        """ChatML text for one user turn (see `chatml_prompt`); needs the ``<|im_start|>``/``<|im_end|>``
+        special tokens so the markers encode as single ids rather than as plain text."""
+        missing = [t for t in (IM_START, IM_END) if t not in self.special_tokens]
+        if missing:
+            raise ValueError(
+                f"Tokenizer at {self.path} has no special token(s) {missing}, so it cannot use the ChatML "
+                "chat template. Encode raw prompts instead (encode_prompt(text, chat=False)), or use a "
+                f"tokenizer that defines {IM_START} and {IM_END} as special tokens."
+            )
+        return chatml_prompt(user_message, system, add_generation_prompt, enable_thinking)
+
+    def encode_prompt(
+        self, text: str, chat: bool, system: str | None = None, enable_thinking: bool | None = None
+    ) -> list[int]:
+        """Prompt ids: ``text`` wrapped in the chat template when ``chat``, else ``text`` as is."""
+        if chat:
+            text = self.apply_chat_template(text, system=system, enable_thinking=enable_thinking)
+        elif system is not None:
+            raise ValueError("A system prompt needs chat=True: raw prompts have nowhere to put it.")
+        return self.encode(text)
+
+
+def _load_hf_tokenizer(path: Path) -> HFTokenizer:
+    """Reads ``tokenizer.json``, failing with the path and what belongs there."""
+    expected = (
+        f"expected a directory holding {TOKENIZER_FILE} (and optionally {TOKENIZER_CONFIG_FILE}, "
+        f"{GENERATION_CONFIG_FILE}), such as an HF checkpoint directory or one written by "
+        "build_char_tokenizer"
+    )
+    if not path.exists():
+        raise FileNotFoundError(f"Tokenizer directory {path} does not exist; {expected}.")
+    if not path.is_dir():
+        raise NotADirectoryError(f"Tokenizer path {path} is not a directory; {expected}.")
+    file = path / TOKENIZER_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"No {TOKENIZER_FILE} in {path}; {expected}. Slow-tokenizer files (vocab.json + merges.txt) "
+            f"are not read: convert them once with transformers' AutoTokenizer(...).save_pretrained()."
+        )
+    try:
+        return HFTokenizer.from_file(str(file))
+    except Exception as e:
+        raise ValueError(f"Cannot parse {file} as a HF tokenizers file: {e}") from e
+
+
+def _vocab_size(hf: HFTokenizer) -> int:
+    """One past the largest id, so gaps in added-token ids still count against the embedding size."""
+    vocab = hf.get_vocab(with_added_tokens=True)
+    return max(vocab.values()) + 1 if vocab else 0
+
+
+def _special_tokens(hf: HFTokenizer) -> dict[str, int]:
+    """Added tokens flagged special (the ones ``skip_special_tokens`` drops), content → id, by id."""
+    decoder = hf.get_added_tokens_decoder()
+    return {decoder[i].content: i for i in sorted(decoder) if decoder[i].special}
+
+
+def _lookup(hf: HFTokenizer, token: str, path: Path, source: str) -> int:
+    """Id of a token named in a config file; an error naming the file when the vocabulary lacks it."""
+    token_id = hf.token_to_id(token)
+    if token_id is None:
+        raise ValueError(
+            f"{source} in {path} names token {token!r}, which is not in {path / TOKENIZER_FILE}."
+        )
+    return token_id
+
+
+def _eos_ids(
+    hf: HFTokenizer, path: Path, config: dict[str, Any], gen_config: dict[str, Any]
+) -> tuple[int, ...]:
+    """Stop ids: tokenizer_config's eos_token first, then generation_config's eos_token_id(s)."""
+    ids = []
+    eos_token = _token_content(config.get("eos_token"))
+    if eos_token is not None:
+        ids.append(_lookup(hf, eos_token, path, f"eos_token of {TOKENIZER_CONFIG_FILE}"))
+    ids.extend(_id_list(gen_config.get("eos_token_id")))
+    return _dedup(ids)
+
+
+def _pad_id(
+    hf: HFTokenizer, path: Path, config: dict[str, Any], gen_config: dict[str, Any], eos_ids: tuple[int, ...]
+) -> int | None:
+    """tokenizer_config's pad_token, else generation_config's pad_token_id, else the first eos id."""
+    pad_token = _token_content(config.get("pad_token"))
+    if pad_token is not None:
+        return _lookup(hf, pad_token, path, f"pad_token of {TOKENIZER_CONFIG_FILE}")
+    pad_ids = _id_list(gen_config.get("pad_token_id"))
+    if pad_ids:
+        return pad_ids[0]
+    return eos_ids[0] if eos_ids else None
+
+
+@gin.configurable
+def load_tokenizer(path: str = gin.REQUIRED, model_vocab_size: int | None = None) -> Tokenizer:
+    """Gin entry point: ``load_tokenizer.path`` is the tokenizer (or checkpoint) directory.
+
+    Args:
+      path: directory holding ``tokenizer.json`` (required).
+      model_vocab_size: the policy's embedding rows; when given, a larger tokenizer is an error.
+    """
+    return Tokenizer.from_dir(path, model_vocab_size=model_vocab_size)
+
+
+def _default_eos(special_tokens: Sequence[str]) -> list[str]:
+    """Qwen3's stop tokens (``<|im_end|>`` then ``<|endoftext|>``) when present, else the first special."""
+    eos = [t for t in (IM_END, "<|endoftext|>") if t in special_tokens]
+    return eos or list(special_tokens[:1])
+
+
+def _default_pad(special_tokens: Sequence[str], eos_tokens: Sequence[str]) -> str | None:
+    """A dedicated ``<pad>`` when present, else ``<|endoftext|>`` (as Qwen3), else the first eos."""
+    for token in ("<pad>", "<|endoftext|>"):
+        if token in special_tokens:
+            return token
+    return eos_tokens[0] if eos_tokens else None
+
+
+def _char_hf_tokenizer(chars: str, special_tokens: Sequence[str]) -> HFTokenizer:
+    """One id per character (in order of first appearance), then the special tokens as added tokens.
+
+    Every character is its own pre-token (``[\\s\\S]`` also matches newlines) and ``Fuse`` joins tokens
+    without spaces, so ``decode(encode(s)) == s`` for any ``s`` over the alphabet.
+    """
+    alphabet = list(dict.fromkeys(chars))
+    if not alphabet:
+        raise ValueError("build_char_tokenizer needs a non-empty alphabet.")
+    clashes = [t for t in special_tokens if t in alphabet or not t]
+    if clashes or len(set(special_tokens)) != len(special_tokens):
+        raise ValueError(
+            "Special tokens must be distinct, non-empty and not single alphabet characters; "
+            f"got {special_tokens}."
+        )
+    hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(alphabet)}, unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    return hf
+
+
+def build_char_tokenizer(
+    chars: str,
+    special_tokens: Sequence[str],
+    path: str | os.PathLike[str],
+    eos_tokens: Sequence[str] | None = None,
+    pad_token: str | None = None,
+) -> Tokenizer:
+    """Writes a character-level tokenizer (for the tiny default model) to ``path`` and loads it back.
+
+    Files written: ``tokenizer.json``; ``tokenizer_config.json`` (eos_token = ``eos_tokens[0]``, pad_token,
+    and a ChatML ``chat_template`` when ``<|im_start|>``/``<|im_end|>`` are special tokens, so HF
+    ``AutoTokenizer`` renders the same prompts); ``generation_config.json`` (eos_token_id = all
+    ``eos_tokens``, pad_token_id). Ids: characters first, in order, then ``special_tokens`` in order.
+
+    Args:
+      chars: the alphabet; duplicates are ignored. Text outside it cannot be encoded.
+      special_tokens: e.g. ``["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]``.
+      path: output directory (created if needed).
+      eos_tokens: stop tokens; default ``<|im_end|>``, ``<|endoftext|>`` where present, else the first
+        special token.
+      pad_token: default ``<pad>``, else ``<|endoftext|>``, else the first eos token.
+    """
+    special_tokens = list(special_tokens)
+    eos_tokens = list(eos_tokens) if eos_tokens is not None else _default_eos(special_tokens)
+    pad_token = pad_token if pad_token is not None else _default_pad(special_tokens, eos_tokens)
+    unknown = [t for t in [*eos_tokens, pad_token] if t is not None and t not in special_tokens]
+    if unknown:
+        raise ValueError(f"eos/pad tokens {unknown} must be among special_tokens {special_tokens}.")
+    hf = _char_hf_tokenizer(chars, special_tokens)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save(str(out / TOKENIZER_FILE))
+    _write_char_configs(hf, out, special_tokens, eos_tokens, pad_token)
+    return Tokenizer.from_dir(out)
+
+
+def _write_char_configs(
+    hf: HFTokenizer, out: Path, special_tokens: list[str], eos_tokens: list[str], pad_token: str | None
+) -> None:
+    """tokenizer_config.json and generation_config.json in the keys HF checkpoints use."""
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_tokens[0] if eos_tokens else None,
+        "pad_token": pad_token,
+        "clean_up_tokenization_spaces": False,
+    }
+    if IM_START in special_tokens and IM_END in special_tokens:
+        tok_config["chat_template"] = CHATML_JINJA
+    gen_config = {
+        "eos_token_id": [hf.token_to_id(t) for t in eos_tokens],
+        "pad_token_id": hf.token_to_id(pad_token) if pad_token is not None else None,
+    }
+    (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
+    (out / GENERATION_CONFIG_FILE).write_text(json.dumps(gen_config, indent=2) + "\n", encoding="utf-8")
