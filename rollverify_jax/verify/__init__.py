@@ -1,0 +1,39 @@
+"""Verification of paused trajectories: OPS math, the two-stage verifier, and conditional switching.
+
+Pure array math (METHOD.md sections 2-4); it knows nothing of models, rollout or losses.
+"""
+
+from rollverify_jax.verify.ops import (
+    log_ratio,
+    response_mask,
+    segment_ids,
+    segment_mean_ops,
+    sequence_ops,
+    staleness,
+    token_ops,
+)
+from rollverify_jax.verify.switching import (
+    SwitchConfig,
+    SwitchState,
+    init_switch_state,
+    update_switch_state,
+    window_mean,
+)
+from rollverify_jax.verify.verifier import two_stage_verify, verify_stats
+
+__all__ = [
+    "SwitchConfig",
+    "SwitchState",
+    "init_switch_state",
+    "log_ratio",
+    "response_mask",
+    "segment_ids",
+    "segment_mean_ops",
+    "sequence_ops",
+    "staleness",
+    "token_ops",
+    "two_stage_verify",
+    "update_switch_state",
+    "verify_stats",
+    "window_mean",
+]

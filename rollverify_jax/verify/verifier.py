@@ -1,0 +1,132 @@
+"""Two-stage verification of cached trajectories against the newest policy (METHOD.md section 3).
+
+Given the new policy's log-probs of every cached token (a by-product of the resume prefill), decide how many
+response tokens each paused trajectory keeps:
+
+1. segment stage: the first segment (run of equal `v_t`) whose mean OPS is `>= ds` cuts at its first token;
+2. token stage: inside that prefix, the first token with OPS `>= dt` cuts there.
+
+It is one jitted function of cumulative ops over padded `[N, L]` arrays: O(N·L) work, no Python loops, and the
+thresholds are traced arguments so changing them never recompiles.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollverify_jax.verify.ops import response_mask, segment_mean_ops, segment_starts, token_ops
+
+DEFAULT_DS = 0.01  # segment-stage threshold on mean OPS
+DEFAULT_DT = 2.0  # token-stage threshold on OPS
+
+
+def _check_thresholds(ds, dt) -> None:
+    """Reject bad thresholds early when they are host numbers; traced values are trusted."""
+    if isinstance(ds, numbers.Real) and not (ds >= 0.0):  # also catches NaN
+        raise ValueError(f"two_stage_verify: ds (segment threshold on mean OPS) must be >= 0, got {ds!r}.")
+    if isinstance(dt, numbers.Real) and not (dt > 0.0):
+        raise ValueError(f"two_stage_verify: dt (token threshold on OPS) must be > 0, got {dt!r}.")
+
+
+def _check_shapes(new_logp, behavior_logp, versions, lengths) -> None:
+    """Shapes are static, so mismatches are caught here with names instead of deep inside XLA."""
+    shape = jnp.shape(new_logp)
+    if len(shape) != 2:
+        raise ValueError(f"two_stage_verify: new_logp must be [N, L], got shape {shape}.")
+    for name, arr in (("behavior_logp", behavior_logp), ("versions", versions)):
+        if jnp.shape(arr) != shape:
+            raise ValueError(
+                f"two_stage_verify: {name} has shape {jnp.shape(arr)}, expected {shape} like new_logp."
+            )
+    if jnp.shape(lengths) != shape[:1]:
+        raise ValueError(f"two_stage_verify: lengths has shape {jnp.shape(lengths)}, expected ({shape[0]},).")
+    if isinstance(lengths, np.ndarray | list | tuple):
+        host = np.asarray(lengths)
+        if host.size and (host.min() < 0 or host.max() > shape[1]):
+            raise ValueError(
+                f"two_stage_verify: lengths must lie in [0, {shape[1]}] (the padded length L), "
+                f"got min {host.min()} max {host.max()}."
+            )
+
+
+@jax.jit
+def _two_stage_verify(
+    new_logp: jax.Array,  # [N, L] float32
+    behavior_logp: jax.Array,  # [N, L] float32
+    versions: jax.Array,  # [N, L] int32
+    lengths: jax.Array,  # [N] int32
+    ds: jax.Array,  # [] float32
+    dt: jax.Array,  # [] float32
+) -> jax.Array:  # [N] int32
+    max_len = new_logp.shape[1]
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)  # [N]
+    valid = response_mask(lengths, max_len)  # [N, L]
+    ops = token_ops(new_logp, behavior_logp)  # [N, L]
+    # A NaN log-prob in a valid token is a broken token: treat it as maximally off-policy so it gets cut.
+    ops = jnp.where(valid, jnp.where(jnp.isnan(ops), jnp.inf, ops), 0.0)
+    positions = jnp.arange(max_len, dtype=jnp.int32)[None, :]  # [1, L]
+
+    seg_mean = segment_mean_ops(ops, versions, valid)  # [N, L]
+    seg_cut = segment_starts(versions, valid) & (seg_mean >= ds)  # [N, L]
+    keep1 = jnp.min(jnp.where(seg_cut, positions, max_len), axis=1)  # [N]
+    keep1 = jnp.minimum(keep1, lengths)
+
+    tok_cut = (positions < keep1[:, None]) & (ops >= dt)  # [N, L]; t < keep1 <= n implies valid
+    keep = jnp.min(jnp.where(tok_cut, positions, max_len), axis=1)  # [N]
+    return jnp.minimum(keep, keep1).astype(jnp.int32)
+
+
+def two_stage_verify(
+    new_logp: jax.Array,  # [N, L] log pi(y_t) under the newest policy
+    behavior_logp: jax.Array,  # [N, L] log mu(y_t) recorded at sampling time
+    versions: jax.Array,  # [N, L] policy version v_t that sampled y_t
+    lengths: jax.Array,  # [N] number of cached response tokens n_i
+    ds: float | jax.Array = DEFAULT_DS,
+    dt: float | jax.Array = DEFAULT_DT,
+) -> jax.Array:  # [N] int32
+    """Keep lengths `keep: int32[N]`, `0 <= keep_i <= lengths_i`, per METHOD.md section 3.
+
+    Positions `t >= lengths_i` are padding and ignored whatever they hold. `lengths` given as a host array
+    must lie in `[0, L]`; device arrays are clipped into that range (a check would force a host sync).
+    A NaN log-prob inside a response counts as infinite OPS. Works under an outer `jit` and on sharded inputs.
+    """
+    _check_thresholds(ds, dt)
+    _check_shapes(new_logp, behavior_logp, versions, lengths)
+    return _two_stage_verify(
+        jnp.asarray(new_logp, jnp.float32),
+        jnp.asarray(behavior_logp, jnp.float32),
+        jnp.asarray(versions, jnp.int32),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(ds, jnp.float32),
+        jnp.asarray(dt, jnp.float32),
+    )
+
+
+def verify_stats(keep, lengths) -> dict[str, float | int]:
+    """Host-side summary of one verification cycle: tokens kept/total and the acceptance rate.
+
+    `acceptance = sum(keep) / sum(lengths)`, the fraction of cached tokens retained (METHOD.md section 4).
+    When nothing was verified (no cached tokens) acceptance is defined as 1.0: an empty cycle rejected
+    nothing, so it must not pull the switching window towards on-policy mode.
+    Keys: `tokens_kept`, `tokens_total`, `acceptance`, `num_verified` (trajectories with tokens),
+    `num_cut` (keep < length), `num_restarted` (keep == 0 < length).
+    """
+    keep = np.asarray(keep).astype(np.int64)  # [N]
+    lengths = np.asarray(lengths).astype(np.int64)  # [N]
+    if keep.shape != lengths.shape or keep.ndim != 1:
+        raise ValueError(f"verify_stats: keep {keep.shape} and lengths {lengths.shape} must both be [N].")
+    if np.any(keep < 0) or np.any(keep > lengths):
+        raise ValueError("verify_stats: every keep must lie in [0, length]; were keep and lengths swapped?")
+    kept, total = int(keep.sum()), int(lengths.sum())
+    return {
+        "tokens_kept": kept,
+        "tokens_total": total,
+        "acceptance": kept / total if total > 0 else 1.0,
+        "num_verified": int(np.sum(lengths > 0)),
+        "num_cut": int(np.sum(keep < lengths)),
+        "num_restarted": int(np.sum((keep == 0) & (lengths > 0))),
+    }

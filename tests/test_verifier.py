@@ -1,0 +1,271 @@
+"""Tests for rollverify_jax.verify.verifier: two-stage verification and cycle stats."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rollverify_jax.verify import token_ops, two_stage_verify, verify_stats
+from rollverify_jax.verify import verifier as verifier_mod
+
+N, L = 8, 16  # fixed padded shape: every hypothesis example reuses one compilation
+
+
+def reference_keep(ops_row, versions_row, n, ds, dt):
+    """METHOD.md section 3 in plain Python, one trajectory. Returns (keep, segment means examined)."""
+    keep1, means, t = n, [], 0
+    while t < n:
+        s = t
+        while t < n and versions_row[t] == versions_row[s]:
+            t += 1
+        mean = sum(float(x) for x in ops_row[s:t]) / (t - s)
+        means.append(mean)
+        if mean >= ds:
+            keep1 = s
+            break
+    for t in range(keep1):
+        if ops_row[t] >= dt:
+            return t, means
+    return keep1, means
+
+
+def _pad(rows, fill=0.0, dtype=np.float32):
+    out = np.full((len(rows), max(len(r) for r in rows)), fill, dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def _verify_from_diffs(diffs, versions, lengths, ds=0.01, dt=2.0):
+    """Build logps with log pi - log mu = diff (behaviour logp fixed at -1) and verify."""
+    diffs = np.asarray(diffs, np.float32)
+    behavior = np.full_like(diffs, -1.0)
+    return np.asarray(
+        two_stage_verify(
+            behavior + diffs, behavior, np.asarray(versions, np.int32), np.asarray(lengths, np.int32), ds, dt
+        )
+    )
+
+
+# --- hand cases --------------------------------------------------------------------------------------------
+
+
+def test_keep_everything_when_on_policy():
+    versions = np.array([[0, 0, 1, 1, 2, 2], [3, 3, 3, 3, 3, 3]])
+    keep = _verify_from_diffs(np.zeros((2, 6)), versions, [6, 4])
+    np.testing.assert_array_equal(keep, [6, 4])
+    assert keep.dtype == np.int32
+
+
+def test_cut_at_first_bad_segment():
+    # Segments (by version): [0,1] v=0, [2,3,4] v=1, [5] v=2. Segment 1 has mean OPS ~0.05 >= 0.01.
+    diffs = np.array([[0.0, 0.001, 0.05, 0.05, 0.05, 0.9]])
+    versions = np.array([[0, 0, 1, 1, 1, 2]])
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6]), [2])
+    # A lower ds catches segment 0 (mean OPS ~5e-4); a huge ds keeps everything.
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6], ds=1e-4), [0])
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6], ds=10.0), [6])
+
+
+def test_cut_at_segment_k_for_each_k():
+    n_seg, seg_len = 4, 3
+    versions = np.repeat(np.arange(n_seg), seg_len)[None, :]
+    for k in range(n_seg):
+        diffs = np.zeros((1, n_seg * seg_len))
+        diffs[0, k * seg_len + 1] = 0.1  # one moderately shifted token -> segment mean ~0.035
+        diffs[0, (k + 1) * seg_len :] = 0.5  # later segments are off too, but k comes first
+        np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [n_seg * seg_len]), [k * seg_len])
+
+
+def test_token_cut_inside_kept_prefix():
+    # Segment means stay below ds because one single spike is diluted by a long on-policy segment,
+    # but the spike's own OPS (e^2 - 1 ~ 6.4) exceeds dt = 2.
+    diffs = np.zeros((1, 16))
+    diffs[0, 9] = 2.0
+    versions = np.zeros((1, 16), np.int32)
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [16], ds=1.0), [9])
+    # With the default ds the segment stage cuts first (at the segment start, index 0).
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [16]), [0])
+
+
+def test_token_stage_only_looks_before_keep1():
+    # Segment 1 (indices 3..5) fails ds and has a big spike at 4; the spike must not matter (4 >= keep1 = 3).
+    diffs = np.array([[0.0, 0.0, 0.0, 0.0, 3.0, 0.0]])
+    versions = np.array([[0, 0, 0, 1, 1, 1]])
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6]), [3])
+    # A spike inside the first segment that alone pushes segment 0 over ds: keep1 = 0, so keep = 0.
+    diffs = np.array([[0.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6]), [0])
+
+
+def test_thresholds_are_inclusive():
+    # Ties count as off-policy (`>=`): use the exact float32 OPS values as thresholds.
+    diffs = np.array([[0.0, 0.0, 0.25, 0.0]], np.float32)
+    spike = float(np.asarray(token_ops(diffs + 0.0, np.zeros_like(diffs)))[0, 2])
+    one_segment = np.zeros((1, 4), np.int32)
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, one_segment, [4], ds=10.0, dt=spike), [2])
+    single_token_segment = np.array([[0, 0, 1, 2]], np.int32)
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, single_token_segment, [4], ds=spike), [2])
+
+
+def test_keep_zero_restart_from_prompt():
+    diffs = np.full((2, 5), -3.0)  # the new policy finds every token far less likely
+    keep = _verify_from_diffs(diffs, np.zeros((2, 5)), [5, 1])
+    np.testing.assert_array_equal(keep, [0, 0])
+
+
+def test_empty_rows_keep_zero():
+    np.testing.assert_array_equal(_verify_from_diffs(np.full((2, 4), 5.0), np.zeros((2, 4)), [0, 0]), [0, 0])
+
+
+def test_padding_values_ignored():
+    rng = np.random.default_rng(1)
+    diffs = np.zeros((3, 8), np.float32)
+    versions = np.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 3)
+    lengths = np.array([3, 5, 8])
+    base = _verify_from_diffs(diffs, versions, lengths)
+    np.testing.assert_array_equal(base, [3, 5, 8])
+    junk_diffs, junk_versions = diffs.copy(), versions.copy()
+    for i, n in enumerate(lengths):
+        junk_diffs[i, n:] = rng.choice([np.nan, np.inf, -np.inf, 30.0], size=8 - n)
+        junk_versions[i, n:] = rng.integers(-5, 100, size=8 - n)
+    np.testing.assert_array_equal(_verify_from_diffs(junk_diffs, junk_versions, lengths), base)
+    # Version 0 continuing into padding must not merge the padding into the last segment either.
+    new = np.full((1, 6), -1.0, np.float32)
+    new[0, 3:] = 50.0
+    keep = two_stage_verify(new, np.full((1, 6), -1.0, np.float32), np.zeros((1, 6), np.int32), np.array([3]))
+    np.testing.assert_array_equal(np.asarray(keep), [3])
+
+
+def test_nan_inside_response_is_cut():
+    diffs = np.zeros((1, 6), np.float32)
+    diffs[0, 4] = np.nan
+    versions = np.array([[0, 0, 0, 1, 1, 1]])
+    # The NaN token's segment gets infinite mean OPS, so even a huge ds cuts at that segment's start.
+    for ds in (0.01, 100.0):
+        np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6], ds=ds), [3])
+
+
+# --- validation ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ds, dt", [(-0.1, 2.0), (float("nan"), 2.0), (0.01, 0.0), (0.01, -1.0)])
+def test_bad_thresholds_raise(ds, dt):
+    z = np.zeros((1, 2), np.float32)
+    with pytest.raises(ValueError, match="ds|dt"):
+        two_stage_verify(z, z, z.astype(np.int32), np.array([2]), ds=ds, dt=dt)
+
+
+def test_bad_shapes_and_lengths_raise():
+    z = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="behavior_logp"):
+        two_stage_verify(z, z[:, :2], z.astype(np.int32), np.array([1, 1]))
+    with pytest.raises(ValueError, match="lengths has shape"):
+        two_stage_verify(z, z, z.astype(np.int32), np.array([1, 1, 1]))
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        two_stage_verify(z, z, z.astype(np.int32), np.array([1, 4]))
+
+
+# --- property test against the plain-Python reference -------------------------------------------------------
+
+_DIFF = st.one_of(st.just(0.0), st.floats(-0.0625, 0.0625, width=32), st.floats(-3.0, 3.0, width=32))
+
+
+@st.composite
+def _batches(draw):
+    lengths = draw(hnp.arrays(np.int32, (N,), elements=st.integers(0, L)))
+    diffs = draw(hnp.arrays(np.float32, (N, L), elements=_DIFF))
+    # A new version starts with probability ~1/6 per token, so segments are runs of a few tokens.
+    new_version = draw(hnp.arrays(np.int8, (N, L), elements=st.integers(0, 5))) == 0
+    versions = (np.cumsum(new_version, axis=1) + draw(st.integers(0, 5))).astype(np.int32)
+    junk = draw(st.booleans())
+    if junk:  # poison the padding: NaN logps and random versions must change nothing
+        pad = np.arange(L)[None, :] >= lengths[:, None]
+        diffs = np.where(pad, np.nan, diffs).astype(np.float32)
+        versions = np.where(pad, draw(st.integers(-3, 50)), versions).astype(np.int32)
+    # A large ds leaves work to the token stage.
+    ds = draw(st.sampled_from([0.0, 0.003, 0.01, 0.05, 0.3, 1.0, 3.0]))
+    dt = draw(st.sampled_from([0.05, 0.5, 2.0, 5.0]))
+    return diffs, versions, lengths, ds, dt
+
+
+@settings(max_examples=120, deadline=None)
+@given(_batches())
+def test_matches_reference(batch):
+    diffs, versions, lengths, ds, dt = batch
+    behavior = np.full((N, L), -2.0, np.float32)
+    new = behavior + diffs
+    got = np.asarray(two_stage_verify(new, behavior, versions, lengths, ds, dt))
+    ops = np.asarray(token_ops(new, behavior))  # the same float32 OPS both sides see
+    for i in range(N):
+        n = int(lengths[i])
+        want, means = reference_keep(ops[i, :n].tolist(), versions[i, :n].tolist(), n, ds, dt)
+        # float32 vs float64 segment sums may disagree only on a near-exact tie with ds: skip those.
+        assume(all(m == ds or abs(m - ds) > 1e-4 * max(ds, 1e-6) for m in means))
+        assert got[i] == want, (i, n, got[i], want)
+    assert np.all((got >= 0) & (got <= lengths))
+
+
+def test_no_recompile_across_thresholds():
+    z = np.zeros((N, L), np.float32)
+    v, n = np.zeros((N, L), np.int32), np.full((N,), L, np.int32)
+    two_stage_verify(z, z, v, n, 0.01, 2.0)
+    before = verifier_mod._two_stage_verify._cache_size()
+    for ds, dt in [(0.0, 0.5), (0.2, 3.0), (1.0, 1.0)]:
+        two_stage_verify(z, z, v, n, ds, dt)
+    assert verifier_mod._two_stage_verify._cache_size() == before
+
+
+def test_under_outer_jit_with_traced_thresholds():
+    diffs = np.array([[0.0, 0.0, 0.05, 0.05]], np.float32)
+    versions = np.array([[0, 0, 1, 1]], np.int32)
+    fn = jax.jit(lambda new, old, v, n, ds: two_stage_verify(new, old, v, n, ds, 2.0))
+    keep = fn(diffs, np.zeros_like(diffs), versions, jnp.array([4]), jnp.float32(0.01))
+    np.testing.assert_array_equal(np.asarray(keep), [2])
+
+
+def test_sharded_inputs_match_unsharded():
+    rng = np.random.default_rng(2)
+    diffs = rng.normal(0, 0.05, size=(N, L)).astype(np.float32)
+    versions = np.sort(rng.integers(0, 3, size=(N, L)), axis=1).astype(np.int32)
+    lengths = rng.integers(0, L + 1, size=(N,)).astype(np.int32)
+    behavior = np.full((N, L), -1.0, np.float32)
+    want = np.asarray(two_stage_verify(behavior + diffs, behavior, versions, lengths))
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    rows, vec = NamedSharding(mesh, PartitionSpec("data", None)), NamedSharding(mesh, PartitionSpec("data"))
+    put = lambda x, s: jax.device_put(x, s)
+    got = two_stage_verify(
+        put(behavior + diffs, rows), put(behavior, rows), put(versions, rows), put(lengths, vec)
+    )
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# --- verify_stats -------------------------------------------------------------------------------------------
+
+
+def test_verify_stats():
+    stats = verify_stats(np.array([3, 0, 5, 0]), np.array([4, 2, 5, 0]))
+    assert stats == {
+        "tokens_kept": 8,
+        "tokens_total": 11,
+        "acceptance": 8 / 11,
+        "num_verified": 3,
+        "num_cut": 2,
+        "num_restarted": 1,
+    }
+
+
+def test_verify_stats_nothing_verified_is_full_acceptance():
+    assert verify_stats(np.zeros(3, np.int32), np.zeros(3, np.int32))["acceptance"] == 1.0
+    assert verify_stats(np.zeros(0, np.int32), np.zeros(0, np.int32))["acceptance"] == 1.0
+
+
+def test_verify_stats_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\[0, length\]"):
+        verify_stats(np.array([3]), np.array([2]))
+    with pytest.raises(ValueError, match="must both be"):
+        verify_stats(np.array([1, 2]), np.array([2]))
