@@ -1,0 +1,8 @@
+"""Rollout: paged KV cache, paged attention, the decode engine and continuous batching."""
+
+from rollverify_jax.rollout.engine import DecodeState, Engine, EngineConfig, Prefix
+from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
+from rollverify_jax.rollout.scheduler import RolloutStats, Scheduler, Trajectory, validate_request
+
+__all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "RolloutStats", "SamplingConfig", "Scheduler",
+           "Trajectory", "sample_tokens", "validate_request"]

@@ -1,0 +1,66 @@
+"""Paged decode attention: a pure-jnp reference (CPU/GPU) and the Pallas kernels (TPU, optional GPU).
+
+All implementations take ``q`` already scaled by ``head_dim ** -0.5``, as the Pallas kernels expect.
+"""
+
+from __future__ import annotations
+
+import gin
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                              page_table: jax.Array) -> jax.Array:
+    """q: [B, Hq, D]; k/v_pages: [Hkv, P, S, D]; lengths: int32[B]; page_table: int32[B, pages_per_seq].
+
+    Gathers each sequence's pages and attends over its first ``lengths[b]`` tokens -> [B, Hq, D].
+    """
+    b, hq, d = q.shape
+    hkv, _, size, _ = k_pages.shape
+    k = k_pages[:, page_table].reshape(hkv, b, -1, d)  # [Hkv, B, T, D]
+    v = v_pages[:, page_table].reshape(hkv, b, -1, d)
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = jnp.einsum("bhgd,hbtd->bhgt", qg, k, preferred_element_type=jnp.float32)
+    mask = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, T]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhgt,hbtd->bhgd", probs, v).reshape(b, hq, d)
+
+
+def _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block):
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    return paged_attention(q, k_pages, v_pages, lengths, page_table,
+                           pages_per_compute_block=pages_per_compute_block)
+
+
+def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    pages = page_table.shape[1]
+    k_splits = next(s for s in (16, 8, 4, 2, 1) if pages % (s * pages_per_compute_block) == 0) \
+        if pages % pages_per_compute_block == 0 else 1
+    block_h = max(16, q.shape[1] // k_pages.shape[0])
+    return paged_attention(q, k_pages, v_pages, page_table, lengths, block_h=block_h,
+                           pages_per_compute_block=min(pages_per_compute_block, pages), k_splits=k_splits,
+                           interpret=interpret)
+
+
+@gin.configurable
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                    page_table: jax.Array, impl: str = "auto", pages_per_compute_block: int = 4,
+                    interpret: bool = False) -> jax.Array:
+    """Dispatches paged decode attention. ``impl='auto'``: the Pallas kernel on TPU, the reference
+    elsewhere (the GPU Pallas kernel is opt-in with ``impl='pallas_gpu'``)."""
+    if impl not in IMPLS:
+        raise ValueError(f"Unknown paged attention impl {impl!r}; use one of {IMPLS}.")
+    if impl == "auto":
+        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "reference"
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, lengths, page_table)
+    if impl == "pallas_tpu":
+        return _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block)
+    return _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret)

@@ -1,0 +1,283 @@
+"""Decode engine with JetStream's interface shape: ``prefill``, ``insert``, ``generate``.
+
+All device work is in three jitted functions. The decode state (KV pages and per-slot metadata) is donated
+to every call, so pages are updated in place. ``generate`` runs ``steps_per_dispatch`` decode steps per
+call and returns, for every generated token, its id, its behaviour log-prob and the policy version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM
+from rollverify_jax.rollout import paged_cache
+from rollverify_jax.rollout.attention import paged_attention
+from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """num_slots: concurrent sequences; max_seq_len: prompt + response context per slot;
+    kv_memory_bytes: page-pool budget (None: enough for every slot at max_seq_len)."""
+
+    num_slots: int = 16
+    page_size: int = 16
+    max_seq_len: int = 512
+    steps_per_dispatch: int = 8
+    kv_memory_bytes: int | None = None
+    kv_dtype: str = "float32"
+    min_prefill_len: int = 32
+
+    def __post_init__(self):
+        for name in ("num_slots", "page_size", "max_seq_len", "steps_per_dispatch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1.")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Per-slot decode state (S slots). ``tokens`` holds each slot's last sampled token, not yet in cache."""
+
+    pages: paged_cache.KVPages
+    page_table: jax.Array  # int32[S, pages_per_seq]
+    tokens: jax.Array  # int32[S]
+    lengths: jax.Array  # int32[S]  tokens whose K/V are cached
+    generated: jax.Array  # int32[S]  response tokens emitted so far
+    max_new: jax.Array  # int32[S]
+    seeds: jax.Array  # uint32[S]
+    active: jax.Array  # bool[S]
+    version: jax.Array  # int32[]  policy version of the current parameters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefix:
+    """What ``prefill`` hands to ``insert``: final hidden states (on device) and per-token log-probs."""
+
+    hidden: jax.Array  # [n, T, H]
+    response_logp: jax.Array  # float32[n, T]: log pi of token prompt_len + j (at the sampling temperature)
+
+
+class _PrefillAttention:
+    """Dense causal attention that also writes each layer's K/V into the sequence's pages."""
+
+    def __init__(self, pages: paged_cache.KVPages, page_table, valid):
+        self.k, self.v = list(pages.k), list(pages.v)
+        self.page_table, self.valid = page_table, valid
+        self.dense = CausalAttention(valid=valid)
+
+    def __call__(self, layer_idx, q, k, v):
+        positions = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
+        self.k[layer_idx] = paged_cache.write_kv(self.k[layer_idx], k, positions, self.page_table, self.valid)
+        self.v[layer_idx] = paged_cache.write_kv(self.v[layer_idx], v, positions, self.page_table, self.valid)
+        return self.dense(layer_idx, q, k, v)
+
+
+class _DecodeAttention:
+    """One new token per slot: write its K/V at ``lengths``, then paged attention over lengths + 1."""
+
+    def __init__(self, pages: paged_cache.KVPages, page_table, lengths, active):
+        self.k, self.v = list(pages.k), list(pages.v)
+        self.page_table, self.lengths, self.active = page_table, lengths, active
+
+    def __call__(self, layer_idx, q, k, v):
+        pos, valid = self.lengths[:, None], self.active[:, None]
+        self.k[layer_idx] = paged_cache.write_kv(self.k[layer_idx], k, pos, self.page_table, valid)
+        self.v[layer_idx] = paged_cache.write_kv(self.v[layer_idx], v, pos, self.page_table, valid)
+        scale = q.shape[-1] ** -0.5
+        out = paged_attention(q[:, 0] * scale, self.k[layer_idx], self.v[layer_idx], self.lengths + 1,
+                              self.page_table)
+        return out[:, None].astype(q.dtype)
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= n within [lo, hi] (bounded recompiles)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+class Engine:
+    """Owns the compiled prefill/insert/generate functions and the decode state of ``num_slots`` slots."""
+
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig | None = None,
+                 sampling: SamplingConfig | None = None, eos_ids: tuple[int, ...] = (),
+                 mesh: Mesh | None = None):
+        self.config = config = config or EngineConfig()
+        self.sampling = sampling or SamplingConfig()
+        self.model_config = model.cfg
+        self.graphdef, params = nnx.split(model)
+        self.mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+        self.params = self._place_params(params)
+        self.eos_ids = jnp.asarray(sorted(set(eos_ids)) or [-1], jnp.int32)
+        budget = config.kv_memory_bytes
+        if budget is None:
+            per_seq = -(-config.max_seq_len // config.page_size)
+            num_pages = config.num_slots * per_seq + 1
+        else:
+            num_pages = paged_cache.num_pages_for_budget(model.cfg, config.page_size, budget, config.kv_dtype)
+        self.allocator = paged_cache.PageAllocator(num_pages, config.page_size, config.num_slots,
+                                                   config.max_seq_len)
+        self.state = self._init_state(num_pages)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
+        self._generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnums=(2,))
+        self._deactivate = jax.jit(lambda state, mask: dataclasses.replace(state, active=state.active & ~mask),
+                                   donate_argnums=(0,))
+
+    # ------------------------------------------------------------------------------------------------
+    # Placement
+
+    def _place_params(self, params):
+        return jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
+
+    def _kv_sharding(self) -> NamedSharding:
+        kv = self.model_config.num_key_value_heads
+        tensor = self.mesh.shape["tensor"]
+        spec = PartitionSpec("tensor") if tensor > 1 and kv % tensor == 0 else PartitionSpec()
+        return NamedSharding(self.mesh, spec)
+
+    def _init_state(self, num_pages: int) -> DecodeState:
+        c, s = self.config, self.config.num_slots
+        rep = mesh_lib.replicated(self.mesh)
+        pages = paged_cache.init_pages(self.model_config, num_pages, c.page_size, c.kv_dtype, self._kv_sharding())
+        z = functools.partial(jnp.zeros, device=rep)
+        return DecodeState(
+            pages=pages, page_table=z((s, self.allocator.pages_per_seq), jnp.int32),
+            tokens=z((s,), jnp.int32), lengths=z((s,), jnp.int32), generated=z((s,), jnp.int32),
+            max_new=z((s,), jnp.int32), seeds=z((s,), jnp.uint32), active=z((s,), bool),
+            version=z((), jnp.int32),
+        )
+
+    def update_params(self, params: nnx.State, version: int) -> None:
+        """New policy weights (e.g. after a train step) and their version number."""
+        self.params = self._place_params(params)
+        self.set_version(version)
+
+    def set_version(self, version: int) -> None:
+        self.state = dataclasses.replace(self.state, version=jnp.asarray(version, jnp.int32))
+
+    @property
+    def version(self) -> int:
+        return int(self.state.version)
+
+    # ------------------------------------------------------------------------------------------------
+    # Compiled bodies
+
+    def _prefill_fn(self, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens):
+        model = nnx.merge(self.graphdef, params)
+        valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        attn = _PrefillAttention(state.pages, page_rows, valid)
+        hidden, _ = model.hidden_states(tokens, attention=attn)
+        logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
+        logp_all = jax.nn.log_softmax(logits / self.sampling.logp_temperature, axis=-1)
+        token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
+        token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token
+        idx = jnp.clip(prompt_lens[:, None] + jnp.arange(tokens.shape[1])[None], 0, tokens.shape[1] - 1)
+        response_logp = jnp.take_along_axis(token_logp, idx, axis=1)
+        state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
+        return state, Prefix(hidden=hidden, response_logp=response_logp)
+
+    def _insert_fn(self, params, state: DecodeState, hidden, slots, sample_pos, gen_index, seeds, max_new,
+                   page_rows, row_valid):
+        model = nnx.merge(self.graphdef, params)
+        h = jnp.take_along_axis(hidden, sample_pos[:, None, None], axis=1)[:, 0]
+        tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, self.sampling)
+        done = jnp.isin(tok, self.eos_ids) | (gen_index + 1 >= max_new)
+        slot = jnp.where(row_valid, slots, state.tokens.shape[0])  # out-of-range rows are dropped
+
+        def put(arr, val):
+            return arr.at[slot].set(val.astype(arr.dtype), mode="drop")
+        state = dataclasses.replace(
+            state, page_table=put(state.page_table, page_rows), tokens=put(state.tokens, tok),
+            lengths=put(state.lengths, sample_pos + 1), generated=put(state.generated, gen_index + 1),
+            max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, ~done),
+        )
+        return state, (tok, logp)
+
+    def _generate_fn(self, params, state: DecodeState, num_steps: int):
+        model = nnx.merge(self.graphdef, params)
+
+        def step(state: DecodeState, _):
+            attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active)
+            hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None],
+                                            attention=attn)
+            logits = model.logits_from_hidden(hidden[:, 0])
+            tok, logp = sample_tokens(logits, state.seeds, state.generated, self.sampling)
+            emit = state.active
+            done = jnp.isin(tok, self.eos_ids) | (state.generated + 1 >= state.max_new)
+            inc = emit.astype(jnp.int32)
+            new_state = dataclasses.replace(
+                state, pages=paged_cache.KVPages(k=attn.k, v=attn.v),
+                tokens=jnp.where(emit, tok, state.tokens), lengths=state.lengths + inc,
+                generated=state.generated + inc, active=emit & ~done,
+            )
+            return new_state, (tok, logp, emit)
+
+        state, (tokens, logps, emitted) = jax.lax.scan(step, state, None, length=num_steps)
+        return state, (tokens, logps, emitted)
+
+    # ------------------------------------------------------------------------------------------------
+    # JetStream-shaped API (host side)
+
+    def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int]) -> Prefix:
+        """Runs prompt (+ cached response prefix) through the current params, writing K/V into the pages
+        already allocated to ``slots``. Returns the hidden states and the response tokens' log pi."""
+        n = len(sequences)
+        nb = _bucket(n, 1, max(self.config.num_slots, n))
+        longest = max(len(s) for s in sequences)
+        tb = _bucket(longest, self.config.min_prefill_len, self.config.max_seq_len)
+        tokens = np.zeros((nb, tb), np.int32)
+        lengths = np.zeros((nb,), np.int32)
+        for i, seq in enumerate(sequences):
+            tokens[i, : len(seq)] = seq
+            lengths[i] = len(seq)
+        page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
+        page_rows[:n] = self.allocator.table[slots]
+        plens = np.zeros((nb,), np.int32)
+        plens[:n] = prompt_lens
+        self.state, prefix = self._prefill(self.params, self.state, tokens, lengths, page_rows, plens)
+        return prefix
+
+    def insert(self, prefix: Prefix, slots: list[int], sample_pos: list[int], gen_index: list[int],
+               seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Activates ``slots``: samples each one's next token from the prefix hidden state at ``sample_pos``
+        (token index ``gen_index`` for the randomness). Returns (tokens, behaviour log-probs) of those."""
+        n, nb = len(slots), prefix.hidden.shape[0]
+
+        def pad(x, dtype):
+            out = np.zeros((nb,), dtype)
+            out[:n] = x
+            return out
+        page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
+        page_rows[:n] = self.allocator.table[slots]
+        self.state, (tok, logp) = self._insert(
+            self.params, self.state, prefix.hidden, pad(slots, np.int32), pad(sample_pos, np.int32),
+            pad(gen_index, np.int32), pad(seeds, np.uint32), pad(max_new, np.int32), page_rows,
+            pad([True] * n, bool))
+        tok, logp = jax.device_get((tok, logp))
+        return tok[:n], logp[:n]
+
+    def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
+        behaviour log-probs, emitted mask; and the still-active mask [S]."""
+        self.state, out = self._generate(self.params, self.state, self.config.steps_per_dispatch)
+        tokens, logps, emitted, active = jax.device_get((*out, self.state.active))
+        return tokens, logps, emitted, active
+
+    def deactivate(self, slots: list[int]) -> None:
+        mask = np.zeros((self.config.num_slots,), bool)
+        mask[slots] = True
+        self.state = self._deactivate(self.state, mask)

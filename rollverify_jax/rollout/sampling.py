@@ -1,0 +1,71 @@
+"""Token sampling with per-request randomness and the behaviour log-prob recorded alongside."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+import jax
+import jax.numpy as jnp
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """temperature T > 0 (ignored when greedy); 0 < top_p <= 1; top_k >= 0 (0: off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"SamplingConfig.temperature={self.temperature} must be > 0 (or set greedy=True).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k={self.top_k} must be >= 0 (0 disables it).")
+
+    @property
+    def logp_temperature(self) -> float:
+        """The temperature the behaviour log-prob is taken at (1 for greedy)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+def request_keys(seeds: jax.Array, token_index: jax.Array) -> jax.Array:
+    """One key per row from (request seed, index of the token being sampled): a sample never depends
+    on the slot or batch it ran in."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, token_index)
+
+
+def _filter(scaled: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    neg = jnp.finfo(scaled.dtype).min
+    if cfg.top_k:
+        kth = jax.lax.top_k(scaled, cfg.top_k)[0][..., -1:]
+        scaled = jnp.where(scaled < kth, neg, scaled)
+    if cfg.top_p < 1:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        cutoff = jnp.min(jnp.where(before < cfg.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < cutoff, neg, scaled)
+    return scaled
+
+
+def sample_tokens(logits: jax.Array, seeds: jax.Array, token_index: jax.Array,
+                  cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """logits: float32[B, V] -> (tokens int32[B], behaviour log-prob float32[B]).
+
+    The log-prob is the full softmax of logits / T at the sampled token (no top-p/top-k truncation; a
+    known bias when they are on, see METHOD.md section 2).
+    """
+    logits = logits.astype(jnp.float32)
+    logp_all = jax.nn.log_softmax(logits / cfg.logp_temperature, axis=-1)
+    if cfg.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        keys = request_keys(seeds, token_index)
+        filtered = _filter(logits / cfg.temperature, cfg)
+        tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]

@@ -1,0 +1,284 @@
+"""Continuous batching over the engine's slots, with pause and verified resume.
+
+Host-side only: it decides which request goes to which slot, refills freed slots at every dispatch, and
+keeps each trajectory's tokens, behaviour log-probs (``log mu``) and policy versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from rollverify_jax.rollout.engine import Engine
+
+# keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]
+KeepFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sample of one prompt: its response so far and what verification needs per token."""
+
+    uid: int
+    group_id: int
+    prompt: np.ndarray  # int32[P]
+    seed: int
+    max_new_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)  # log mu(y_t)
+    versions: list[int] = dataclasses.field(default_factory=list)  # v_t
+    finished: bool = False
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, keep: int) -> None:
+        """Keeps y_1..y_keep (with their original log mu and versions); a cut trajectory is unfinished."""
+        if keep < len(self.tokens):
+            del self.tokens[keep:], self.logps[keep:], self.versions[keep:]
+            self.finished = False
+
+
+def validate_request(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -> None:
+    """Bad input fails here, before any slot or page is touched."""
+    if len(prompt) == 0:
+        raise ValueError("Empty prompt: a request needs at least one prompt token.")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be > 0.")
+    if len(prompt) + max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"Prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+            f"{max_seq_len} tokens; shorten the prompt, lower max_new_tokens or raise EngineConfig.max_seq_len."
+        )
+
+
+@dataclasses.dataclass
+class _Pending:
+    traj: Trajectory
+    keep_fn: KeepFn | None  # set for resumed trajectories that must be verified
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Counters since the last ``reset``; slot utilization = useful token-steps / (slots x decode steps)."""
+
+    dispatches: int = 0
+    decode_steps: int = 0
+    useful_token_steps: int = 0
+    tokens_generated: int = 0
+    prefill_sequences: int = 0
+    prefill_tokens: int = 0
+    device_time: float = 0.0
+    host_time: float = 0.0
+
+    def slot_utilization(self, num_slots: int) -> float:
+        return self.useful_token_steps / max(1, num_slots * self.decode_steps)
+
+
+class Scheduler:
+    """Continuous batching: a queue of requests (resumed trajectories first), refilled at every dispatch."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self.slots: dict[int, Trajectory] = {}
+        self.finished: list[Trajectory] = []
+        self.stats = RolloutStats()
+        self.verified: list[tuple[int, int]] = []  # (keep, n) per trajectory verified since reset
+
+    # ------------------------------------------------------------------------------------------------
+    # Requests
+
+    def submit(self, trajectories: Iterable[Trajectory]) -> None:
+        """Queues new requests (after any resumed ones already queued). Validates each before queueing."""
+        trajs = list(trajectories)
+        for t in trajs:
+            validate_request(t.prompt, t.max_new_tokens, self.engine.config.max_seq_len)
+            self.engine.allocator.check_admissible(len(t.prompt) + t.max_new_tokens)
+        self.queue.extend(_Pending(t, None) for t in trajs)
+
+    def resume(self, trajectories: Iterable[Trajectory], keep: KeepFn | None = None) -> None:
+        """Queues paused trajectories ahead of new prompts. At admission each is re-prefilled (prompt +
+        prefix) under the current params; ``keep`` then sees the prefix's current log-probs and returns
+        how many response tokens to keep. The trajectory is truncated and continues from the same
+        prefill: no second forward pass. ``keep=None`` keeps everything."""
+        trajs = list(trajectories)
+        for t in trajs:
+            validate_request(t.prompt, t.max_new_tokens, self.engine.config.max_seq_len)
+        self.queue.extendleft(_Pending(t, keep) for t in reversed(trajs))
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.engine.config.num_slots) if s not in self.slots]
+
+    @property
+    def idle(self) -> bool:
+        return not self.slots and not self.queue
+
+    # ------------------------------------------------------------------------------------------------
+    # One dispatch
+
+    def _admit(self) -> None:
+        """Fills free slots from the queue head while pages fit (a request that does not fit yet waits)."""
+        alloc = self.engine.allocator
+        batch: list[tuple[int, _Pending]] = []
+        free = self.free_slots
+        while self.queue and free:
+            p = self.queue[0]
+            need = len(p.traj.prompt) + p.traj.max_new_tokens
+            if not alloc.can_allocate(need):
+                break
+            self.queue.popleft()
+            slot = free.pop(0)
+            alloc.allocate(slot, need)
+            batch.append((slot, p))
+        if batch:
+            self._prefill_and_insert(batch)
+
+    def _prefill_and_insert(self, batch: list[tuple[int, _Pending]]) -> None:
+        engine = self.engine
+        slots = [s for s, _ in batch]
+        trajs = [p.traj for _, p in batch]
+        seqs = [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]).astype(np.int32) for t in trajs]
+        prefix = engine.prefill(seqs, slots, [len(t.prompt) for t in trajs])
+        self.stats.prefill_sequences += len(seqs)
+        self.stats.prefill_tokens += sum(len(s) for s in seqs)
+        keeps = self._verify(batch, prefix.response_logp)
+        go, done = [], []
+        for (slot, _), t, k in zip(batch, trajs, keeps, strict=True):
+            if t.finished and k >= t.num_tokens:
+                done.append((slot, t))  # a finished member of an unfinished group survived verification
+            else:
+                t.truncate(int(k))
+                go.append((slot, t))
+        for slot, t in done:
+            engine.allocator.release(slot)
+            self.finished.append(t)
+        if not go:
+            return
+        go_idx = [slots.index(s) for s, _ in go]
+        sub = type(prefix)(hidden=prefix.hidden[np.asarray(go_idx)], response_logp=prefix.response_logp)
+        gt = [t for _, t in go]
+        tok, logp = engine.insert(
+            sub, [s for s, _ in go], [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
+            [t.seed for t in gt], [t.max_new_tokens for t in gt])
+        version = engine.version
+        for (slot, t), y, lp in zip(go, tok, logp, strict=True):
+            self._append(t, int(y), float(lp), version)
+            if self._is_done(t):
+                self._finish(slot, t, on_device=False)
+            else:
+                self.slots[slot] = t
+
+    def _verify(self, batch: list[tuple[int, _Pending]], response_logp) -> np.ndarray:
+        """Keep lengths per admitted trajectory (everything for new prompts and ``keep=None``)."""
+        keeps = np.asarray([p.traj.num_tokens for _, p in batch], np.int64)
+        rows = [i for i, (_, p) in enumerate(batch) if p.keep_fn is not None and p.traj.num_tokens > 0]
+        if not rows:
+            return keeps
+        by_fn: dict[int, list[int]] = collections.defaultdict(list)
+        for i in rows:
+            by_fn[id(batch[i][1].keep_fn)].append(i)
+        new_logp_all = np.asarray(response_logp)
+        for idx in by_fn.values():
+            fn = batch[idx[0]][1].keep_fn
+            trajs = [batch[i][1].traj for i in idx]
+            width = new_logp_all.shape[1]
+            lengths = np.asarray([t.num_tokens for t in trajs], np.int32)
+            behavior = np.zeros((len(idx), width), np.float32)
+            versions = np.zeros((len(idx), width), np.int32)
+            for r, t in enumerate(trajs):
+                behavior[r, : t.num_tokens] = t.logps
+                versions[r, : t.num_tokens] = t.versions
+            keep = np.asarray(fn(new_logp_all[idx], behavior, versions, lengths))
+            keep = np.clip(keep, 0, lengths)
+            keeps[idx] = keep
+            self.verified.extend(zip(keep.tolist(), lengths.tolist(), strict=True))
+        return keeps
+
+    @staticmethod
+    def _append(t: Trajectory, token: int, logp: float, version: int) -> None:
+        t.tokens.append(token)
+        t.logps.append(logp)
+        t.versions.append(version)
+
+    def _is_done(self, t: Trajectory) -> bool:
+        return t.num_tokens >= t.max_new_tokens or t.tokens[-1] in self._eos
+
+    @property
+    def _eos(self) -> set[int]:
+        return set(np.asarray(self.engine.eos_ids).tolist())
+
+    def _finish(self, slot: int, t: Trajectory, on_device: bool) -> None:
+        t.finished = True
+        self.slots.pop(slot, None)
+        self.engine.allocator.release(slot)
+        self.finished.append(t)
+
+    def step(self) -> int:
+        """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated."""
+        t0 = time.perf_counter()
+        self._admit()
+        if not self.slots:
+            return 0
+        t1 = time.perf_counter()
+        tokens, logps, emitted, _ = self.engine.generate()
+        t2 = time.perf_counter()
+        version = self.engine.version
+        n = 0
+        eos = self._eos
+        for slot, t in list(self.slots.items()):
+            for j in range(tokens.shape[0]):
+                if not emitted[j, slot]:
+                    break
+                self._append(t, int(tokens[j, slot]), float(logps[j, slot]), version)
+                n += 1
+            if t.num_tokens >= t.max_new_tokens or t.tokens[-1] in eos:
+                self._finish(slot, t, on_device=True)
+        k = tokens.shape[0]
+        self.stats.dispatches += 1
+        self.stats.decode_steps += k
+        self.stats.useful_token_steps += n
+        self.stats.tokens_generated += n
+        self.stats.device_time += t2 - t1
+        self.stats.host_time += (t1 - t0) + (time.perf_counter() - t2)
+        return n
+
+    def run(self, until: Callable[[Scheduler], bool] | None = None, max_dispatches: int | None = None) -> None:
+        """Steps until ``until(self)`` holds, or nothing is left to do."""
+        count = 0
+        while not self.idle and not (until and until(self)):
+            self.step()
+            count += 1
+            if max_dispatches is not None and count >= max_dispatches:
+                break
+
+    # ------------------------------------------------------------------------------------------------
+    # Pause
+
+    def pause_all(self) -> list[Trajectory]:
+        """Every unfinished trajectory (running ones first, then queued ones); their pages are freed and
+        the queue is emptied. Finished ones stay in ``finished``."""
+        running = list(self.slots.items())
+        if running:
+            self.engine.deactivate([s for s, _ in running])
+        for slot, _ in running:
+            self.engine.allocator.release(slot)
+        self.slots.clear()
+        paused = [t for _, t in running] + [p.traj for p in self.queue]
+        self.queue.clear()
+        return paused
+
+    def take_finished(self) -> list[Trajectory]:
+        out, self.finished = self.finished, []
+        return out
+
+    def reset_stats(self) -> None:
+        self.stats = RolloutStats()
+        self.verified = []
