@@ -101,12 +101,86 @@ class _DecodeAttention:
         return out[:, None].astype(q.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the compiled functions specialise on. Engines with equal ``_Static`` share compiled code."""
+
+    graphdef: nnx.GraphDef
+    sampling: SamplingConfig
+    eos_ids: tuple[int, ...]
+
+
 def _bucket(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= n within [lo, hi] (bounded recompiles)."""
     b = lo
     while b < n:
         b *= 2
     return min(b, hi)
+
+
+def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens):
+    model = nnx.merge(static.graphdef, params)
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    attn = _PrefillAttention(state.pages, page_rows, valid)
+    hidden, _ = model.hidden_states(tokens, attention=attn)
+    logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
+    logp_all = jax.nn.log_softmax(logits / static.sampling.logp_temperature, axis=-1)
+    token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
+    token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token
+    idx = jnp.clip(prompt_lens[:, None] + jnp.arange(tokens.shape[1])[None], 0, tokens.shape[1] - 1)
+    response_logp = jnp.take_along_axis(token_logp, idx, axis=1)
+    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
+    return state, Prefix(hidden=hidden, response_logp=response_logp)
+
+def _insert_fn(static: _Static, params, state: DecodeState, hidden, slots, sample_pos, gen_index, seeds, max_new,
+               page_rows, row_valid):
+    model = nnx.merge(static.graphdef, params)
+    h = jnp.take_along_axis(hidden, sample_pos[:, None, None], axis=1)[:, 0]
+    tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, static.sampling)
+    done = jnp.isin(tok, jnp.asarray(static.eos_ids, jnp.int32)) | (gen_index + 1 >= max_new)
+    slot = jnp.where(row_valid, slots, state.tokens.shape[0])  # out-of-range rows are dropped
+
+    def put(arr, val):
+        return arr.at[slot].set(val.astype(arr.dtype), mode="drop")
+    state = dataclasses.replace(
+        state, page_table=put(state.page_table, page_rows), tokens=put(state.tokens, tok),
+        lengths=put(state.lengths, sample_pos + 1), generated=put(state.generated, gen_index + 1),
+        max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, ~done),
+    )
+    return state, (tok, logp)
+
+def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
+    model = nnx.merge(static.graphdef, params)
+
+    def step(state: DecodeState, _):
+        attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active)
+        hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None],
+                                        attention=attn)
+        logits = model.logits_from_hidden(hidden[:, 0])
+        tok, logp = sample_tokens(logits, state.seeds, state.generated, static.sampling)
+        emit = state.active
+        done = jnp.isin(tok, jnp.asarray(static.eos_ids, jnp.int32)) | (state.generated + 1 >= state.max_new)
+        inc = emit.astype(jnp.int32)
+        new_state = dataclasses.replace(
+            state, pages=paged_cache.KVPages(k=attn.k, v=attn.v),
+            tokens=jnp.where(emit, tok, state.tokens), lengths=state.lengths + inc,
+            generated=state.generated + inc, active=emit & ~done,
+        )
+        return new_state, (tok, logp, emit)
+
+    state, (tokens, logps, emitted) = jax.lax.scan(step, state, None, length=num_steps)
+    return state, (tokens, logps, emitted)
+
+
+
+_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0,), donate_argnums=(2,))
+_insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,))
+_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3), donate_argnums=(2,))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _deactivate_fn(state: DecodeState, mask: jax.Array) -> DecodeState:
+    return dataclasses.replace(state, active=state.active & ~mask)
 
 
 class Engine:
@@ -121,7 +195,7 @@ class Engine:
         self.graphdef, params = nnx.split(model)
         self.mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
         self.params = self._place_params(params)
-        self.eos_ids = jnp.asarray(sorted(set(eos_ids)) or [-1], jnp.int32)
+        self.eos_ids = tuple(sorted(set(eos_ids))) or (-1,)
         budget = config.kv_memory_bytes
         if budget is None:
             per_seq = -(-config.max_seq_len // config.page_size)
@@ -131,11 +205,6 @@ class Engine:
         self.allocator = paged_cache.PageAllocator(num_pages, config.page_size, config.num_slots,
                                                    config.max_seq_len)
         self.state = self._init_state(num_pages)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
-        self._generate = jax.jit(self._generate_fn, donate_argnums=(1,), static_argnums=(2,))
-        self._deactivate = jax.jit(lambda state, mask: dataclasses.replace(state, active=state.active & ~mask),
-                                   donate_argnums=(0,))
 
     # ------------------------------------------------------------------------------------------------
     # Placement
@@ -169,65 +238,12 @@ class Engine:
     def set_version(self, version: int) -> None:
         self.state = dataclasses.replace(self.state, version=jnp.asarray(version, jnp.int32))
 
+    def _static(self) -> _Static:
+        return _Static(self.graphdef, self.sampling, self.eos_ids)
+
     @property
     def version(self) -> int:
         return int(self.state.version)
-
-    # ------------------------------------------------------------------------------------------------
-    # Compiled bodies
-
-    def _prefill_fn(self, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens):
-        model = nnx.merge(self.graphdef, params)
-        valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-        attn = _PrefillAttention(state.pages, page_rows, valid)
-        hidden, _ = model.hidden_states(tokens, attention=attn)
-        logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
-        logp_all = jax.nn.log_softmax(logits / self.sampling.logp_temperature, axis=-1)
-        token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
-        token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token
-        idx = jnp.clip(prompt_lens[:, None] + jnp.arange(tokens.shape[1])[None], 0, tokens.shape[1] - 1)
-        response_logp = jnp.take_along_axis(token_logp, idx, axis=1)
-        state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
-        return state, Prefix(hidden=hidden, response_logp=response_logp)
-
-    def _insert_fn(self, params, state: DecodeState, hidden, slots, sample_pos, gen_index, seeds, max_new,
-                   page_rows, row_valid):
-        model = nnx.merge(self.graphdef, params)
-        h = jnp.take_along_axis(hidden, sample_pos[:, None, None], axis=1)[:, 0]
-        tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, self.sampling)
-        done = jnp.isin(tok, self.eos_ids) | (gen_index + 1 >= max_new)
-        slot = jnp.where(row_valid, slots, state.tokens.shape[0])  # out-of-range rows are dropped
-
-        def put(arr, val):
-            return arr.at[slot].set(val.astype(arr.dtype), mode="drop")
-        state = dataclasses.replace(
-            state, page_table=put(state.page_table, page_rows), tokens=put(state.tokens, tok),
-            lengths=put(state.lengths, sample_pos + 1), generated=put(state.generated, gen_index + 1),
-            max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, ~done),
-        )
-        return state, (tok, logp)
-
-    def _generate_fn(self, params, state: DecodeState, num_steps: int):
-        model = nnx.merge(self.graphdef, params)
-
-        def step(state: DecodeState, _):
-            attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active)
-            hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None],
-                                            attention=attn)
-            logits = model.logits_from_hidden(hidden[:, 0])
-            tok, logp = sample_tokens(logits, state.seeds, state.generated, self.sampling)
-            emit = state.active
-            done = jnp.isin(tok, self.eos_ids) | (state.generated + 1 >= state.max_new)
-            inc = emit.astype(jnp.int32)
-            new_state = dataclasses.replace(
-                state, pages=paged_cache.KVPages(k=attn.k, v=attn.v),
-                tokens=jnp.where(emit, tok, state.tokens), lengths=state.lengths + inc,
-                generated=state.generated + inc, active=emit & ~done,
-            )
-            return new_state, (tok, logp, emit)
-
-        state, (tokens, logps, emitted) = jax.lax.scan(step, state, None, length=num_steps)
-        return state, (tokens, logps, emitted)
 
     # ------------------------------------------------------------------------------------------------
     # JetStream-shaped API (host side)
@@ -248,7 +264,7 @@ class Engine:
         page_rows[:n] = self.allocator.table[slots]
         plens = np.zeros((nb,), np.int32)
         plens[:n] = prompt_lens
-        self.state, prefix = self._prefill(self.params, self.state, tokens, lengths, page_rows, plens)
+        self.state, prefix = _prefill_jit(self._static(), self.params, self.state, tokens, lengths, page_rows, plens)
         return prefix
 
     def insert(self, prefix: Prefix, slots: list[int], sample_pos: list[int], gen_index: list[int],
@@ -263,8 +279,8 @@ class Engine:
             return out
         page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
         page_rows[:n] = self.allocator.table[slots]
-        self.state, (tok, logp) = self._insert(
-            self.params, self.state, prefix.hidden, pad(slots, np.int32), pad(sample_pos, np.int32),
+        self.state, (tok, logp) = _insert_jit(
+            self._static(), self.params, self.state, prefix.hidden, pad(slots, np.int32), pad(sample_pos, np.int32),
             pad(gen_index, np.int32), pad(seeds, np.uint32), pad(max_new, np.int32), page_rows,
             pad([True] * n, bool))
         tok, logp = jax.device_get((tok, logp))
@@ -273,11 +289,11 @@ class Engine:
     def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
         behaviour log-probs, emitted mask; and the still-active mask [S]."""
-        self.state, out = self._generate(self.params, self.state, self.config.steps_per_dispatch)
+        self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
         tokens, logps, emitted, active = jax.device_get((*out, self.state.active))
         return tokens, logps, emitted, active
 
     def deactivate(self, slots: list[int]) -> None:
         mask = np.zeros((self.config.num_slots,), bool)
         mask[slots] = True
-        self.state = self._deactivate(self.state, mask)
+        self.state = _deactivate_fn(self.state, mask)

@@ -1,0 +1,498 @@
+"""Reward functions (a string registry) and a batch scorer that isolates slow or crashing graders.
+
+A reward function maps ``(response, answer) -> float``. Symbolic graders (``math``: math_verify over
+sympy) can hang or crash on adversarial model output, so ``RewardScorer`` runs the ones registered with
+``isolated=True`` in a ``ProcessPoolExecutor`` (spawn context: the parent may hold JAX and threads) with a
+per-item timeout. A grade that times out or crashes gives reward 0 and is counted in
+``reward/grader_timeouts`` / ``reward/grader_errors``; a worker stuck past the timeout is killed together
+with its pool, which is rebuilt, so grading never stalls the run.
+
+Timeouts work at two levels: inside the worker a SIGALRM timer interrupts Python-level loops (the usual
+sympy hang) and the worker survives; in the parent a hard deadline (``timeout_s + hard_timeout_grace_s``)
+catches a worker stuck in C code with signals blocked, and recycles the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import logging
+import multiprocessing as mp
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
+
+import gin
+import numpy as np
+
+RewardFn = Callable[[str, str], float]
+
+_ANSWER_LINE = re.compile(r"Answer\s*:[ \t]*([^\n]*)", re.IGNORECASE)
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Answer extraction.
+
+
+def extract_answer_line(text: str) -> str | None:
+    """Value after the last ``Answer:`` (DAPO's format), to the end of its line; None if absent."""
+    matches = _ANSWER_LINE.findall(text)
+    return matches[-1].strip() if matches else None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with nested braces balanced; None if absent or unclosed."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        content = _balanced(text, start)
+        if content is not None:
+            return content.strip()
+    return None
+
+
+def _balanced(text: str, start: int) -> str | None:
+    """Text from ``start`` up to the brace that closes the one just before it."""
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """DAPO ``Answer:`` line if present, else the last ``\\boxed{}``; a boxed value in the line is unboxed."""
+    line = extract_answer_line(text)
+    if line:
+        boxed = extract_boxed(line)
+        return _strip_math_delimiters(boxed if boxed is not None else line)
+    boxed = extract_boxed(text)
+    return _strip_math_delimiters(boxed) if boxed is not None else None
+
+
+def _strip_math_delimiters(value: str) -> str:
+    """Drop surrounding ``$``/``\\(\\)`` and a final period so the value parses as one expression."""
+    value = value.strip().rstrip(".").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(value) >= len(left) + len(right) and value.startswith(left) and value.endswith(right):
+            value = value[len(left) : len(value) - len(right)].strip()
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reward functions.
+
+
+def exact_reward(response: str, answer: str) -> float:
+    """1.0 when the last ``Answer:`` value equals the answer after stripping whitespace (synthetic task)."""
+    value = extract_answer_line(response)
+    return float(value is not None and value.strip() == str(answer).strip())
+
+
+def math_equal(prediction: str, gold: str) -> bool:
+    """Symbolic equivalence via math_verify; both sides are parsed as the content of a ``\\boxed{}``.
+
+    math_verify's own signal timeouts are off (they would cancel the worker's timer); run this through
+    ``RewardScorer`` to bound its time.
+    """
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
+    pred_parsed = parse(f"\\boxed{{{prediction}}}", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 when the extracted answer (``Answer:`` line, else last ``\\boxed{}``) equals the gold answer."""
+    prediction = extract_answer(response)
+    if not prediction:
+        return 0.0
+    return float(math_equal(prediction, _strip_math_delimiters(str(answer))))
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """A registered reward: the function and whether it must run isolated in the grader pool."""
+
+    fn: RewardFn
+    isolated: bool
+
+
+_REGISTRY: dict[str, RewardSpec] = {}
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str, fn: RewardFn, isolated: bool = True) -> RewardFn:
+    """Add a reward to the registry. ``fn`` must be a module-level function (it is pickled by reference)."""
+    _REGISTRY[name] = RewardSpec(fn=fn, isolated=isolated)
+    REWARDS[name] = fn
+    return fn
+
+
+def unregister_reward(name: str) -> None:
+    """Remove a registered reward (tests register temporary graders)."""
+    _REGISTRY.pop(name, None)
+    REWARDS.pop(name, None)
+
+
+def get_reward_spec(name: str) -> RewardSpec:
+    """Registry lookup with the known names in the error."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function registered under ``name`` (ValueError listing the known names otherwise)."""
+    return get_reward_spec(name).fn
+
+
+register_reward("math", math_reward, isolated=True)
+register_reward("exact", exact_reward, isolated=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DAPO overlong penalty.
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO soft overlong punishment: 0 up to L - Lc, linear down to -1 at L, -1 beyond L."""
+    if buffer <= 0:
+        return 0.0 if length <= max_length else -1.0
+    threshold = max_length - buffer
+    if length <= threshold:
+        return 0.0
+    if length <= max_length:
+        return (threshold - length) / buffer
+    return -1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker side.
+
+
+class GraderTimeout(BaseException):
+    """Raised by the worker's alarm; a BaseException so graders' ``except Exception`` cannot swallow it."""
+
+
+def _raise_timeout(signum, frame) -> None:
+    raise GraderTimeout()
+
+
+def _init_worker(barrier) -> None:
+    """Runs once per worker: quiet math_verify's 'timeout disabled' warning, keep the start barrier."""
+    global _START_BARRIER
+    _START_BARRIER = barrier
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    signal.signal(signal.SIGALRM, _raise_timeout)
+
+
+_START_BARRIER = None
+
+
+def _worker_ready(fn: RewardFn, timeout_s: float) -> bool:
+    """Warm-up task: unpickling ``fn`` imports its module; the barrier proves every worker is up."""
+    if fn is math_reward:
+        math_reward("Answer: 1/2", "0.5")  # first call loads sympy/antlr tables; keep it off the clock
+    _START_BARRIER.wait(timeout=timeout_s)
+    return True
+
+
+def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float) -> float:
+    """One grade under a SIGALRM timer (the pool runs tasks in the worker's main thread)."""
+    signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return float(fn(response, answer))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parent side.
+
+
+@dataclasses.dataclass
+class _Job:
+    """An item being graded: its index, and when it was handed to an idle worker."""
+
+    index: int
+    started: float
+    suspect: bool
+
+
+@gin.configurable
+class RewardScorer:
+    """Scores a batch of responses; isolated rewards run in a recycled-on-hang process pool.
+
+    Args:
+      name: registered reward name (``math``, ``exact``, ...).
+      timeout_s: per-item grading time limit; a timed-out item gets reward 0.
+      num_workers: grader processes (only for isolated rewards).
+      overlong_buffer: DAPO ``Lc``; 0 turns the overlong penalty off.
+      max_response_length: DAPO ``L`` in tokens; required when ``overlong_buffer > 0``.
+      hard_timeout_grace_s: extra time before the parent kills a worker that ignores its alarm.
+      startup_timeout_s: limit for starting the pool (process spawn + imports + warm-up).
+      mp_context: ``spawn`` or ``forkserver``; never ``fork`` (the parent may run JAX threads).
+    """
+
+    def __init__(
+        self,
+        name: str = "math",
+        timeout_s: float = 5.0,
+        num_workers: int = 4,
+        overlong_buffer: int = 0,
+        max_response_length: int | None = None,
+        hard_timeout_grace_s: float = 2.0,
+        startup_timeout_s: float = 120.0,
+        mp_context: str = "spawn",
+    ):
+        self.spec = get_reward_spec(name)
+        self.name = name
+        if timeout_s <= 0 or num_workers < 1:
+            raise ValueError(
+                f"RewardScorer needs timeout_s > 0 and num_workers >= 1, got {timeout_s}, {num_workers}"
+            )
+        if overlong_buffer > 0 and (max_response_length is None or max_response_length < overlong_buffer):
+            raise ValueError(
+                f"RewardScorer.overlong_buffer={overlong_buffer} needs max_response_length >= the buffer "
+                f"(got {max_response_length}); bind RewardScorer.max_response_length to the rollout's limit"
+            )
+        if mp_context not in ("spawn", "forkserver"):
+            raise ValueError(f"RewardScorer.mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
+        self.timeout_s = float(timeout_s)
+        self.num_workers = int(num_workers)
+        self.overlong_buffer = int(overlong_buffer)
+        self.max_response_length = max_response_length
+        self.hard_timeout_grace_s = float(hard_timeout_grace_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.mp_context = mp_context
+        self.totals: collections.Counter[str] = collections.Counter()
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        response_lengths: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, dict[str, float]]:
+        """Rewards ``float32[N]`` (base reward + overlong penalty) and metrics for one batch."""
+        if len(responses) != len(answers):
+            raise ValueError(f"score got {len(responses)} responses but {len(answers)} answers")
+        if response_lengths is not None and len(response_lengths) != len(responses):
+            raise ValueError(f"score got {len(responses)} responses but {len(response_lengths)} lengths")
+        if self.overlong_buffer > 0 and response_lengths is None:
+            raise ValueError(
+                "RewardScorer.overlong_buffer > 0 needs response_lengths (token counts) in score()"
+            )
+        start = time.perf_counter()
+        with self._lock:
+            if self.spec.isolated:
+                base, counts = self._grade_pooled(list(responses), [str(a) for a in answers])
+            else:
+                base, counts = self._grade_inline(list(responses), [str(a) for a in answers])
+        penalties = self._penalties(response_lengths, len(responses))
+        rewards = (base + penalties).astype(np.float32)
+        self.totals.update(counts)
+        return rewards, self._metrics(rewards, base, penalties, counts, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Stop the grader processes (idempotent)."""
+        self._kill_pool()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- grading -------------------------------------------------------------------------------------------
+
+    def _grade_inline(
+        self, responses: list[str], answers: list[str]
+    ) -> tuple[np.ndarray, collections.Counter]:
+        """Cheap rewards (string match) in process; an exception is a grader error, not a crash."""
+        scores, counts = np.zeros(len(responses), np.float32), collections.Counter()
+        for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
+            try:
+                scores[i] = self.spec.fn(response, answer)
+            except Exception:
+                counts["errors"] += 1
+        return scores, counts
+
+    def _grade_pooled(
+        self, responses: list[str], answers: list[str]
+    ) -> tuple[np.ndarray, collections.Counter]:
+        """Keep at most ``num_workers`` items in flight, so an item's clock starts when a worker takes it.
+
+        A pool that breaks (a worker died) makes every in-flight item a suspect; suspects are then graded one
+        at a time, so only the item that kills a worker on its own is charged with the error.
+        """
+        scores, counts = np.zeros(len(responses), np.float32), collections.Counter()
+        pending: collections.deque[tuple[int, bool]] = collections.deque(
+            (i, False) for i in range(len(responses))
+        )
+        inflight: dict[cf.Future, _Job] = {}
+        while pending or inflight:
+            self._submit_ready(pending, inflight, responses, answers, counts)
+            deadline = (
+                min(job.started for job in inflight.values()) + self.timeout_s + self.hard_timeout_grace_s
+            )
+            cf.wait(inflight, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
+            broken = self._collect_done(inflight, scores, counts)
+            if broken:
+                self._handle_broken(broken, inflight, pending, counts)
+            else:
+                self._handle_expired(inflight, pending, counts)
+        return scores, counts
+
+    def _submit_ready(self, pending, inflight, responses, answers, counts) -> None:
+        """Hand pending items to idle workers; a suspect only runs when nothing else is in flight."""
+        while pending and len(inflight) < self.num_workers:
+            if any(job.suspect for job in inflight.values()):
+                return
+            index, suspect = pending[0]
+            if suspect and inflight:
+                return
+            try:
+                future = self._ensure_pool().submit(
+                    _grade_in_worker, self.spec.fn, responses[index], answers[index], self.timeout_s
+                )
+            except BrokenProcessPool:
+                # A worker died while idle (e.g. the OOM killer). Items in flight are reaped as broken by
+                # _collect_done; with none in flight, replace the pool here and go on.
+                if inflight:
+                    return
+                self._kill_pool()
+                counts["pool_restarts"] += 1
+                continue
+            pending.popleft()
+            inflight[future] = _Job(index=index, started=time.monotonic(), suspect=suspect)
+
+    def _collect_done(self, inflight, scores, counts) -> list[_Job]:
+        """Record finished items; return the items whose worker pool broke under them."""
+        broken = []
+        for future in [f for f in inflight if f.done()]:
+            job = inflight.pop(future)
+            try:
+                scores[job.index] = future.result()
+            except GraderTimeout:
+                counts["timeouts"] += 1
+            except BrokenProcessPool:
+                broken.append(job)
+            except Exception:
+                counts["errors"] += 1
+        return broken
+
+    def _handle_broken(self, broken, inflight, pending, counts) -> None:
+        """A worker died: everyone in flight is retried alone; an item that kills a worker alone is an error.
+
+        Retrying even a lone candidate once keeps an item blameless when the worker died for another
+        reason (killed while idle, OOM killer) just as the item was handed to it.
+        """
+        candidates = broken + list(inflight.values())
+        inflight.clear()
+        self._kill_pool()
+        counts["pool_restarts"] += 1
+        if len(candidates) == 1 and candidates[0].suspect:
+            counts["errors"] += 1
+            return
+        for job in sorted(candidates, key=lambda j: j.index, reverse=True):
+            pending.appendleft((job.index, True))
+
+    def _handle_expired(self, inflight, pending, counts) -> None:
+        """Items past the hard deadline are timeouts; their workers are stuck, so the pool is recycled."""
+        now = time.monotonic()
+        expired = [
+            f
+            for f, job in inflight.items()
+            if now - job.started >= self.timeout_s + self.hard_timeout_grace_s
+        ]
+        if not expired:
+            return
+        for future in expired:
+            inflight.pop(future)
+            counts["timeouts"] += 1
+        for job in sorted(inflight.values(), key=lambda j: j.index, reverse=True):
+            pending.appendleft((job.index, job.suspect))
+        inflight.clear()
+        self._kill_pool()
+        counts["pool_restarts"] += 1
+
+    # -- pool lifecycle ------------------------------------------------------------------------------------
+
+    def _ensure_pool(self) -> cf.ProcessPoolExecutor:
+        """Start the pool and wait until every worker has imported the grader, so no clock counts startup."""
+        if self._pool is not None:
+            return self._pool
+        ctx = mp.get_context(self.mp_context)
+        barrier = ctx.Barrier(self.num_workers)
+        pool = cf.ProcessPoolExecutor(
+            self.num_workers, mp_context=ctx, initializer=_init_worker, initargs=(barrier,)
+        )
+        self._pool = pool
+        ready = [
+            pool.submit(_worker_ready, self.spec.fn, self.startup_timeout_s) for _ in range(self.num_workers)
+        ]
+        done, not_done = cf.wait(ready, timeout=self.startup_timeout_s)
+        failed = [f for f in done if f.exception() is not None]
+        if not_done or failed:
+            self._kill_pool()
+            cause = failed[0].exception() if failed else f"timed out after {self.startup_timeout_s}s"
+            raise RuntimeError(
+                f"RewardScorer({self.name!r}) could not start {self.num_workers} grader processes: "
+                f"{cause!r}. The reward function must be importable at module level, and a script that "
+                "scores needs an `if __name__ == '__main__':` guard (spawned workers re-import "
+                "the main module); otherwise lower num_workers or raise startup_timeout_s."
+            )
+        return pool
+
+    def _kill_pool(self) -> None:
+        """Kill workers outright: a hung worker never returns, so a polite shutdown would wait forever."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        # CPython keeps the worker processes in `_processes` (pid -> Process); there is no public handle.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.join(timeout=5.0)
+
+    # -- rewards and metrics -------------------------------------------------------------------------------
+
+    def _penalties(self, lengths: Sequence[int] | None, n: int) -> np.ndarray:
+        if self.overlong_buffer <= 0 or lengths is None:
+            return np.zeros(n, np.float32)
+        return np.array(
+            [overlong_penalty(int(x), self.max_response_length, self.overlong_buffer) for x in lengths],
+            np.float32,
+        )
+
+    def _metrics(self, rewards, base, penalties, counts, seconds) -> dict[str, float]:
+        n = max(len(rewards), 1)
+        return {
+            "reward/mean": float(rewards.mean()) if len(rewards) else 0.0,
+            "reward/correct_fraction": float((base > 0).sum() / n),
+            "reward/overlong_fraction": float((penalties < 0).sum() / n),
+            "reward/overlong_penalty_mean": float(penalties.sum() / n),
+            "reward/grader_timeouts": float(counts["timeouts"]),
+            "reward/grader_errors": float(counts["errors"]),
+            "reward/grader_pool_restarts": float(counts["pool_restarts"]),
+            "time/grading": seconds,
+        }

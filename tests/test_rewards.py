@@ -1,0 +1,198 @@
+"""Tests for rollverify_jax.data.rewards: extraction, equivalence, overlong penalty, the grader pool."""
+
+import os
+import signal
+import time
+
+import gin
+import numpy as np
+import pytest
+
+from rollverify_jax.data import rewards
+from rollverify_jax.data.rewards import (
+    RewardScorer,
+    RewardSpec,
+    exact_reward,
+    extract_answer,
+    extract_answer_line,
+    extract_boxed,
+    get_reward_fn,
+    math_equal,
+    overlong_penalty,
+)
+
+TIMEOUT_S = 1.0
+GRACE_S = 2.0
+
+
+def faulty_grader(response: str, answer: str) -> float:
+    """Module-level (picklable) grader whose answer selects a failure mode; otherwise it grades math."""
+    if answer == "sleep":
+        time.sleep(60)  # interruptible: the worker's alarm fires
+    if answer == "hang":
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        time.sleep(60)  # the alarm cannot fire: only the parent's hard deadline ends this
+    if answer == "crash":
+        time.sleep(0.2)
+        os._exit(3)
+    if answer == "raise":
+        raise RuntimeError("grader bug")
+    if answer == "ok":
+        return 1.0
+    return rewards.math_reward(response, answer)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    """One pool for the module: spawning graders is the slow part."""
+    s = RewardScorer("math", timeout_s=TIMEOUT_S, num_workers=2, hard_timeout_grace_s=GRACE_S)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def faulty(scorer, monkeypatch):
+    """The shared scorer with its grader swapped; workers receive the function by reference per item."""
+    monkeypatch.setattr(scorer, "spec", RewardSpec(fn=faulty_grader, isolated=True))
+    return scorer
+
+
+# -- extraction ---------------------------------------------------------------------------------------------
+
+
+def test_answer_line_takes_the_last_occurrence():
+    text = "Answer: 5 is wrong\nlet me redo\nanswer:  7 \n"
+    assert extract_answer_line(text) == "7"
+    assert extract_answer_line("no answer here") is None
+
+
+def test_boxed_handles_nesting_and_takes_the_last():
+    assert extract_boxed(r"so \boxed{\frac{1}{\sqrt{2}}} done") == r"\frac{1}{\sqrt{2}}"
+    assert extract_boxed(r"\boxed{1} then \boxed{ {2} + 3 }") == "{2} + 3"
+    assert extract_boxed(r"\boxed{4} and \boxed{unclosed") == "4"
+    assert extract_boxed("nothing") is None
+
+
+def test_extract_answer_prefers_the_answer_line():
+    assert extract_answer("\\boxed{3}\nAnswer: 4") == "4"
+    assert extract_answer("Answer: $\\boxed{\\frac{1}{2}}$.") == r"\frac{1}{2}"
+    assert extract_answer("Answer: $12$") == "12"
+    assert extract_answer("the result is \\boxed{\\dfrac{3}{4}}") == r"\dfrac{3}{4}"
+    assert extract_answer("no final answer") is None
+
+
+def test_exact_reward():
+    assert exact_reward(" 7+3=10. Answer: 10", "10") == 1.0
+    assert exact_reward(" 7+3=10. Answer:  10  ", " 10") == 1.0
+    assert exact_reward(" 7+3=10. Answer: 11", "10") == 0.0
+    assert exact_reward(" 7+3=10.", "10") == 0.0
+
+
+def test_math_equivalence():
+    assert math_equal(r"\frac{1}{2}", "0.5")
+    assert math_equal("1,000", "1000")
+    assert math_equal(r"\frac{\sqrt{2}}{2}", r"\sqrt{2}/2")
+    assert not math_equal("23", "24")
+
+
+def test_registry():
+    assert get_reward_fn("math") is rewards.math_reward and get_reward_fn("exact") is exact_reward
+    assert set(rewards.REWARDS) >= {"math", "exact"}
+    with pytest.raises(ValueError, match="known rewards: .*exact.*math"):
+        get_reward_fn("nope")
+
+
+# -- overlong penalty ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "length, expected", [(50, 0.0), (80, 0.0), (85, -0.25), (90, -0.5), (100, -1.0), (101, -1.0), (500, -1.0)]
+)
+def test_overlong_penalty_values(length, expected):
+    assert overlong_penalty(length, max_length=100, buffer=20) == pytest.approx(expected)
+
+
+def test_overlong_penalty_is_added_to_the_reward():
+    s = RewardScorer("exact", overlong_buffer=20, max_response_length=100)
+    responses = ["Answer: 3", "Answer: 3", "Answer: 4", "Answer: 3"]
+    got, metrics = s.score(responses, ["3"] * 4, response_lengths=[10, 90, 90, 120])
+    np.testing.assert_allclose(got, [1.0, 0.5, -0.5, 0.0])
+    assert got.dtype == np.float32
+    assert metrics["reward/overlong_fraction"] == 0.75
+    with pytest.raises(ValueError, match="response_lengths"):
+        s.score(responses, ["3"] * 4)
+    with pytest.raises(ValueError, match="max_response_length"):
+        RewardScorer("exact", overlong_buffer=20)
+
+
+# -- the scorer and its pool --------------------------------------------------------------------------------
+
+
+def test_score_math_batch(scorer):
+    responses = [
+        "so x = 1/2\nAnswer: \\frac{1}{2}",
+        "we get \\boxed{0.5}",
+        "Answer: 3",
+        "I give up",
+    ]
+    got, metrics = scorer.score(responses, ["0.5", "\\frac{1}{2}", "4", "1"])
+    np.testing.assert_array_equal(got, np.array([1, 1, 0, 0], np.float32))
+    assert metrics["reward/mean"] == 0.5 and metrics["reward/grader_timeouts"] == 0.0
+    assert metrics["reward/grader_errors"] == 0.0
+    empty, _ = scorer.score([], [])
+    assert empty.shape == (0,)
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        scorer.score(["a", "b"], ["a"])
+
+
+def test_slow_grade_times_out_without_killing_the_pool(faulty):
+    start = time.monotonic()
+    got, metrics = faulty.score(["Answer: 2"] * 3, ["sleep", "ok", "2"])
+    elapsed = time.monotonic() - start
+    np.testing.assert_array_equal(got, [0.0, 1.0, 1.0])
+    assert metrics["reward/grader_timeouts"] == 1.0 and metrics["reward/grader_pool_restarts"] == 0.0
+    assert elapsed < TIMEOUT_S + GRACE_S, elapsed
+
+
+def test_hung_worker_is_killed_and_the_pool_recycled(faulty):
+    start = time.monotonic()
+    got, metrics = faulty.score(["Answer: 2"] * 4, ["hang", "ok", "ok", "2"])
+    elapsed = time.monotonic() - start
+    np.testing.assert_array_equal(got, [0.0, 1.0, 1.0, 1.0])
+    assert metrics["reward/grader_timeouts"] == 1.0 and metrics["reward/grader_pool_restarts"] == 1.0
+    assert elapsed < TIMEOUT_S + GRACE_S + 2.0, elapsed
+
+
+def test_crashing_grader_is_an_error_and_the_others_are_graded(faulty):
+    got, metrics = faulty.score(["Answer: 2"] * 4, ["ok", "crash", "ok", "raise"])
+    np.testing.assert_array_equal(got, [1.0, 0.0, 1.0, 0.0])
+    assert metrics["reward/grader_errors"] == 2.0 and metrics["reward/grader_timeouts"] == 0.0
+    assert metrics["reward/grader_pool_restarts"] >= 1.0
+
+
+def test_worker_killed_while_idle_is_replaced(scorer):
+    scorer.score(["Answer: 1"], ["1"])  # make sure a pool is up
+    victim = next(iter(scorer._pool._processes.values()))
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=5)
+    got, metrics = scorer.score(["Answer: 1", "Answer: 2", "Answer: 3"], ["1", "2", "4"])
+    np.testing.assert_array_equal(got, [1.0, 1.0, 0.0])
+    assert metrics["reward/grader_errors"] == 0.0 and metrics["reward/grader_pool_restarts"] >= 1.0
+
+
+def test_scorer_recovers_after_faults(scorer):
+    got, metrics = scorer.score(["Answer: 42", "Answer: 41"], ["42", "42"])
+    np.testing.assert_array_equal(got, [1.0, 0.0])
+    assert metrics["reward/grader_timeouts"] == 0.0 and metrics["reward/grader_errors"] == 0.0
+    assert scorer.totals["timeouts"] >= 2
+
+
+def test_gin_configurable():
+    gin.parse_config(
+        ["rewards_test/RewardScorer.name = 'exact'", "rewards_test/RewardScorer.timeout_s = 3.0"]
+    )
+    with gin.config_scope("rewards_test"):
+        s = RewardScorer()
+    assert s.name == "exact" and s.timeout_s == 3.0
+    with pytest.raises(ValueError, match="unknown reward"):
+        RewardScorer("bogus")

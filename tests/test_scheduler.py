@@ -1,0 +1,134 @@
+"""Continuous batching, pause and verified resume."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollverify_jax.models import init_model, model_config
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+
+CFG = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(model_config("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, CFG, SamplingConfig(temperature=1.0), eos_ids=(3,))
+
+
+def _requests(n, seed=0, max_new=30):
+    rng = np.random.default_rng(seed)
+    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 64, size=rng.integers(2, 10)).astype(np.int32),
+                       seed=50 + i, max_new_tokens=max_new) for i in range(n)]
+
+
+def _finish_all(sched):
+    sched.run()
+    assert sched.engine.allocator.num_free == sched.engine.allocator.capacity
+    return {t.uid: t for t in sched.take_finished()}
+
+
+def test_pause_resume_without_cut_equals_never_pausing(engine):
+    reference = _finish_all(_submit(engine, _requests(5)))
+    sched = _submit(engine, _requests(5))
+    sched.run(max_dispatches=2)
+    paused = sched.pause_all()
+    assert paused and engine.allocator.num_free == engine.allocator.capacity
+    assert any(t.num_tokens > 0 for t in paused) and any(t.num_tokens == 0 for t in paused)  # running + queued
+    sched.resume(paused)
+    done = {**{t.uid: t for t in sched.take_finished()}, **_finish_all(sched)}
+    assert sorted(done) == sorted(reference)
+    for uid, t in reference.items():
+        assert done[uid].tokens == t.tokens, uid
+        np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
+
+
+def _submit(engine, trajs):
+    sched = Scheduler(engine)
+    sched.submit(trajs)
+    return sched
+
+
+def test_resume_hands_back_current_logprobs_and_truncates(model, engine):
+    sched = _submit(engine, _requests(3, seed=1, max_new=40))
+    sched.run(max_dispatches=3)
+    paused = [t for t in sched.pause_all() if t.num_tokens >= 4]
+    assert paused
+    before = {t.uid: (list(t.tokens), list(t.logps), list(t.versions)) for t in paused}
+    engine.set_version(1)
+    seen = {}
+
+    def keep_half(new_logp, behavior_logp, versions, lengths):
+        for row, n in enumerate(lengths):
+            seen[int(n), round(float(behavior_logp[row, 0]), 6)] = (new_logp[row, :n].copy(), versions[row, :n].copy())
+        return lengths // 2
+
+    sched.resume(paused, keep=keep_half)
+    sched.run()
+    finished = {t.uid: t for t in sched.take_finished()}
+    assert len(sched.verified) == len(paused)
+    for uid, (tokens, logps, versions) in before.items():
+        t, keep = finished[uid], len(tokens) // 2
+        assert t.tokens[:keep] == tokens[:keep] and t.logps[:keep] == logps[:keep]
+        assert t.versions[:keep] == [0] * keep and set(t.versions[keep:]) == {1}
+        new_logp, ver = seen[len(tokens), round(logps[0], 6)]
+        assert list(ver) == versions
+        seq = jnp.asarray([list(t.prompt) + tokens], jnp.int32)
+        tf = jax.nn.log_softmax(model(seq)[0], axis=-1)
+        p = len(t.prompt)
+        want = [float(tf[p + j - 1, y]) for j, y in enumerate(tokens)]
+        np.testing.assert_allclose(new_logp, want, atol=1e-4)
+    engine.set_version(0)
+
+
+def test_finished_member_that_survives_verification_stays_finished(engine):
+    sched = _submit(engine, _requests(2, seed=2, max_new=5))
+    done = _finish_all(sched)
+    t = done[0]
+    tokens = list(t.tokens)
+    sched.resume([t], keep=lambda new, beh, ver, lengths: lengths)
+    sched.run()
+    assert sched.take_finished()[0].tokens == tokens
+    assert sched.stats.dispatches == 0 or all(s is None for s in sched.slots)
+    t.finished = True
+    sched.resume([t], keep=lambda new, beh, ver, lengths: np.zeros_like(lengths))
+    sched.run()
+    again = sched.take_finished()[0]
+    assert again.finished and again.num_tokens == 5  # cut to 0, regenerated to max length
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_slot_refill_keeps_utilization_high(engine):
+    sched = _submit(engine, _requests(12, seed=3, max_new=12))
+    sched.run()
+    assert len(sched.finished) == 12
+    assert sched.stats.slot_utilization(CFG.num_slots) > 0.6
+
+
+def test_request_that_does_not_fit_yet_waits():
+    model = init_model(model_config("tiny"), seed=0)
+    small = Engine(model, EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3,
+                                       kv_memory_bytes=7 * 2 * 4 * 2 * 8 * 32 * 4))  # 7 pages: scratch + 6
+    sched = _submit(small, [Trajectory(uid=i, group_id=i, prompt=np.arange(4, 12, dtype=np.int32), seed=i,
+                                       max_new_tokens=16) for i in range(3)])  # 3 pages each
+    sched.step()
+    assert len(sched.slots) == 2 and len(sched.queue) == 1
+    sched.run()
+    assert len(sched.finished) == 3 and small.allocator.num_free == small.allocator.capacity
+
+
+@pytest.mark.parametrize("prompt, max_new, match", [
+    ([], 4, "Empty prompt"), ([5] * 10, 0, "max_new_tokens=0"), ([5] * 60, 10, "exceeds the context of 64"),
+])
+def test_bad_requests_fail_before_touching_slots(engine, prompt, max_new, match):
+    sched = Scheduler(engine)
+    free = engine.allocator.num_free
+    with pytest.raises(ValueError, match=match):
+        sched.submit([Trajectory(uid=0, group_id=0, prompt=np.asarray(prompt, np.int32), seed=0,
+                                 max_new_tokens=max_new)])
+    assert not sched.queue and engine.allocator.num_free == free
