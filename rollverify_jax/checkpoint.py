@@ -1,0 +1,236 @@
+"""Orbax checkpoints of the whole training state in ``<workdir>/checkpoints/<step>``, so a resumed run loses nothing.
+
+Each step directory holds three orbax items:
+
+- ``state``: the pytree of jax arrays (params, optimizer state, step, PRNG keys, typed or raw), saved with
+  ``StandardSave`` and restored straight onto the shardings of an abstract target (``jax.ShapeDtypeStruct``
+  with ``sharding``), so a host never materialises the full parameters.
+- ``extra``: JSON host state (data iterator position, paused-trajectory cache, switching state, mode).
+  numpy/jax arrays inside it are stored as ``{"__ndarray__": flat values, "dtype", "shape"}`` and come back as
+  numpy arrays of the same dtype and shape; floats are written as float64 reprs, which round-trip float32,
+  bfloat16 and float16 values exactly. numpy scalars come back as Python numbers (``float(np.float32(x))`` is
+  exact, so ``np.float32(value)`` recovers it). Tuples come back as lists; NaN/inf are written as the
+  ``NaN``/``Infinity`` tokens Python's json reads back. Dict keys must be strings (JSON would silently turn an
+  int key into a string).
+- ``meta``: the model fingerprint (architecture config), checked on restore so a workdir cannot silently
+  resume another model.
+
+Atomicity (verified against orbax-checkpoint 0.12.8 on a local filesystem): a save writes into
+``<step>.orbax-checkpoint-tmp`` and is renamed to ``<step>`` only after every item and ``commit_success.txt``
+are written. A save that fails (in the background, for async saves) raises from ``wait_until_finished``, leaves
+the tmp directory behind, and ``latest_step`` keeps pointing at the previous step; orbax's step listing skips
+tmp directories, and a new ``Checkpointer`` removes them in a background thread (``cleanup_tmp_directories``,
+awaited before its first save). orbax *does* list a bare ``<step>`` directory with no ``commit_success.txt``
+(e.g. a half-finished copy of a checkpoint), so ``latest_step``/``all_steps`` here additionally require that file.
+A failed save is reported once: a later ``wait_until_finished``/``close`` does not raise it again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+COMMIT_FILE = "commit_success.txt"
+ITEM_NAMES = ("state", "extra", "meta")
+_ARRAY_TAG = "__ndarray__"
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Gin-tunable checkpoint policy (`CheckpointConfig.save_interval_steps = 50`).
+
+    `async_save` writes to disk in a background thread after the arrays are copied off the device, so training
+    continues during the write; `Checkpointer.close()` (or `wait_until_finished()`) waits for it.
+    """
+
+    save_interval_steps: int = 50
+    max_to_keep: int | None = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        if self.save_interval_steps < 1:
+            raise ValueError(f"CheckpointConfig.save_interval_steps must be >= 1, got {self.save_interval_steps}.")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError(f"CheckpointConfig.max_to_keep must be >= 1 or None (keep all), got {self.max_to_keep}.")
+
+
+def encode_extra(obj: Any, path: str = "extra") -> Any:
+    """JSON-ready copy of ``obj``: arrays tagged with dtype/shape, numpy scalars as exact Python numbers.
+
+    Copying eagerly also means the caller may mutate ``obj`` while an async save is still writing.
+    """
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item() if not isinstance(obj, np.floating) else float(obj)
+    if isinstance(obj, np.ndarray | jax.Array):
+        arr = np.asarray(obj)
+        if jnp.issubdtype(arr.dtype, jnp.floating):
+            values = arr.astype(np.float64).ravel().tolist()
+        elif arr.dtype.kind in "iub":
+            values = arr.ravel().tolist()
+        else:
+            raise TypeError(f"{path}: cannot store an array of dtype {arr.dtype} in checkpoint extra.")
+        return {_ARRAY_TAG: values, "dtype": arr.dtype.name, "shape": list(arr.shape)}
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{path}: dict key {k!r} is a {type(k).__name__}; checkpoint extra needs str keys "
+                                "(JSON would turn it into a string). Convert keys with str() and back on restore.")
+            if k == _ARRAY_TAG:
+                raise ValueError(f"{path}: the key {_ARRAY_TAG!r} is reserved for arrays.")
+            out[k] = encode_extra(v, f"{path}[{k!r}]")
+        return out
+    if isinstance(obj, list | tuple):
+        return [encode_extra(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"{path}: {type(obj).__name__} is not JSON-serialisable; checkpoint extra holds dicts, lists, "
+                    "numbers, strings, None and numpy arrays.")
+
+
+def decode_extra(obj: Any) -> Any:
+    """Inverse of ``encode_extra``: tagged dicts become numpy arrays of the saved dtype and shape."""
+    if isinstance(obj, dict):
+        if _ARRAY_TAG in obj:
+            dtype = jnp.dtype(obj["dtype"])  # knows bfloat16 (ml_dtypes) as well as numpy dtypes
+            wide = np.float64 if jnp.issubdtype(dtype, jnp.floating) else dtype
+            return np.asarray(obj[_ARRAY_TAG], dtype=wide).astype(dtype).reshape(obj["shape"])
+        return {k: decode_extra(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_extra(v) for v in obj]
+    return obj
+
+
+def _fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    missing = "<absent>"
+    return [f"{k}: checkpoint={saved.get(k, missing)!r}, current={current.get(k, missing)!r}"
+            for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)]
+
+
+class Checkpointer:
+    """Saves and restores (state, extra) under ``<workdir>/checkpoints``; every host calls every method."""
+
+    def __init__(self, workdir: str | Path, config: CheckpointConfig | None = None,
+                 model_fingerprint: Mapping[str, Any] | None = None):
+        self.config = config if config is not None else CheckpointConfig()
+        self.directory = Path(workdir).absolute() / "checkpoints"
+        # Normalised through JSON (tuples -> lists) so it compares equal to what a restore reads back.
+        self.model_fingerprint: dict[str, Any] = json.loads(json.dumps(encode_extra(dict(model_fingerprint or {}),
+                                                                                    "model_fingerprint")))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.config.max_to_keep,
+            save_interval_steps=1,  # the interval is decided in `save`, see `should_save`
+            enable_async_checkpointing=self.config.async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEM_NAMES)
+        self._closed = False
+        atexit.register(self.close)  # a forgotten close() must not lose the last async save
+
+    # -- queries -------------------------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (a step directory without orbax's commit file is ignored)."""
+        return sorted(s for s in self._manager.all_steps() if (self.directory / str(s) / COMMIT_FILE).exists())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """Every ``save_interval_steps``, or when a multi-host preemption sync point is reached (all hosts agree)."""
+        return step % self.config.save_interval_steps == 0 or self._manager.reached_preemption(step)
+
+    # -- save ----------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, extra: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+        """Saves when ``should_save(step)`` or ``force``; a step already on disk is skipped. Returns whether it saved.
+
+        With ``async_save`` this returns once the arrays are off the device; the previous save is awaited first.
+        """
+        step = int(step)
+        if not (force or self.should_save(step)):
+            return False
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            extra=ocp.args.JsonSave(encode_extra(dict(extra or {}))),
+            meta=ocp.args.JsonSave(self.model_fingerprint),
+        )
+        return bool(self._manager.save(step, args=args, force=True))
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the in-flight async save is committed; raises if it failed."""
+        self._manager.wait_until_finished()
+
+    # -- restore -------------------------------------------------------------------------------------------------
+
+    def check_fingerprint(self, step: int) -> None:
+        """Raises ValueError when checkpoint ``step`` was saved for a different model architecture."""
+        saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        diff = _fingerprint_diff(saved, self.model_fingerprint)
+        if diff:
+            raise ValueError(
+                f"Checkpoint {self.directory / str(step)} was saved for a different model; differing fields: "
+                + "; ".join(diff)
+                + ". Use a fresh workdir for this model (or restore with the matching model config)."
+            )
+
+    def restore(self, step: int | None = None, abstract_state: Any = None) -> tuple[int, Any, dict[str, Any]]:
+        """Returns (step, state, extra) of ``step`` (default: the latest committed step).
+
+        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with shardings; the arrays are
+        read straight onto those shardings. Without it, orbax uses the shardings recorded at save time, which
+        only works on the same device topology.
+        """
+        self.wait_until_finished()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(f"No committed checkpoint for step {step} under {self.directory}; "
+                                    f"available steps: {steps}.")
+        self.check_fingerprint(step)
+        state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
+            else ocp.args.StandardRestore()
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args,
+                                                                             extra=ocp.args.JsonRestore()))
+        except ValueError as e:
+            raise ValueError(f"Could not restore the state of {self.directory / str(step)} onto abstract_state "
+                             f"(does the state tree, e.g. the optimizer, match the one saved?): {e}") from e
+        return step, restored["state"], decode_extra(restored["extra"] or {})
+
+    # -- lifetime ------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the in-flight save, then releases orbax's threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
