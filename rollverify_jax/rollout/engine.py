@@ -132,10 +132,10 @@ def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, pa
     state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
     return state, Prefix(hidden=hidden, response_logp=response_logp)
 
-def _insert_fn(static: _Static, params, state: DecodeState, hidden, slots, sample_pos, gen_index, seeds, max_new,
-               page_rows, row_valid):
+def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots, sample_pos, gen_index, seeds,
+               max_new, page_rows, row_valid):
     model = nnx.merge(static.graphdef, params)
-    h = jnp.take_along_axis(hidden, sample_pos[:, None, None], axis=1)[:, 0]
+    h = hidden[rows, sample_pos]  # [n, H]
     tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, static.sampling)
     done = jnp.isin(tok, jnp.asarray(static.eos_ids, jnp.int32)) | (gen_index + 1 >= max_new)
     slot = jnp.where(row_valid, slots, state.tokens.shape[0])  # out-of-range rows are dropped
@@ -248,13 +248,43 @@ class Engine:
     # ------------------------------------------------------------------------------------------------
     # JetStream-shaped API (host side)
 
+    def buckets(self) -> tuple[list[int], list[int]]:
+        """(row buckets, length buckets) that prefill pads to."""
+        c = self.config
+        rows, lengths = [1], [min(c.min_prefill_len, c.max_seq_len)]
+        while rows[-1] < c.num_slots:
+            rows.append(min(2 * rows[-1], c.num_slots))
+        while lengths[-1] < c.max_seq_len:
+            lengths.append(min(2 * lengths[-1], c.max_seq_len))
+        return rows, lengths
+
+    def warmup(self) -> None:
+        """Compiles every prefill/insert bucket and the decode loop up front, so no request pays a compile.
+        Dummy rows write only to the scratch page and activate no slot."""
+        rows, lengths = self.buckets()
+        pps = self.allocator.pages_per_seq
+        for n in rows:
+            ones, zeros = np.ones((n,), np.int32), np.zeros((n,), np.int32)
+            for t in lengths:
+                self.state, prefix = _prefill_jit(self._static(), self.params, self.state, np.zeros((n, t), np.int32),
+                                                  ones, np.zeros((n, pps), np.int32), ones)
+                self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros,
+                                            zeros, zeros, zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32),
+                                            zeros.astype(bool))
+        self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
+        self.state = _deactivate_fn(self.state, np.zeros((self.config.num_slots,), bool))
+
+    def prefill_bucket(self, num_tokens: int) -> int:
+        """The padded length a sequence of ``num_tokens`` is prefilled at."""
+        return _bucket(num_tokens, self.config.min_prefill_len, self.config.max_seq_len)
+
     def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int]) -> Prefix:
         """Runs prompt (+ cached response prefix) through the current params, writing K/V into the pages
         already allocated to ``slots``. Returns the hidden states and the response tokens' log pi."""
         n = len(sequences)
         nb = _bucket(n, 1, max(self.config.num_slots, n))
         longest = max(len(s) for s in sequences)
-        tb = _bucket(longest, self.config.min_prefill_len, self.config.max_seq_len)
+        tb = self.prefill_bucket(longest)
         tokens = np.zeros((nb, tb), np.int32)
         lengths = np.zeros((nb,), np.int32)
         for i, seq in enumerate(sequences):
@@ -267,10 +297,10 @@ class Engine:
         self.state, prefix = _prefill_jit(self._static(), self.params, self.state, tokens, lengths, page_rows, plens)
         return prefix
 
-    def insert(self, prefix: Prefix, slots: list[int], sample_pos: list[int], gen_index: list[int],
-               seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Activates ``slots``: samples each one's next token from the prefix hidden state at ``sample_pos``
-        (token index ``gen_index`` for the randomness). Returns (tokens, behaviour log-probs) of those."""
+    def insert(self, prefix: Prefix, rows: list[int], slots: list[int], sample_pos: list[int],
+               gen_index: list[int], seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Activates ``slots``: each samples its next token from prefix row ``rows[i]`` at position
+        ``sample_pos[i]`` (token index ``gen_index[i]`` for the randomness). Returns (tokens, log mu)."""
         n, nb = len(slots), prefix.hidden.shape[0]
 
         def pad(x, dtype):
@@ -280,7 +310,8 @@ class Engine:
         page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
         page_rows[:n] = self.allocator.table[slots]
         self.state, (tok, logp) = _insert_jit(
-            self._static(), self.params, self.state, prefix.hidden, pad(slots, np.int32), pad(sample_pos, np.int32),
+            self._static(), self.params, self.state, prefix.hidden, pad(rows, np.int32), pad(slots, np.int32),
+            pad(sample_pos, np.int32),
             pad(gen_index, np.int32), pad(seeds, np.uint32), pad(max_new, np.int32), page_rows,
             pad([True] * n, bool))
         tok, logp = jax.device_get((tok, logp))

@@ -74,8 +74,9 @@ class RolloutStats:
     tokens_generated: int = 0
     prefill_sequences: int = 0
     prefill_tokens: int = 0
-    device_time: float = 0.0
-    host_time: float = 0.0
+    prefill_time: float = 0.0  # prefill + insert dispatches (includes waiting for the device)
+    decode_time: float = 0.0  # generate dispatches (includes waiting for the device)
+    host_time: float = 0.0  # scheduler bookkeeping outside device calls
 
     def slot_utilization(self, num_slots: int) -> float:
         return self.useful_token_steps / max(1, num_slots * self.decode_steps)
@@ -138,8 +139,15 @@ class Scheduler:
             slot = free.pop(0)
             alloc.allocate(slot, need)
             batch.append((slot, p))
-        if batch:
-            self._prefill_and_insert(batch)
+        # One prefill per length bucket, so a few long resumed trajectories do not pad the short ones.
+        groups: dict[int, list[tuple[int, _Pending]]] = collections.defaultdict(list)
+        for item in batch:
+            t = item[1].traj
+            groups[self.engine.prefill_bucket(len(t.prompt) + t.num_tokens)].append(item)
+        for _, group in sorted(groups.items()):
+            t0 = time.perf_counter()
+            self._prefill_and_insert(group)
+            self.stats.prefill_time += time.perf_counter() - t0
 
     def _prefill_and_insert(self, batch: list[tuple[int, _Pending]]) -> None:
         engine = self.engine
@@ -162,11 +170,9 @@ class Scheduler:
             self.finished.append(t)
         if not go:
             return
-        go_idx = [slots.index(s) for s, _ in go]
-        sub = type(prefix)(hidden=prefix.hidden[np.asarray(go_idx)], response_logp=prefix.response_logp)
         gt = [t for _, t in go]
         tok, logp = engine.insert(
-            sub, [s for s, _ in go], [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
+            prefix, [slots.index(s) for s, _ in go], [s for s, _ in go], [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
             [t.seed for t in gt], [t.max_new_tokens for t in gt])
         version = engine.version
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):
@@ -224,6 +230,7 @@ class Scheduler:
     def step(self) -> int:
         """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated."""
         t0 = time.perf_counter()
+        prefill_before = self.stats.prefill_time
         self._admit()
         if not self.slots:
             return 0
@@ -246,8 +253,8 @@ class Scheduler:
         self.stats.decode_steps += k
         self.stats.useful_token_steps += n
         self.stats.tokens_generated += n
-        self.stats.device_time += t2 - t1
-        self.stats.host_time += (t1 - t0) + (time.perf_counter() - t2)
+        self.stats.decode_time += t2 - t1
+        self.stats.host_time += (t1 - t0) - (self.stats.prefill_time - prefill_before) + (time.perf_counter() - t2)
         return n
 
     def run(self, until: Callable[[Scheduler], bool] | None = None, max_dispatches: int | None = None) -> None:

@@ -1,0 +1,34 @@
+# `make run` and `make test` each build .venv from scratch when it is missing.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+GIN ?= configs/tiny_rollverify.gin
+
+.PHONY: run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) -m rollverify_jax.train --gin_file=$(GIN)
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+
+bench: $(VENV)/.installed
+	$(PY) scripts/bench_model.py
+	$(PY) scripts/bench_rollout.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
