@@ -1,0 +1,447 @@
+"""The GRPO learner: optimizer, sharded train state and the jitted train step (METHOD.md section 6).
+
+One call of the train step consumes one rollout batch (fixed, padded shapes) and makes
+`ppo_epochs * num_minibatches` optimizer updates. Each update accumulates gradients over micro-batches with
+`jax.lax.scan`, weighting each micro-batch by its share of the loss normaliser so that the accumulated
+gradient equals the full-minibatch gradient for every aggregation of `losses.AGGREGATIONS` (see
+`_normaliser`).
+
+Batch layout (every entry has the batch dimension B first, sharded over ('data', 'fsdp')):
+
+    tokens          int32[B, T]    prompt + response, right padded
+    loss_mask       float32[B, T]  1 on response tokens counted in the loss (0 on prompt, padding and on
+                                   every token of a trajectory a filter dropped)
+    behavior_logp   float32[B, T]  log mu(tokens[t]), aligned to tokens (entry 0 unused)
+    advantages      float32[B]
+    ref_logp        float32[B, T]  optional, needed when LossConfig.kl_coef > 0 (see `compute_logprobs`)
+    attention_mask  bool[B, T]     optional, True on real tokens (padding keys are masked); with right padding
+                                   and causal attention it changes nothing at scored positions
+
+The policy's log-prob of token t is read from the logits at position t - 1, so `loss_mask[:, 0]` is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.models.qwen3 import CausalAttention
+from rollverify_jax.rl import losses
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+TrainStep = Callable[["TrainState", Batch], tuple["TrainState", Metrics]]
+
+SCHEDULES = ("constant", "cosine")
+REQUIRED_KEYS = ("tokens", "loss_mask", "behavior_logp", "advantages")
+# Loss metrics that are masked means over live sequences rather than over tokens (see `_combine`).
+_SEQ_METRICS = frozenset({"vespo/phi_mean"})
+# Loss metrics reduced with the configured aggregation (their normaliser depends on it).
+_AGG_METRICS = frozenset({"loss", "policy/pg_loss"})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optimizer
+# ---------------------------------------------------------------------------------------------------------
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warmup + constant/cosine learning-rate schedule.
+
+    Steps count optimizer updates (`num_minibatches * ppo_epochs` per rollout batch), not rollout batches.
+    schedule: 'constant' (linear warmup from 0, then `learning_rate`) or 'cosine' (linear warmup, then cosine
+        decay to `learning_rate * end_lr_ratio` at `total_steps`; optax counts the warmup inside total_steps).
+    weight_decay: decoupled decay, applied to matrices only (ndim >= 2), not to norm scales or biases.
+    max_grad_norm: clip the global gradient norm to this (None: no clipping).
+    """
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int | None = None
+    end_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        """Fail where the gin binding lands rather than with a NaN learning rate later."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"OptimizerConfig.schedule '{self.schedule}' is unknown; known: {list(SCHEDULES)}.")
+        if self.learning_rate < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError(
+                "OptimizerConfig.learning_rate, warmup_steps and weight_decay must be >= 0; got "
+                f"{self.learning_rate}, {self.warmup_steps}, {self.weight_decay}."
+            )
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(
+                f"OptimizerConfig.schedule='cosine' needs total_steps > warmup_steps={self.warmup_steps} "
+                f"(optimizer updates in the whole run), got total_steps={self.total_steps}."
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}.")
+
+
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Learning rate as a function of the optimizer-update count."""
+    lr = cfg.learning_rate
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.total_steps,
+            end_value=lr * cfg.end_lr_ratio,
+        )
+    if cfg.warmup_steps == 0:
+        return optax.constant_schedule(lr)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, cfg.warmup_steps), optax.constant_schedule(lr)], [cfg.warmup_steps]
+    )
+
+
+def _decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only: decaying RMSNorm scales towards 0 would fight the pretrained model."""
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+@gin.configurable
+def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+    """`chain(clip_by_global_norm, adamw)`; hyper-parameters live in the optimizer state (inject_hyperparams)
+    so the train step can report the learning rate it used and checkpoints carry the schedule position."""
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        mask=_decay_mask,
+    )
+    clip = optax.identity() if cfg.max_grad_norm is None else optax.clip_by_global_norm(cfg.max_grad_norm)
+    return optax.chain(clip, adamw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Train state
+# ---------------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything the update changes: a pytree, so it is jitted, donated and checkpointed as one.
+
+    params: `nnx.State` of the model's `nnx.Param`s (Variables keep their `logical_axes` metadata).
+    opt_state: optax state; its moment trees mirror `params` and share their shardings.
+    step: int32[] number of optimizer updates so far.
+    rng: uint32 key data of the run's PRNG (`jax.random.key_data`); the learner does not consume it.
+    """
+
+    params: nnx.State
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+    def replace(self, **kw) -> TrainState:
+        return dataclasses.replace(self, **kw)
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """`(graphdef, params)`: the static structure and the trainable `nnx.Param` state of `model`."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def params_to_model(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.Module:
+    """A model from its graphdef and (e.g. freshly trained) params; arrays are shared, not copied."""
+    return nnx.merge(graphdef, params)
+
+
+def _state_sharding(tree: Any, mesh: Mesh) -> Any:
+    """NamedSharding per leaf: Variables by their logical axes, every other leaf (counts, scalars) replicated."""
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            axes = x.get_metadata().get("logical_axes")
+            spec = PartitionSpec() if axes is None else mesh_lib.logical_to_spec(axes, x.shape, mesh)
+            return NamedSharding(mesh, spec)
+        return mesh_lib.replicated(mesh)
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def train_state_shardings(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """Shardings of the train state (a `TrainState` of `NamedSharding`s), derived without allocating it.
+
+    The optimizer moments are `nnx.State`s holding the same Variables (with `logical_axes`) as the params,
+    so they get the params' shardings; optimizer counters and hyper-parameters are replicated.
+    """
+    params = nnx.state(model, nnx.Param)
+    abstract_opt = jax.eval_shape(optimizer.init, params)
+    rep = mesh_lib.replicated(mesh)
+    return TrainState(params=_state_sharding(params, mesh), opt_state=_state_sharding(abstract_opt, mesh),
+                      step=rep, rng=rep)
+
+
+def abstract_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """`jax.ShapeDtypeStruct`s with shardings: the restore target for a checkpoint of the train state."""
+    shardings = train_state_shardings(model, optimizer, mesh)
+    abstract = jax.eval_shape(lambda: _raw_state(model, optimizer, 0))
+    return _map_with_shardings(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def _map_with_shardings(fn: Callable[[Any, NamedSharding], Any], tree: Any, shardings: Any) -> Any:
+    """`fn(array, sharding)` per array of `tree`; `shardings` holds one NamedSharding per Variable (a prefix)."""
+    def one(x, s):
+        return x.replace(fn(x.get_value(), s)) if isinstance(x, nnx.Variable) else fn(x, s)
+    return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _raw_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    params = nnx.state(model, nnx.Param)
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                      rng=jax.random.key_data(jax.random.key(seed)))
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh,
+                     seed: int = 0) -> TrainState:
+    """The train state placed on `mesh`: params by their logical axes, moments alike, scalars replicated.
+
+    Params are copied (never aliased to the model's arrays), because the train step donates the state: the
+    model stays valid; refresh it after each step with `nnx.update(model, state.params)` or `params_to_model`.
+    """
+    shardings = train_state_shardings(model, optimizer, mesh)
+    params = nnx.state(model, nnx.Param)
+    params = _map_with_shardings(jax.device_put, params, shardings.params)  # may alias the model's buffers
+    fresh = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), optimizer.init(p)),
+                    out_shardings=(shardings.params, shardings.opt_state))
+    params, opt_state = fresh(params)  # jit outputs never alias its non-donated inputs
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    rng = jax.device_put(jax.random.key_data(jax.random.key(seed)), shardings.rng)
+    return TrainState(params=params, opt_state=opt_state, step=step, rng=rng)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log-probs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """logits float32[B, T, V], tokens int32[B, T] -> (logp [B, T], entropy [B, T]), aligned to tokens.
+
+    Entry t scores tokens[t] with the logits at t - 1 (entry 0 is 0). The entropy of pi (at the same
+    temperature) is a metric only, so it is computed on stop-gradient'ed logits and adds no backward cost.
+    """
+    z = logits[:, :-1].astype(jnp.float32) / temperature  # [B, T-1, V]
+    lse = jax.nn.logsumexp(z, axis=-1)  # [B, T-1]
+    # A masked sum rather than a gather: it partitions cleanly over a sharded vocab axis, and, unlike a one-hot
+    # matmul, stays exact float32 on TPU (no bf16 matmul passes).
+    hit = tokens[:, 1:, None] == jnp.arange(z.shape[-1], dtype=tokens.dtype)  # [B, T-1, V]
+    logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
+    zs, lses = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
+    entropy = lses - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
+    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
+
+
+def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, attention_mask: jax.Array | None,
+                 temperature: float) -> tuple[jax.Array, jax.Array]:
+    model = nnx.merge(graphdef, params)
+    valid = None if attention_mask is None else attention_mask.astype(bool)
+    logits = model(tokens, attention=CausalAttention(valid=valid))
+    return _logp_and_entropy(logits, tokens, temperature)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax.Array,
+                     temperature: float = 1.0) -> jax.Array:
+    """log pi(tokens[t] | tokens[:t]) float32[B, T], aligned to tokens like `behavior_logp` (entry 0 is 0).
+
+    For the frozen reference policy (`ref_logp`) and for evaluation. `mask` [B, T] (bool or 0/1) marks real
+    tokens: padding keys are masked out of attention and padded entries of the result are 0.
+    """
+    logp, _ = _policy_logp(graphdef, params, tokens, mask, temperature)
+    return jnp.where(mask.astype(bool), logp, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Train step
+# ---------------------------------------------------------------------------------------------------------
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """How one rollout batch becomes optimizer updates.
+
+    loss_name: a name in `losses.LOSSES` ('grpo', 'gspo', 'gspo_token', 'sapo', 'vespo').
+    loss: the loss hyper-parameters (aggregation, clip range, KL coefficient, ...).
+    num_minibatches: optimizer updates per epoch over the batch; minibatch k takes rows k, k + n, k + 2n, ...
+        (a strided split keeps every device's rows local under the batch sharding).
+    ppo_epochs: passes over the batch; `num_minibatches * ppo_epochs` updates per train step.
+    micro_batch_size: rows per forward/backward pass (gradient accumulation; None: the whole minibatch). It
+        bounds activation memory ([micro, T, V] logits) and does not change the result (exact accumulation).
+    temperature: divides the logits before the softmax; use the rollout's sampling temperature so pi and mu
+        are the same distribution at ratio 1.
+    """
+
+    loss_name: str = "grpo"
+    loss: losses.LossConfig = losses.LossConfig()
+    num_minibatches: int = 1
+    ppo_epochs: int = 1
+    micro_batch_size: int | None = None
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        """A bad name or count fails at construction, where the gin binding lands."""
+        losses.get_loss_fn(self.loss_name)
+        if self.num_minibatches < 1 or self.ppo_epochs < 1:
+            raise ValueError(
+                f"LearnerConfig.num_minibatches and ppo_epochs must be >= 1, got {self.num_minibatches}, "
+                f"{self.ppo_epochs}."
+            )
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"LearnerConfig.micro_batch_size must be >= 1 or None, got {self.micro_batch_size}.")
+        if self.temperature <= 0:
+            raise ValueError(f"LearnerConfig.temperature must be > 0, got {self.temperature}.")
+
+
+def _normaliser(mask: jax.Array, aggregation: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss normaliser, token count, live-sequence count) of a mask [N, T], each clamped to >= 1.
+
+    `losses.aggregate` divides by `max(#tokens, 1)` ('token-mean') or by `max(#live sequences, 1)` (the
+    seq-mean modes; a sequence is live when it has a masked token). Weighting micro-batch k by
+    `n_k / n` with these clamped counts makes `sum_k w_k loss_k` equal the whole-minibatch loss exactly
+    (empty micro-batches have loss 0), and likewise for masked-mean metrics.
+    """
+    tokens = jnp.maximum(mask.sum(), 1.0)
+    seqs = jnp.maximum((mask.sum(axis=-1) > 0).sum().astype(jnp.float32), 1.0)
+    if aggregation == "token-mean":
+        return tokens, tokens, seqs
+    if aggregation in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        return seqs, tokens, seqs
+    raise ValueError(f"no exact micro-batch weighting for aggregation '{aggregation}'; extend learner._normaliser.")
+
+
+def _split(x: jax.Array, n: int, mesh: Mesh) -> jax.Array:
+    """[N, ...] -> [n, N/n, ...], part k = rows k, k+n, ...; the second axis stays on the batch mesh axes."""
+    parts = jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
+    devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    if parts.shape[1] % devices == 0:
+        spec = PartitionSpec(None, mesh_lib.BATCH_AXES, *([None] * (x.ndim - 1)))
+        parts = jax.lax.with_sharding_constraint(parts, NamedSharding(mesh, spec))
+    return parts
+
+
+def _check_batch(batch: Batch, cfg: LearnerConfig) -> tuple[int, int]:
+    """Validate shapes at trace time; returns (minibatch rows, micro-batches per minibatch)."""
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"train batch lacks {missing}; it needs {list(REQUIRED_KEYS)} (+ optional ref_logp).")
+    b, t = batch["tokens"].shape
+    for k in ("loss_mask", "behavior_logp", "ref_logp", "attention_mask"):
+        if k in batch and batch[k].shape != (b, t):
+            raise ValueError(f"batch['{k}'] has shape {batch[k].shape}, expected tokens' shape {(b, t)}.")
+    if batch["advantages"].shape != (b,):
+        raise ValueError(f"batch['advantages'] has shape {batch['advantages'].shape}, expected {(b,)}.")
+    if b % cfg.num_minibatches:
+        raise ValueError(f"batch size {b} is not divisible by LearnerConfig.num_minibatches={cfg.num_minibatches}.")
+    rows = b // cfg.num_minibatches
+    micro = cfg.micro_batch_size or rows
+    if rows % micro:
+        raise ValueError(
+            f"minibatch of {rows} rows (batch {b} / num_minibatches {cfg.num_minibatches}) is not divisible by "
+            f"LearnerConfig.micro_batch_size={micro}."
+        )
+    return rows, rows // micro
+
+
+def _learning_rate(opt_state: Any) -> jax.Array:
+    """The learning rate of the last update, read from `inject_hyperparams` state (NaN when there is none)."""
+    lr = optax.tree_utils.tree_get(opt_state, "learning_rate", filtering=lambda _, v: isinstance(v, jax.Array))
+    return jnp.asarray(jnp.nan if lr is None else lr, jnp.float32)
+
+
+def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimizer: optax.GradientTransformation,
+                    mesh: Mesh, state_shardings: TrainState) -> TrainStep:
+    """`train_step(state, batch) -> (state, metrics)`, jitted on `mesh` with the state donated.
+
+    Metrics (replicated float32 scalars): `loss`, `policy/*` and `grad_norm` averaged over the updates;
+    `ops/token_mean` of the first minibatch of the first epoch (the train-time OPS, before any update of this
+    step moved the policy); `learning_rate` of the last update; `train/num_updates`; `train/loss_tokens`.
+    Shapes fix the compilation: calls with the same batch shapes reuse one executable.
+    """
+    cfg = learner_cfg
+    loss_fn = losses.get_loss_fn(cfg.loss_name)
+    agg = cfg.loss.aggregation
+
+    def micro_loss(params, mb: Batch, weight: jax.Array):
+        logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"), cfg.temperature)
+        mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
+        loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
+                                ref_logp=mb.get("ref_logp"), entropy=entropy)
+        return weight * loss, metrics
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def minibatch_grads(params, minibatch: Batch, n_micro: int) -> tuple[Any, Metrics]:
+        """Gradient and metrics of one minibatch, accumulated exactly over `n_micro` micro-batches."""
+        micro = jax.tree.map(lambda x: _split(x, n_micro, mesh), minibatch)  # [n_micro, rows/n_micro, ...]
+        mask = micro["loss_mask"].astype(jnp.float32).at[:, :, 0].set(0.0)
+        norm, tok, seq = jax.vmap(lambda m: _normaliser(m, agg))(mask)  # [n_micro] each
+        total_norm, total_tok, total_seq = _normaliser(mask.reshape(-1, mask.shape[-1]), agg)
+        w_norm, w_tok, w_seq = norm / total_norm, tok / total_tok, seq / total_seq
+
+        def body(acc, xs):
+            mb, w = xs
+            g, m = grad_fn(params, mb, w)
+            return jax.tree.map(jnp.add, acc, g), m
+
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)  # accumulate in f32 (bf16 params)
+        grads, metrics = jax.lax.scan(body, zeros, (micro, w_norm))  # metrics: [n_micro] each
+
+        def combine(k, v):
+            w = w_norm if k in _AGG_METRICS else w_seq if k in _SEQ_METRICS else w_tok
+            return jnp.sum(w * v)
+
+        metrics = {k: combine(k, v) for k, v in metrics.items()}
+        metrics["train/loss_tokens"] = mask.sum()
+        return grads, metrics
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        _, n_micro = _check_batch(batch, cfg)
+        batch = {k: v for k, v in batch.items() if k in (*REQUIRED_KEYS, "ref_logp", "attention_mask")}
+        minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh), batch)
+
+        def update(carry, minibatch):
+            params, opt_state = carry
+            grads, metrics = minibatch_grads(params, minibatch, n_micro)
+            metrics["grad_norm"] = optax.tree.norm(grads)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics["learning_rate"] = _learning_rate(opt_state)
+            return (params, opt_state), metrics
+
+        def epoch(carry, _):
+            return jax.lax.scan(update, carry, minibatches)
+
+        (params, opt_state), metrics = jax.lax.scan(
+            epoch, (state.params, state.opt_state), None, length=cfg.ppo_epochs
+        )  # metrics: [ppo_epochs, num_minibatches] each
+        num_updates = cfg.ppo_epochs * cfg.num_minibatches
+        out = {k: v.mean() for k, v in metrics.items()}
+        out["ops/token_mean"] = metrics["ops/token_mean"][0, 0]
+        out["learning_rate"] = metrics["learning_rate"][-1, -1]
+        out["train/loss_tokens"] = metrics["train/loss_tokens"][0].sum()
+        out["train/num_updates"] = jnp.asarray(num_updates, jnp.float32)
+        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + num_updates)
+        return new_state, {k: v.astype(jnp.float32) for k, v in out.items()}
+
+    batch_shardings = mesh_lib.batch_sharding(mesh, 1)  # prefix for every [B, ...] entry of the batch dict
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))

@@ -1,0 +1,200 @@
+"""Rollout phases: on-policy (synchronous), naive partial rollout, and RollVerify (METHOD.md sections 3-5).
+
+A phase at policy version k keeps every decode slot busy: verified resumed trajectories go first, then new
+prompt groups. It ends once ``batch_groups`` groups have all their members finished; everything unfinished is
+paused into the cache. In RollVerify mode, every cached trajectory is verified against the newest policy on
+the log-probs of its resume prefill (no extra forward pass) and resumes from its verified prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import gin
+import numpy as np
+
+from rollverify_jax.rl.buffer import Group, PausedCache
+from rollverify_jax.rl.filters import FILTERS, check_filter
+from rollverify_jax.rollout.scheduler import Scheduler, Trajectory
+from rollverify_jax.verify import two_stage_verify, verify_stats
+
+MODES = ("on_policy", "partial", "rollverify")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """mode: on_policy | partial | rollverify; filter (partial modes only): none | staleness | ops."""
+
+    mode: str = "on_policy"
+    batch_groups: int = 8  # B: complete groups per training batch
+    group_size: int = 8  # G: samples per prompt
+    max_new_tokens: int = 256
+    filter: str = "none"
+    s_max: int = 1
+    ops_threshold: float = 0.1
+    ds: float = 0.01
+    dt: float = 2.0
+    verify_finished: bool = True  # re-verify finished members of unfinished groups
+    queue_groups: int = 0  # new groups kept queued ahead of free slots (0: enough to fill every slot)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"Unknown rollout mode {self.mode!r}; known modes: {list(MODES)}.")
+        if self.filter not in FILTERS:
+            raise ValueError(f"Unknown filter {self.filter!r}; known filters: {list(FILTERS)}.")
+        if self.filter != "none" and self.mode == "on_policy":
+            raise ValueError(
+                f"RolloutConfig.filter={self.filter!r} needs partial rollout: set RolloutConfig.mode = 'partial' "
+                "(or 'rollverify'), or filter = 'none'."
+            )
+        check_filter(self.filter, self.s_max, self.ops_threshold)
+        if self.ds < 0:
+            raise ValueError(f"RolloutConfig.ds={self.ds} must be >= 0.")
+        if not self.dt > 0:
+            raise ValueError(f"RolloutConfig.dt={self.dt} must be > 0.")
+        for name in ("batch_groups", "group_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name}={getattr(self, name)} must be >= 1.")
+
+
+@dataclasses.dataclass
+class PhaseResult:
+    groups: list[Group]
+    metrics: dict
+
+
+class RolloutManager:
+    """Drives the scheduler through rollout phases and owns the paused-trajectory cache."""
+
+    def __init__(self, config: RolloutConfig, scheduler: Scheduler, next_record: Callable[[], dict],
+                 encode_prompt: Callable[[dict], np.ndarray], seed: int = 0):
+        self.config = config
+        self.scheduler = scheduler
+        self.next_record = next_record
+        self.encode_prompt = encode_prompt
+        self.seed = seed
+        self.cache = PausedCache()
+        self.on_policy = config.mode == "on_policy"
+        self.next_group_id = 0
+        self.next_uid = 0
+        self.verify_time = 0.0
+        self.dropped_at_switch = 0
+
+    @property
+    def verifying(self) -> bool:
+        return self.config.mode == "rollverify" and not self.on_policy
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _new_group(self) -> list[Trajectory]:
+        record = self.next_record()
+        prompt = np.asarray(self.encode_prompt(record), np.int32)
+        gid = self.next_group_id
+        self.next_group_id += 1
+        self.cache.add_group(Group(gid, self.config.group_size, record))
+        trajs = []
+        for _ in range(self.config.group_size):
+            uid = self.next_uid
+            self.next_uid += 1
+            seed = (self.seed * 1_000_003 + uid) % (2**31 - 1)
+            trajs.append(Trajectory(uid=uid, group_id=gid, prompt=prompt, seed=seed,
+                                    max_new_tokens=self.config.max_new_tokens))
+        return trajs
+
+    def _keep_fn(self, new_logp, behavior_logp, versions, lengths):
+        """Two-stage verification on the resume prefill's log-probs (timed as verification)."""
+        t0 = time.perf_counter()
+        keep = np.asarray(two_stage_verify(new_logp, behavior_logp, versions, lengths, self.config.ds,
+                                           self.config.dt))
+        self.verify_time += time.perf_counter() - t0
+        return keep
+
+    def switch_to_on_policy(self) -> None:
+        """Conditional switching: synchronous rollout for the rest of the run; the cache is dropped."""
+        self.on_policy = True
+        self.dropped_at_switch = len(self.cache.paused) + sum(len(g.finished) for g in self.cache.groups.values())
+        self.cache = PausedCache()
+
+    def run_phase(self) -> PhaseResult:
+        sched = self.scheduler
+        sched.reset_stats()
+        self.verify_time = 0.0
+        t0 = time.perf_counter()
+        if self.on_policy:
+            groups = self._on_policy_phase()
+        else:
+            groups = self._partial_phase()
+        wall = time.perf_counter() - t0
+        stats = sched.stats
+        version = sched.engine.version
+        batch_stale = [version - min(t.versions) for g in groups for t in g.finished.values() if t.versions]
+        cache_stale = self.cache.staleness(version)
+        verified = verify_stats(np.asarray([k for k, _ in sched.verified], np.int64),
+                                np.asarray([n for _, n in sched.verified], np.int64))
+        metrics = {
+            "time/rollout": wall - self.verify_time,
+            "time/verify": self.verify_time,
+            "rollout/tokens_per_s": stats.tokens_generated / max(wall, 1e-9),
+            "rollout/tokens": stats.tokens_generated,
+            "rollout/slot_utilization": stats.slot_utilization(sched.engine.config.num_slots),
+            "rollout/prefill_tokens": stats.prefill_tokens,
+            "rollout/host_time": stats.host_time,
+            "staleness/mean": float(np.mean(batch_stale)) if batch_stale else 0.0,
+            "staleness/max": int(max(batch_stale)) if batch_stale else 0,
+            "cache/size": len(self.cache),
+            "cache/staleness_mean": float(cache_stale.mean()) if cache_stale.size else 0.0,
+            "verify/acceptance": verified["acceptance"],
+            "verify/num_verified": verified["num_verified"],
+            "verify/tokens_total": verified["tokens_total"],
+            "mode/on_policy": int(self.on_policy),
+        }
+        for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):
+            metrics[f"cache/staleness_hist/{int(s)}"] = int(count)
+        return PhaseResult(groups=groups, metrics=metrics)
+
+    def _collect_finished(self) -> None:
+        for t in self.scheduler.take_finished():
+            self.cache.add_finished(t)
+
+    def _on_policy_phase(self) -> list[Group]:
+        """Exactly B groups, and wait for all of them (a synchronous rollout)."""
+        for _ in range(self.config.batch_groups):
+            self.scheduler.submit(self._new_group())
+        self.scheduler.run()
+        self._collect_finished()
+        return self.cache.pop_complete(self.config.batch_groups)
+
+    def _queue_target(self) -> int:
+        slots = self.scheduler.engine.config.num_slots
+        return self.config.queue_groups or math.ceil(slots / self.config.group_size)
+
+    def _partial_phase(self) -> list[Group]:
+        sched, cfg = self.scheduler, self.config
+        resumed = self.cache.take_for_resume(include_finished=self.verifying and cfg.verify_finished)
+        sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
+        while self.cache.num_complete() < cfg.batch_groups:
+            fresh_queued = sum(1 for p in sched.queue if p.keep_fn is None and p.traj.num_tokens == 0)
+            while fresh_queued < self._queue_target() * cfg.group_size:
+                sched.submit(self._new_group())
+                fresh_queued += cfg.group_size
+            sched.step()
+            self._collect_finished()
+        groups = self.cache.pop_complete(cfg.batch_groups)
+        self.cache.pause(sched.pause_all())
+        return groups
+
+    # ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"cache": self.cache.to_dict(), "on_policy": int(self.on_policy),
+                "next_group_id": self.next_group_id, "next_uid": self.next_uid}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.cache = PausedCache.from_dict(d["cache"])
+        self.on_policy = bool(d["on_policy"])
+        self.next_group_id = int(d["next_group_id"])
+        self.next_uid = int(d["next_uid"])

@@ -1,0 +1,182 @@
+"""The GRPO learner: sharding invariance, exact micro-batch accumulation, minibatches, learning, donation."""
+
+import jax
+import numpy as np
+import pytest
+
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.models.qwen3 import init_model, model_config, token_logprobs
+from rollverify_jax.rl import learner
+from rollverify_jax.rl.losses import LossConfig
+
+MODEL_CFG = model_config("tiny", hidden_size=64, num_hidden_layers=2, intermediate_size=128, head_dim=16)
+# A large Adam eps keeps the first update smooth in the gradient (no sign flips of near-zero gradients from
+# float noise), so "equal within 1e-5" compares the gradients rather than luck.
+OPT = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-3, eps=1e-4))
+B, T, PROMPT = 8, 16, 4
+RESPONSE_LENGTHS = (3, 11, 6, 12, 2, 9, 5, 7)
+DROPPED_ROW = 5  # a trajectory a filter removed from the loss: all-zero loss_mask row
+
+_STEPS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(MODEL_CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+    return mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def batch_and_noise(model):
+    """Right-padded prompt+response rows; behaviour log-probs = current policy's + noise (off-policy)."""
+    rng = np.random.default_rng(0)
+    pos = np.arange(T)[None, :]
+    ends = PROMPT + np.asarray(RESPONSE_LENGTHS)[:, None]
+    attention_mask = pos < ends
+    tokens = np.where(attention_mask, rng.integers(1, MODEL_CFG.vocab_size, (B, T)), 0).astype(np.int32)
+    loss_mask = ((pos >= PROMPT) & attention_mask).astype(np.float32)
+    loss_mask[DROPPED_ROW] = 0.0
+    graphdef, params = learner.split_params(model)
+    logp = np.asarray(learner.compute_logprobs(graphdef, params, tokens, attention_mask, 1.0))
+    noise = (rng.normal(0.0, 0.3, (B, T)) * loss_mask).astype(np.float32)
+    batch = {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "behavior_logp": logp + noise,
+        "advantages": rng.normal(size=B).astype(np.float32),
+        "attention_mask": attention_mask,
+    }
+    return batch, noise
+
+
+def _step_fn(model, mesh, cfg: learner.LearnerConfig):
+    """One compiled train step per (mesh, config), shared across tests to keep compiles few."""
+    key = (tuple(mesh.devices.shape), cfg)
+    if key not in _STEPS:
+        shardings = learner.train_state_shardings(model, OPT, mesh)
+        _STEPS[key] = learner.make_train_step(learner.split_params(model)[0], cfg, OPT, mesh, shardings)
+    return _STEPS[key]
+
+
+def _train(model, mesh, cfg, batch, steps=1):
+    step = _step_fn(model, mesh, cfg)
+    state = learner.init_train_state(model, OPT, mesh, seed=0)
+    history = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        history.append({k: float(v) for k, v in metrics.items()})
+    return state, history
+
+
+def _flat(params) -> np.ndarray:
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+
+
+def test_sharded_step_equals_single_device(model, mesh1, batch_and_noise):
+    batch, _ = batch_and_noise
+    cfg = learner.LearnerConfig()
+    one, m_one = _train(model, mesh1, cfg, batch)
+    many, m_many = _train(model, mesh_lib.make_mesh((2, 2, 2)), cfg, batch)
+    start = _flat(learner.split_params(model)[1])
+    assert np.abs(_flat(one.params) - start).max() > 1e-4  # the step moved the params
+    np.testing.assert_allclose(_flat(many.params), _flat(one.params), atol=1e-5)
+    for k in ("loss", "grad_norm", "ops/token_mean", "policy/entropy", "policy/clip_fraction"):
+        np.testing.assert_allclose(m_many[0][k], m_one[0][k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert m_one[0]["learning_rate"] == pytest.approx(1e-3)
+    assert m_one[0]["train/loss_tokens"] == sum(RESPONSE_LENGTHS) - RESPONSE_LENGTHS[DROPPED_ROW]
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_accumulation_is_exact(model, mesh1, batch_and_noise, aggregation):
+    """Micro-batches {0,4}, {1,5}, ... hold different token and live-sequence counts, so an unweighted
+    average of micro-batch gradients would differ; the normaliser-share weighting must not."""
+    batch, _ = batch_and_noise
+    loss = LossConfig(aggregation=aggregation)
+    full, m_full = _train(model, mesh1, learner.LearnerConfig(loss=loss), batch)
+    micro, m_micro = _train(model, mesh1, learner.LearnerConfig(loss=loss, micro_batch_size=2), batch)
+    np.testing.assert_allclose(_flat(micro.params), _flat(full.params), atol=1e-5)
+    for k in ("loss", "grad_norm", "ops/token_mean", "policy/entropy", "policy/ratio_mean"):
+        np.testing.assert_allclose(m_micro[0][k], m_full[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_minibatches_and_epochs_make_several_updates(model, mesh1, batch_and_noise):
+    batch, noise = batch_and_noise
+    one, _ = _train(model, mesh1, learner.LearnerConfig(), batch)
+    two, m_two = _train(model, mesh1, learner.LearnerConfig(num_minibatches=2, ppo_epochs=2), batch)
+    assert int(one.step) == 1 and int(two.step) == 4  # 2 minibatches x 2 epochs
+    assert m_two[0]["train/num_updates"] == 4
+    assert m_two[0]["train/loss_tokens"] == batch["loss_mask"].sum()  # counted once, not once per epoch
+    assert np.abs(_flat(two.params) - _flat(one.params)).max() > 1e-4
+    # Train-time OPS is that of the first minibatch (rows 0, 2, 4, 6) under the initial params, where
+    # log pi - log mu = -noise exactly.
+    rows, mask = slice(0, None, 2), batch["loss_mask"][0::2]
+    want = (np.abs(np.exp(-noise[rows]) - 1.0) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(m_two[0]["ops/token_mean"], want, rtol=1e-4)
+
+
+def test_compute_logprobs_aligns_with_the_model(model, batch_and_noise):
+    """Entry t scores tokens[t] with the logits at t - 1, at the given temperature; padding is 0."""
+    batch, _ = batch_and_noise
+    graphdef, params = learner.split_params(model)
+    got = np.asarray(learner.compute_logprobs(graphdef, params, batch["tokens"], batch["attention_mask"], 0.7))
+    want = np.asarray(token_logprobs(model(batch["tokens"])[:, :-1], batch["tokens"][:, 1:], 0.7))
+    valid = batch["attention_mask"][:, 1:]
+    np.testing.assert_allclose(got[:, 1:][valid], want[valid], atol=1e-5)
+    assert np.all(got[:, 0] == 0) and np.all(got[:, 1:][~valid] == 0)
+
+
+def test_positive_advantages_raise_logprob(model, mesh1, batch_and_noise):
+    """On-policy batch with A = +1: OPS starts at 0 and the log-prob of the sampled responses goes up."""
+    batch, noise = batch_and_noise
+    graphdef, params = learner.split_params(model)
+    mask = batch["loss_mask"]
+    on_policy = dict(batch, behavior_logp=batch["behavior_logp"] - noise, advantages=np.ones(B, np.float32))
+    state, history = _train(model, mesh1, learner.LearnerConfig(), on_policy, steps=5)
+    assert history[0]["ops/token_mean"] < 1e-5 and history[0]["policy/clip_fraction"] == 0.0
+    assert history[0]["loss"] == pytest.approx(-1.0, abs=1e-5)  # -mean(r A) with r = 1
+    losses = [h["loss"] for h in history]
+    assert losses[1] < losses[0] - 0.05 and losses[2] < losses[1]
+    # With A = 1 the clipped surrogate is bounded by -(1 + eps_high); once there most tokens are clipped.
+    assert min(losses) >= -1.28 - 1e-4 and history[-1]["policy/clip_fraction"] > 0.5
+
+    def mean_logp(p):
+        logp = np.asarray(learner.compute_logprobs(graphdef, p, batch["tokens"], batch["attention_mask"], 1.0))
+        return (logp * mask).sum() / mask.sum()
+
+    assert mean_logp(state.params) > mean_logp(params) + 0.05
+
+
+def test_state_is_donated_and_step_compiles_once(model, mesh1, batch_and_noise):
+    batch, _ = batch_and_noise
+    step = _step_fn(model, mesh1, learner.LearnerConfig())
+    state = learner.init_train_state(model, OPT, mesh1)
+    new_state, _ = step(state, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(learner.split_params(model)[1]))  # model not aliased
+    new_state, _ = step(new_state, batch)
+    assert int(new_state.step) == 2
+    assert step._cache_size() == 1
+
+
+def test_bad_loss_name_lists_known_names():
+    with pytest.raises(ValueError, match=r"unknown loss 'nope'; known: \['grpo', 'gspo'"):
+        learner.LearnerConfig(loss_name="nope")
+
+
+def test_schedules_and_config_errors():
+    cos = learner.make_schedule(learner.OptimizerConfig(
+        learning_rate=1.0, warmup_steps=10, schedule="cosine", total_steps=110, end_lr_ratio=0.1))
+    assert float(cos(0)) == 0.0 and float(cos(5)) == pytest.approx(0.5)
+    assert float(cos(10)) == pytest.approx(1.0) and float(cos(110)) == pytest.approx(0.1)
+    const = learner.make_schedule(learner.OptimizerConfig(learning_rate=2.0, warmup_steps=4))
+    assert float(const(2)) == pytest.approx(1.0) and float(const(100)) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="needs total_steps"):
+        learner.OptimizerConfig(schedule="cosine")
+    with pytest.raises(ValueError, match="schedule 'linear' is unknown"):
+        learner.OptimizerConfig(schedule="linear")
+    with pytest.raises(ValueError, match="num_minibatches"):
+        learner.LearnerConfig(num_minibatches=0)
