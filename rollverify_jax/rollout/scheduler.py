@@ -172,7 +172,8 @@ class Scheduler:
             return
         gt = [t for _, t in go]
         tok, logp = engine.insert(
-            prefix, [slots.index(s) for s, _ in go], [s for s, _ in go], [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
+            prefix, [slots.index(s) for s, _ in go], [s for s, _ in go],
+            [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
             [t.seed for t in gt], [t.max_new_tokens for t in gt])
         version = engine.version
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):

@@ -1,0 +1,43 @@
+"""Turns completed groups into the learner's fixed-shape batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rollverify_jax.rl.buffer import Group
+from rollverify_jax.rollout.scheduler import Trajectory
+
+
+def length_bucket(n: int, minimum: int = 64) -> int:
+    """Power-of-two padded length, so the train step compiles for a handful of shapes only."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def flatten_groups(groups: list[Group]) -> list[Trajectory]:
+    """Trajectories in (group, uid) order."""
+    return [g.finished[uid] for g in groups for uid in sorted(g.finished)]
+
+
+def build_batch(trajs: list[Trajectory], advantages: np.ndarray, loss_keep: np.ndarray,
+                max_len: int | None = None) -> dict[str, np.ndarray]:
+    """tokens = prompt + response (right padded); behavior_logp[t] = log mu(tokens[t]) on response tokens;
+    loss_mask = 1 on response tokens of trajectories kept by the filter."""
+    longest = max(len(t.prompt) + t.num_tokens for t in trajs)
+    width = max_len or length_bucket(longest)
+    n = len(trajs)
+    tokens = np.zeros((n, width), np.int32)
+    behavior = np.zeros((n, width), np.float32)
+    mask = np.zeros((n, width), np.float32)
+    valid = np.zeros((n, width), bool)
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt), t.num_tokens
+        tokens[i, :p] = t.prompt
+        tokens[i, p: p + r] = t.tokens
+        behavior[i, p: p + r] = t.logps
+        mask[i, p: p + r] = float(loss_keep[i])
+        valid[i, : p + r] = True
+    return {"tokens": tokens, "behavior_logp": behavior, "loss_mask": mask, "attention_mask": valid,
+            "advantages": np.asarray(advantages, np.float32)}

@@ -1,0 +1,335 @@
+"""The main job: ``python -m rollverify_jax.train --gin_file=configs/tiny_rollverify.gin [--gin_param=...]``.
+
+GRPO on the rollout engine, in one of three rollout modes (on-policy, naive partial, RollVerify), with
+orbax checkpoints: running the same command again continues from the latest step of its workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import gin
+import jax
+import numpy as np
+
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.data.datasets import PromptIterator, get_dataset
+from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.evaluate import evaluate_policy
+from rollverify_jax.metrics import MetricsWriter, ProgressBar, save_operative_config
+from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
+from rollverify_jax.models.hf import config_to_hf
+from rollverify_jax.rl import advantages as adv_lib
+from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.rl.batch import build_batch, flatten_groups
+from rollverify_jax.rl.filters import ops_keep, staleness_keep
+from rollverify_jax.rl.losses import sequence_ops
+from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
+from rollverify_jax.rollout.engine import Engine, EngineConfig
+from rollverify_jax.rollout.sampling import SamplingConfig
+from rollverify_jax.rollout.scheduler import Scheduler
+from rollverify_jax.verify import SwitchConfig, SwitchState, window_mean
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What a run is: its policy, data, length and bookkeeping. Component settings have their own gin
+    configurables (RolloutConfig, EngineConfig, SamplingConfig, LearnerConfig, LossConfig, OptimizerConfig,
+    SwitchConfig, CheckpointConfig, RewardScorer, make_mesh)."""
+
+    run_name: str | None = None  # workdir = runs_root/run_name (default: the first gin file's stem)
+    runs_root: str = "runs"
+    policy_path: str | None = "assets/tiny_policy"  # HF-layout dir with tokenizer; None: random model_config()
+    tokenizer_path: str | None = None  # defaults to policy_path
+    param_dtype: str | None = None
+    compute_dtype: str | None = None
+    num_steps: int = 40
+    seed: int = 0
+    advantage: str = "grpo"
+    train_dataset: str = "synthetic"
+    train_dataset_kwargs: dict = dataclasses.field(default_factory=dict)
+    eval_dataset: str = "synthetic"
+    eval_dataset_kwargs: dict = dataclasses.field(default_factory=lambda: {"split": "test"})
+    eval_size: int = 64
+    eval_samples: int = 4
+    eval_every: int = 10  # 0: never (besides the start and the end)
+    chat_template: bool = False
+    metrics_tensorboard: bool = True
+
+    def __post_init__(self):
+        if self.num_steps < 0:
+            raise ValueError(f"TrainConfig.num_steps={self.num_steps} must be >= 0.")
+        adv_lib.get_advantage_fn(self.advantage)
+
+
+def parse_gin(files: list[str], params: list[str]) -> None:
+    for f in files:
+        if not Path(f).exists():
+            raise FileNotFoundError(f"gin file {f} does not exist.")
+    gin.parse_config_files_and_bindings(files, params)
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training or evaluation run holds, built by ``build``."""
+
+    cfg: TrainConfig
+    workdir: Path | None
+    tokenizer: Tokenizer
+    model: object
+    mesh: object
+    engine: Engine
+    scorer: RewardScorer
+    eval_records: list
+    graphdef: object = None
+    train_state: object = None
+    train_step: object = None
+    manager: RolloutManager | None = None
+    iterator: PromptIterator | None = None
+    checkpointer: Checkpointer | None = None
+    switch_cfg: SwitchConfig | None = None
+    switch_state: SwitchState | None = None
+    learner_cfg: learner_lib.LearnerConfig | None = None
+    ref_params: object = None
+    wall_offset: float = 0.0
+    step: int = 0  # completed training steps = the policy version the engine samples with
+
+    def encode(self, record: dict) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode_prompt(record["prompt"], chat=self.cfg.chat_template), np.int32)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def evaluate(self) -> dict:
+        rollout_cfg = RolloutConfig()
+        return evaluate_policy(self.engine, self.eval_records, self.encode, self.decode, self.scorer,
+                               self.cfg.eval_samples, rollout_cfg.max_new_tokens)
+
+    def close(self) -> None:
+        self.scorer.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+
+def _load_policy(cfg: TrainConfig, mesh):
+    if cfg.policy_path is None:
+        return init_model(model_config(), seed=cfg.seed)
+    return load_pretrained(cfg.policy_path, dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh)
+
+
+def _fingerprint(model) -> dict:
+    raw = config_to_hf(model.cfg)
+    return {k: raw[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
+
+
+def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None = None,
+          for_training: bool = False) -> Run:
+    """Builds the policy, tokenizer, engine, data, learner and checkpointer from the gin configuration.
+
+    With ``checkpoint`` (evaluation), the params come from an orbax checkpoint (a workdir or one of its
+    step directories) or from an HF-layout directory.
+    """
+    mesh = mesh_lib.make_mesh()
+    hf_checkpoint = checkpoint is not None and (checkpoint / "config.json").exists()
+    if hf_checkpoint:
+        cfg = dataclasses.replace(cfg, policy_path=str(checkpoint),
+                                  tokenizer_path=cfg.tokenizer_path or cfg.policy_path)
+    model = _load_policy(cfg, mesh)
+    tok_path = cfg.tokenizer_path or cfg.policy_path
+    if tok_path is None:
+        raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
+    tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=model.cfg.vocab_size)
+    rollout_cfg = RolloutConfig()
+    engine = Engine(model, EngineConfig(), SamplingConfig(), eos_ids=tokenizer.eos_ids, mesh=mesh)
+    scorer = RewardScorer()
+    eval_records = list(get_dataset(cfg.eval_dataset, **cfg.eval_dataset_kwargs))[: cfg.eval_size]
+    if not eval_records:
+        raise ValueError(f"Eval dataset {cfg.eval_dataset!r} with {cfg.eval_dataset_kwargs} is empty.")
+    run = Run(cfg=cfg, workdir=workdir, tokenizer=tokenizer, model=model, mesh=mesh, engine=engine, scorer=scorer,
+              eval_records=eval_records)
+    if checkpoint is not None and not hf_checkpoint:
+        _restore_params_only(run, checkpoint)
+    if not for_training:
+        return run
+
+    learner_cfg = learner_lib.LearnerConfig()
+    optimizer = learner_lib.make_optimizer()
+    graphdef, _ = learner_lib.split_params(model)
+    shardings = learner_lib.train_state_shardings(model, optimizer, mesh)
+    run.graphdef, run.learner_cfg = graphdef, learner_cfg
+    run.train_state = learner_lib.init_train_state(model, optimizer, mesh, seed=cfg.seed)
+    run.train_step = learner_lib.make_train_step(graphdef, learner_cfg, optimizer, mesh, shardings)
+    if learner_cfg.loss.kl_coef > 0:
+        run.ref_params = jax.tree.map(lambda x: x.copy(), run.train_state.params)
+    records = list(get_dataset(cfg.train_dataset, **cfg.train_dataset_kwargs))
+    if not records:
+        raise ValueError(f"Train dataset {cfg.train_dataset!r} with {cfg.train_dataset_kwargs} is empty.")
+    run.iterator = PromptIterator(records, batch_size=1, seed=cfg.seed)
+    scheduler = Scheduler(engine)
+    run.manager = RolloutManager(rollout_cfg, scheduler, lambda: run.iterator.next_batch()[0], run.encode,
+                                 seed=cfg.seed)
+    run.switch_cfg = SwitchConfig()
+    run.switch_state = run.switch_cfg.init()
+    run.checkpointer = Checkpointer(workdir / "checkpoints", CheckpointConfig(), model_fingerprint=_fingerprint(model))
+    latest = run.checkpointer.latest_step()
+    if latest is not None:
+        abstract = learner_lib.abstract_train_state(model, optimizer, mesh)
+        _, run.train_state, extra = run.checkpointer.restore(latest, abstract_state=abstract)
+        run.iterator.set_state(extra["data"])
+        run.manager.load_state_dict(extra["rollout"])
+        run.switch_state = SwitchState.from_dict(extra["switch"])
+        run.wall_offset = float(extra["wall_time"])
+        run.step = int(extra["step"])
+    engine.update_params(run.train_state.params, version=run.step)
+    return run
+
+
+def _restore_params_only(run: Run, checkpoint: Path) -> None:
+    """Evaluation from an orbax checkpoint: a workdir, its checkpoints/ dir, or checkpoints/<step>."""
+    optimizer = learner_lib.make_optimizer()
+    if checkpoint.name.isdigit():
+        root, step = checkpoint.parent, int(checkpoint.name)
+    else:
+        root = checkpoint / "checkpoints" if (checkpoint / "checkpoints").exists() else checkpoint
+        step = None
+    with Checkpointer(root, CheckpointConfig(), model_fingerprint=_fingerprint(run.model)) as ckpt:
+        step = step if step is not None else ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"No checkpoint under {checkpoint}; pass a workdir, a checkpoint step "
+                                    "directory or an HF-layout policy directory.")
+        abstract = learner_lib.abstract_train_state(run.model, optimizer, run.mesh)
+        _, state, _ = ckpt.restore(step, abstract_state=abstract)
+    run.engine.update_params(state.params, version=step)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One training step
+
+
+def _group_advantages(run: Run, groups) -> tuple[np.ndarray, dict]:
+    trajs = flatten_groups(groups)
+    texts = [run.decode(t.tokens) for t in trajs]
+    answers = [g.record["answer"] for g in groups for _ in g.finished]
+    rewards, metrics = run.scorer.score(texts, answers, [t.num_tokens for t in trajs])
+    g = run.manager.config.group_size
+    adv = np.asarray(adv_lib.compute_advantages(np.asarray(rewards).reshape(-1, g), run.cfg.advantage)).reshape(-1)
+    return adv, {**metrics, "reward/mean": float(np.mean(rewards))}
+
+
+def _loss_keep(run: Run, trajs, batch) -> tuple[np.ndarray, dict]:
+    """Filters of the partial-rollout baselines: which trajectories count in the loss."""
+    rc = run.manager.config
+    keep = np.ones(len(trajs), bool)
+    if rc.filter == "staleness":
+        keep = staleness_keep([t.versions for t in trajs], run.engine.version, rc.s_max)
+    elif rc.filter == "ops":
+        new = learner_lib.compute_logprobs(run.graphdef, run.train_state.params, batch["tokens"],
+                                           batch["attention_mask"], run.learner_cfg.temperature)
+        mask = batch["behavior_logp"] != 0
+        seq_ops = np.asarray(sequence_ops(new, batch["behavior_logp"], mask))
+        keep = ops_keep(seq_ops, rc.ops_threshold)
+    return keep, {"filter/kept_fraction": float(keep.mean())}
+
+
+def train_one_step(run: Run) -> dict:
+    t0 = time.perf_counter()
+    phase = run.manager.run_phase()
+    trajs = flatten_groups(phase.groups)
+    adv, reward_metrics = _group_advantages(run, phase.groups)
+    batch = build_batch(trajs, adv, np.ones(len(trajs)))
+    keep, filter_metrics = _loss_keep(run, trajs, batch)
+    if not keep.all():
+        batch["loss_mask"] *= keep[:, None].astype(np.float32)
+    if run.ref_params is not None:
+        batch["ref_logp"] = np.asarray(learner_lib.compute_logprobs(
+            run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
+    t1 = time.perf_counter()
+    run.train_state, train_metrics = run.train_step(run.train_state, batch)
+    train_metrics = jax.device_get(train_metrics)
+    run.step += 1
+    version = run.step
+    run.engine.update_params(run.train_state.params, version=version)
+    t2 = time.perf_counter()
+    lengths = [t.num_tokens for t in trajs]
+    metrics = {**phase.metrics, **reward_metrics, **filter_metrics,
+               **{k: float(v) for k, v in train_metrics.items()},
+               "time/train": t2 - t1, "time/step": t2 - t0,
+               "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths))}
+    if run.manager.verifying and phase.metrics["verify/num_verified"] > 0:
+        run.switch_state = run.switch_cfg.update(run.switch_state, phase.metrics["verify/acceptance"], version)
+        if run.switch_state.on_policy:
+            run.manager.switch_to_on_policy()
+            metrics["mode/switch_step"] = run.switch_state.switch_step
+    metrics["verify/acceptance_window"] = window_mean(run.switch_state)
+    metrics["time/verify_fraction"] = phase.metrics["time/verify"] / max(t2 - t0, 1e-9)
+    return metrics
+
+
+def _checkpoint_extra(run: Run, wall: float) -> dict:
+    return {"step": run.step, "data": run.iterator.get_state(), "rollout": run.manager.state_dict(),
+            "switch": run.switch_state.to_dict(), "wall_time": wall}
+
+
+def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> Path:
+    name = cfg.run_name or (Path(gin_files[0]).stem if gin_files else "default")
+    return Path(cfg.runs_root) / name
+
+
+def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
+    """Runs (or resumes) training in ``workdir``; returns the metrics written by this invocation."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = build(cfg, workdir=workdir, for_training=True)
+    start = run.step
+    save_operative_config(workdir)
+    (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
+    writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1)
+    written = []
+    t_start = time.perf_counter() - run.wall_offset
+    try:
+        with ProgressBar(total_steps=cfg.num_steps, start_step=start) as bar:
+            if start == 0:
+                m = {**run.evaluate(), "time/wall": time.perf_counter() - t_start}
+                written.append(writer.write(0, m))
+                bar.update(0, m)
+            for step in range(start + 1, cfg.num_steps + 1):
+                metrics = train_one_step(run)
+                if step == cfg.num_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                    metrics.update(run.evaluate())
+                metrics["time/wall"] = time.perf_counter() - t_start
+                written.append(writer.write(step, metrics))
+                bar.update(step, metrics)
+                run.checkpointer.save(step, run.train_state, _checkpoint_extra(run, metrics["time/wall"]),
+                                      force=step == cfg.num_steps)
+    finally:
+        writer.close()
+        run.close()
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.num_steps=5")
+    ap.add_argument("--workdir", default=None, help="override runs_root/run_name")
+    args = ap.parse_args(argv)
+    parse_gin(args.gin_file, args.gin_param)
+    cfg = TrainConfig()
+    workdir = Path(args.workdir) if args.workdir else workdir_for(cfg, args.gin_file)
+    print(f"workdir: {workdir.resolve()}")
+    metrics = train(cfg, workdir)
+    evals = [m for m in metrics if "eval/accuracy" in m]
+    if evals:
+        print(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
+              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})")
+    print(f"metrics: {workdir / 'metrics.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()

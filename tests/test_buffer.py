@@ -1,0 +1,59 @@
+"""Paused-trajectory cache: group bookkeeping and an exact checkpoint round trip."""
+
+import numpy as np
+
+from rollverify_jax.rl.buffer import Group, PausedCache
+from rollverify_jax.rollout import Trajectory
+
+
+def _traj(uid, gid, n, finished=False, version=0):
+    rng = np.random.default_rng(uid)
+    return Trajectory(uid=uid, group_id=gid, prompt=np.arange(3, dtype=np.int32), seed=uid, max_new_tokens=9,
+                      tokens=list(rng.integers(0, 50, n)), logps=[float(np.float32(x)) for x in rng.normal(size=n)],
+                      versions=[version] * n, finished=finished, meta={"k": uid})
+
+
+def test_groups_complete_only_with_all_members():
+    cache = PausedCache()
+    cache.add_group(Group(0, 2, {"prompt": "a", "answer": "1"}))
+    cache.add_group(Group(1, 2, {"prompt": "b", "answer": "2"}))
+    cache.add_finished(_traj(0, 0, 3, True))
+    assert cache.num_complete() == 0
+    cache.add_finished(_traj(1, 0, 2, True))
+    cache.add_finished(_traj(2, 1, 2, True))
+    done = cache.pop_complete()
+    assert [g.group_id for g in done] == [0] and 0 not in cache.groups and 1 in cache.groups
+
+
+def test_take_for_resume_includes_waiting_finished_members_only_when_asked():
+    cache = PausedCache()
+    cache.add_group(Group(0, 2, {}))
+    cache.add_finished(_traj(0, 0, 3, True))
+    cache.pause([_traj(1, 0, 4)])
+    assert [t.uid for t in cache.take_for_resume(include_finished=False)] == [1]
+    cache.pause([_traj(1, 0, 4)])
+    assert sorted(t.uid for t in cache.take_for_resume(include_finished=True)) == [0, 1]
+    assert not cache.groups[0].finished and not cache.paused
+
+
+def test_staleness_histogram_input():
+    cache = PausedCache()
+    cache.add_group(Group(0, 3, {}))
+    cache.pause([_traj(1, 0, 4, version=2), _traj(2, 0, 0)])
+    cache.add_finished(_traj(3, 0, 2, True, version=4))
+    assert sorted(cache.staleness(5).tolist()) == [1, 3]
+
+
+def test_round_trip_is_exact():
+    cache = PausedCache()
+    cache.add_group(Group(7, 3, {"prompt": "p", "answer": "4"}))
+    cache.add_finished(_traj(10, 7, 5, True, version=3))
+    cache.pause([_traj(11, 7, 6, version=2), _traj(12, 7, 0)])
+    back = PausedCache.from_dict(cache.to_dict())
+    assert back.groups[7].record == {"prompt": "p", "answer": "4"} and back.groups[7].size == 3
+    for a, b in zip(cache.paused + list(cache.groups[7].finished.values()),
+                    back.paused + list(back.groups[7].finished.values()), strict=True):
+        assert (a.uid, a.group_id, a.seed, a.max_new_tokens, a.finished, a.meta) == \
+            (b.uid, b.group_id, b.seed, b.max_new_tokens, b.finished, b.meta)
+        assert a.tokens == b.tokens and a.logps == b.logps and a.versions == b.versions
+        np.testing.assert_array_equal(a.prompt, b.prompt)
