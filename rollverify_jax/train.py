@@ -69,9 +69,12 @@ class TrainConfig:
 
 
 def parse_gin(files: list[str], params: list[str]) -> None:
+    """Parses gin files (their includes resolve from the repository root too) and bindings."""
     for f in files:
         if not Path(f).exists():
             raise FileNotFoundError(f"gin file {f} does not exist.")
+        for root in (Path(f).resolve().parent, Path(f).resolve().parent.parent):
+            gin.add_config_file_search_path(str(root))
     gin.parse_config_files_and_bindings(files, params)
 
 
@@ -177,7 +180,7 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
                                  seed=cfg.seed)
     run.switch_cfg = SwitchConfig()
     run.switch_state = run.switch_cfg.init()
-    run.checkpointer = Checkpointer(workdir / "checkpoints", CheckpointConfig(), model_fingerprint=_fingerprint(model))
+    run.checkpointer = Checkpointer(workdir, CheckpointConfig(), model_fingerprint=_fingerprint(model))
     latest = run.checkpointer.latest_step()
     if latest is not None:
         abstract = learner_lib.abstract_train_state(model, optimizer, mesh)
@@ -194,11 +197,10 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
 def _restore_params_only(run: Run, checkpoint: Path) -> None:
     """Evaluation from an orbax checkpoint: a workdir, its checkpoints/ dir, or checkpoints/<step>."""
     optimizer = learner_lib.make_optimizer()
-    if checkpoint.name.isdigit():
-        root, step = checkpoint.parent, int(checkpoint.name)
-    else:
-        root = checkpoint / "checkpoints" if (checkpoint / "checkpoints").exists() else checkpoint
-        step = None
+    if checkpoint.name.isdigit():  # <workdir>/checkpoints/<step>
+        root, step = checkpoint.parent.parent, int(checkpoint.name)
+    else:  # <workdir> or <workdir>/checkpoints
+        root, step = (checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint), None
     with Checkpointer(root, CheckpointConfig(), model_fingerprint=_fingerprint(run.model)) as ckpt:
         step = step if step is not None else ckpt.latest_step()
         if step is None:
