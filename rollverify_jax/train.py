@@ -320,9 +320,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.num_steps=5")
     ap.add_argument("--workdir", default=None, help="override runs_root/run_name")
+    ap.add_argument("--dry_run", action="store_true", help="validate the configuration, load no weights")
+    ap.add_argument("--dry_run_devices", type=int, default=8, help="device count the dry run lays the mesh on")
     args = ap.parse_args(argv)
     parse_gin(args.gin_file, args.gin_param)
     cfg = TrainConfig()
+    if args.dry_run:
+        from rollverify_jax.dry_run import dry_run
+
+        report = dry_run(cfg, args.dry_run_devices)
+        print("dry run OK: " + json.dumps(report))
+        return
     workdir = Path(args.workdir) if args.workdir else workdir_for(cfg, args.gin_file)
     print(f"workdir: {workdir.resolve()}")
     metrics = train(cfg, workdir)
