@@ -59,6 +59,7 @@ class TrainConfig:
     eval_size: int = 64
     eval_samples: int = 4
     eval_every: int = 10  # 0: never (besides the start and the end)
+    time_budget_s: float = 0.0  # > 0: stop after the first step that ends past this wall-clock (for comparisons)
     chat_template: bool = False
     metrics_tensorboard: bool = True
 
@@ -302,13 +303,16 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 bar.update(0, m)
             for step in range(start + 1, cfg.num_steps + 1):
                 metrics = train_one_step(run)
-                if step == cfg.num_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                last = step == cfg.num_steps or (
+                    cfg.time_budget_s > 0 and time.perf_counter() - t_start >= cfg.time_budget_s)
+                if last or (cfg.eval_every and step % cfg.eval_every == 0):
                     metrics.update(run.evaluate())
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)
-                run.checkpointer.save(step, run.train_state, _checkpoint_extra(run, metrics["time/wall"]),
-                                      force=step == cfg.num_steps)
+                run.checkpointer.save(step, run.train_state, _checkpoint_extra(run, metrics["time/wall"]), force=last)
+                if last:
+                    break
     finally:
         writer.close()
         run.close()

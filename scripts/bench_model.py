@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import benchlib
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-import benchlib
 from rollverify_jax.models import init_model, model_config
 
 

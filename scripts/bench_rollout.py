@@ -15,9 +15,9 @@ import argparse
 import json
 import time
 
+import benchlib
 import numpy as np
 
-import benchlib
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout import engine as engine_lib

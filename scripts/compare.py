@@ -1,0 +1,141 @@
+"""Runs rollout modes side by side with the same seeds and budget, and writes docs/results/<name>.md + plots.
+
+Each mode is a separate process (`python -m rollverify_jax.train`) so wall-clock numbers are not shared.
+Usage: python scripts/compare.py --name tiny_modes --modes onpolicy partial staleness opsfilter rollverify \
+           --steps 40 [--time_budget_s 0] [--gin_param ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollverify_jax.metrics import read_metrics  # noqa: E402
+
+LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
+          "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "RollVerify + GSPO",
+          "sapo": "RollVerify + SAPO", "vespo": "RollVerify + VESPO"}
+PLOTS = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"), ("ops/token_mean", "train-time OPS"),
+         ("verify/acceptance", "acceptance (cycle)")]
+
+
+def run_mode(mode: str, workdir: Path, steps: int, budget: float, extra: list[str]) -> None:
+    cmd = [sys.executable, "-m", "rollverify_jax.train", f"--gin_file=configs/tiny_{mode}.gin", f"--workdir={workdir}",
+           f"--gin_param=TrainConfig.num_steps={steps}", f"--gin_param=TrainConfig.time_budget_s={budget}",
+           *[f"--gin_param={p}" for p in extra]]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    pts = [(r["step"], r.get("time/wall", np.nan), r[key]) for r in rows if r.get(key) is not None]
+    if not pts:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    a = np.asarray(pts, float)
+    return a[:, 0], a[:, 1], a[:, 2]
+
+
+def summarize(rows: list[dict]) -> dict:
+    train = [r for r in rows if r["step"] > 0]
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+
+    def mean(key):
+        vals = [r[key] for r in train if r.get(key) is not None]
+        return float(np.mean(vals)) if vals else float("nan")
+    switch = [r["mode/switch_step"] for r in train if r.get("mode/switch_step") is not None]
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "acc0": evals[0]["eval/accuracy"] if evals else float("nan"),
+        "acc": evals[-1]["eval/accuracy"] if evals else float("nan"),
+        "reward": float(np.mean([r["reward/mean"] for r in train[-5:]])) if train else float("nan"),
+        "wall": train[-1]["time/wall"] if train else 0.0,
+        "rollout": sum(r["time/rollout"] for r in train), "train": sum(r["time/train"] for r in train),
+        "verify": sum(r["time/verify"] for r in train), "util": mean("rollout/slot_utilization"),
+        "ops": mean("ops/token_mean"), "acceptance": mean("verify/acceptance") if any(
+            r.get("verify/num_verified") for r in train) else float("nan"),
+        "switch": int(switch[0]) if switch else None, "entropy": mean("policy/entropy"),
+    }
+
+
+def plot(results: dict[str, list[dict]], out: Path, name: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for axis, idx in (("wall-clock (s)", 1), ("step", 0)):
+        fig, axes = plt.subplots(1, len(PLOTS), figsize=(5 * len(PLOTS), 3.8))
+        for ax, (key, title) in zip(axes, PLOTS, strict=True):
+            for mode, rows in results.items():
+                s = _series(rows, key)
+                if s[2].size:
+                    ax.plot(s[idx], s[2], marker="o" if key == "eval/accuracy" else None, ms=3,
+                            label=LABELS.get(mode, mode))
+            ax.set_title(title)
+            ax.set_xlabel(axis)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fname = f"{name}_vs_{'wall' if idx else 'step'}.png"
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        files.append(fname)
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--name", default="tiny_modes")
+    ap.add_argument("--modes", nargs="+", default=["onpolicy", "partial", "staleness", "opsfilter", "rollverify"])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--time_budget_s", type=float, default=0.0)
+    ap.add_argument("--gin_param", action="append", default=[])
+    ap.add_argument("--skip_runs", action="store_true", help="only re-read existing workdirs and rewrite the report")
+    args = ap.parse_args()
+    runs = ROOT / "runs" / f"compare_{args.name}"
+    out = ROOT / "docs" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for mode in args.modes:
+        workdir = runs / mode
+        if not args.skip_runs:
+            if workdir.exists():
+                import shutil
+
+                shutil.rmtree(workdir)
+            run_mode(mode, workdir, args.steps, args.time_budget_s, args.gin_param)
+        results[mode] = read_metrics(workdir / "metrics.jsonl")
+    summary = {m: summarize(r) for m, r in results.items()}
+    files = plot(results, out, args.name)
+    lines = [f"# Comparison: {args.name}", "",
+             f"Command: `python scripts/compare.py --name {args.name} --modes {' '.join(args.modes)} --steps "
+             f"{args.steps} --time_budget_s {args.time_budget_s}" +
+             "".join(f" --gin_param \"{p}\"" for p in args.gin_param) + "`", "",
+             "Same seeds, data order and budget for every mode; each ran in its own process on this machine.", "",
+             "| mode | steps | held-out acc (start -> end) | reward (last 5) | wall (s) | rollout (s) | train (s) | "
+             "verify (s) | slot util | mean OPS | acceptance | entropy | switch step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m, s in summary.items():
+        lines.append(
+            f"| {LABELS.get(m, m)} | {s['steps']} | {s['acc0']:.3f} -> {s['acc']:.3f} | {s['reward']:.3f} | "
+            f"{s['wall']:.0f} | {s['rollout']:.0f} | {s['train']:.0f} | {s['verify']:.2f} | {s['util']:.3f} | "
+            f"{s['ops']:.4f} | {s['acceptance']:.3f} | {s['entropy']:.3f} | {s['switch'] or '-'} |")
+    lines += ["", *[f"![{f}]({f})" for f in files], ""]
+    report = out / f"{args.name}.md"
+    existing = report.read_text() if report.exists() else ""
+    notes = existing[existing.index("## Observations"):] if "## Observations" in existing else \
+        "## Observations\n\n(written by hand after looking at the run)\n"
+    report.write_text("\n".join(lines) + "\n" + notes)
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()
