@@ -60,7 +60,7 @@ def run_continuous(engine: Engine, reqs: list[Trajectory], target_finished: int)
         # keep the queue ahead of the free slots: partial rollout always has prompts waiting
         sched.submit([next(stream) for _ in range(2 * slots - len(paused))] if len(paused) < 2 * slots else [])
         phase_goal = min(slots, target_finished - finished)
-        sched.run(until=lambda s: len(s.finished) >= phase_goal)
+        sched.run(until=lambda s, goal=phase_goal: len(s.finished) >= goal)
         finished += len(sched.take_finished())
         paused = sched.pause_all()
         phases += 1
@@ -73,7 +73,8 @@ def run_continuous(engine: Engine, reqs: list[Trajectory], target_finished: int)
 
 def _summary(sched: Scheduler, wall: float, useful_tokens: int, sequences: int) -> dict:
     st = sched.stats
-    return dict(tokens_per_s=useful_tokens / wall, slot_utilization=st.slot_utilization(sched.engine.config.num_slots),
+    return dict(tokens_per_s=useful_tokens / wall,
+                slot_utilization=st.slot_utilization(sched.engine.config.num_slots),
                 host_overhead=st.host_time / wall, prefill_fraction=st.prefill_time / wall, wall_s=wall, useful_tokens=useful_tokens, sequences=sequences,
                 decode_steps=st.decode_steps, dispatches=st.dispatches, prefill_tokens=st.prefill_tokens)
 
@@ -108,7 +109,8 @@ def main() -> None:
     ratio = cont["tokens_per_s"] / static["tokens_per_s"]
     for name, r in (("static", static), ("continuous", cont)):
         print(f"{name:>10}: {r['tokens_per_s']:8.0f} tokens/s  slot utilization {r['slot_utilization']:.3f}  "
-              f"host overhead {r['host_overhead']:.3f}  prefill {r['prefill_fraction']:.3f}  wall {r['wall_s']:.1f}s  decode steps {r['decode_steps']}")
+              f"host overhead {r['host_overhead']:.3f}  prefill {r['prefill_fraction']:.3f}  "
+              f"wall {r['wall_s']:.1f}s  decode steps {r['decode_steps']}")
     print(f"continuous / static tokens/s: {ratio:.2f}x; recompiles during timed runs: {recompiles}")
     rows = ["| mode | tokens/s | slot utilization | host overhead | prefill share | wall (s) | decode steps | "
             "useful tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
