@@ -75,7 +75,8 @@ def _summary(sched: Scheduler, wall: float, useful_tokens: int, sequences: int) 
     st = sched.stats
     return dict(tokens_per_s=useful_tokens / wall,
                 slot_utilization=st.slot_utilization(sched.engine.config.num_slots),
-                host_overhead=st.host_time / wall, prefill_fraction=st.prefill_time / wall, wall_s=wall, useful_tokens=useful_tokens, sequences=sequences,
+                host_overhead=st.host_time / wall, prefill_fraction=st.prefill_time / wall, wall_s=wall,
+                useful_tokens=useful_tokens, sequences=sequences,
                 decode_steps=st.decode_steps, dispatches=st.dispatches, prefill_tokens=st.prefill_tokens)
 
 
