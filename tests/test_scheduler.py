@@ -9,6 +9,7 @@ from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 
 CFG = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3)
+PAGE_BYTES = 2 * 4 * 2 * 8 * 32 * 4  # K+V, 4 layers, 2 kv heads, 8 tokens, head_dim 32, float32
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +111,30 @@ def test_slot_refill_keeps_utilization_high(engine):
     assert sched.stats.slot_utilization(CFG.num_slots) > 0.6
 
 
-def test_request_that_does_not_fit_yet_waits():
-    model = init_model(model_config("tiny"), seed=0)
+def test_request_that_does_not_fit_yet_waits(model):
     small = Engine(model, EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3,
-                                       kv_memory_bytes=7 * 2 * 4 * 2 * 8 * 32 * 4))  # 7 pages: scratch + 6
+                                       kv_memory_bytes=7 * PAGE_BYTES, page_reservation="full"))  # scratch + 6
     sched = _submit(small, [Trajectory(uid=i, group_id=i, prompt=np.arange(4, 12, dtype=np.int32), seed=i,
                                        max_new_tokens=16) for i in range(3)])  # 3 pages each
     sched.step()
     assert len(sched.slots) == 2 and len(sched.queue) == 1
     sched.run()
     assert len(sched.finished) == 3 and small.allocator.num_free == small.allocator.capacity
+
+
+def test_incremental_pages_preempt_and_still_give_the_same_samples(model, engine):
+    """A pool too small for every slot at full length: slots grow page by page, some are preempted and
+    resumed later, and every sample equals the one from an unconstrained pool."""
+    reference = _finish_all(_submit(engine, _requests(6, seed=5, max_new=40)))
+    small_pool = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3,
+                              kv_memory_bytes=12 * PAGE_BYTES)  # 11 usable pages; 3 full sequences need 18
+    tight = Engine(model, small_pool, SamplingConfig(temperature=1.0), eos_ids=(3,))
+    sched = _submit(tight, _requests(6, seed=5, max_new=40))
+    done = _finish_all(sched)
+    assert sched.stats.preemptions > 0
+    for uid, t in reference.items():
+        assert done[uid].tokens == t.tokens, uid
+        np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
 
 
 @pytest.mark.parametrize("prompt, max_new, match", [

@@ -37,8 +37,11 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     kv_dtype: str = "float32"
     min_prefill_len: int = 32
+    page_reservation: str = "incremental"  # 'incremental': pages as sequences grow; 'full': prompt + max new
 
     def __post_init__(self):
+        if self.page_reservation not in ("incremental", "full"):
+            raise ValueError(f"EngineConfig.page_reservation={self.page_reservation!r}: use 'incremental' or 'full'.")
         for name in ("num_slots", "page_size", "max_seq_len", "steps_per_dispatch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1.")
@@ -179,6 +182,11 @@ _generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3), donate_argnums=(2,)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+def _set_page_table_fn(state: DecodeState, table: jax.Array) -> DecodeState:
+    return dataclasses.replace(state, page_table=table)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _deactivate_fn(state: DecodeState, mask: jax.Array) -> DecodeState:
     return dataclasses.replace(state, active=state.active & ~mask)
 
@@ -273,6 +281,7 @@ class Engine:
                                             zeros.astype(bool))
         self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
         self.state = _deactivate_fn(self.state, np.zeros((self.config.num_slots,), bool))
+        self.sync_page_table()
 
     def prefill_bucket(self, num_tokens: int) -> int:
         """The padded length a sequence of ``num_tokens`` is prefilled at."""
@@ -323,6 +332,10 @@ class Engine:
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
         tokens, logps, emitted, active = jax.device_get((*out, self.state.active))
         return tokens, logps, emitted, active
+
+    def sync_page_table(self) -> None:
+        """Pushes the host page table to the device after pages were granted to running slots."""
+        self.state = _set_page_table_fn(self.state, self.allocator.table.copy())
 
     def deactivate(self, slots: list[int]) -> None:
         mask = np.zeros((self.config.num_slots,), bool)

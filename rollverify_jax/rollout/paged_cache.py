@@ -81,8 +81,8 @@ def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, page_table:
 
 
 class PageAllocator:
-    """Host-side free list and page table. A sequence reserves all the pages it can ever need when it is
-    admitted (prompt + max new tokens), so a running sequence never waits for memory."""
+    """Host-side free list and page table. Pages are granted per slot as its sequence grows (``grow``);
+    ``release`` returns them all when the sequence finishes, pauses or is preempted."""
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int, max_seq_len: int):
         if num_pages < 2:
@@ -120,15 +120,24 @@ class PageAllocator:
         return self.pages_needed(num_tokens) <= len(self.free)
 
     def allocate(self, slot: int, num_tokens: int) -> None:
+        """Pages for a newly admitted sequence of ``num_tokens``."""
         if slot in self.owned:
             raise RuntimeError(f"Slot {slot} already holds pages.")
+        if not self.grow(slot, num_tokens):
+            raise RuntimeError(f"Need {self.pages_needed(num_tokens)} pages, {len(self.free)} free.")
+
+    def grow(self, slot: int, num_tokens: int) -> bool:
+        """Extends ``slot``'s pages to cover ``num_tokens``; False (and nothing changes) when too few are free."""
+        have = self.owned.get(slot, [])
         n = self.pages_needed(num_tokens)
-        if n > len(self.free):
-            raise RuntimeError(f"Need {n} pages, {len(self.free)} free.")
-        pages = [self.free.pop() for _ in range(n)]
-        self.owned[slot] = pages
-        self.table[slot, :] = SCRATCH_PAGE
-        self.table[slot, :n] = pages
+        extra = n - len(have)
+        if extra > len(self.free):
+            return False
+        if extra > 0:
+            new = [self.free.pop() for _ in range(extra)]
+            self.table[slot, len(have): n] = new
+            self.owned[slot] = have + new
+        return True
 
     def release(self, slot: int) -> None:
         pages = self.owned.pop(slot, [])

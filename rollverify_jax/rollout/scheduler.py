@@ -73,6 +73,7 @@ class RolloutStats:
     useful_token_steps: int = 0
     tokens_generated: int = 0
     prefill_sequences: int = 0
+    preemptions: int = 0
     prefill_tokens: int = 0
     prefill_time: float = 0.0  # prefill + insert dispatches (includes waiting for the device)
     decode_time: float = 0.0  # generate dispatches (includes waiting for the device)
@@ -125,15 +126,25 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------
     # One dispatch
 
+    def _tokens_to_reserve(self, t: Trajectory) -> int:
+        """Cache positions a slot must own through the next dispatch (everything, under 'full' reservation)."""
+        full = len(t.prompt) + t.max_new_tokens
+        if self.engine.config.page_reservation == "full":
+            return full
+        return min(full, len(t.prompt) + t.num_tokens + self.engine.config.steps_per_dispatch + 1)
+
     def _admit(self) -> None:
-        """Fills free slots from the queue head while pages fit (a request that does not fit yet waits)."""
+        """Fills free slots from the queue head while pages fit (a request that does not fit yet waits).
+        Under incremental reservation, one page per running slot stays free as headroom for their growth."""
         alloc = self.engine.allocator
         batch: list[tuple[int, _Pending]] = []
         free = self.free_slots
+        incremental = self.engine.config.page_reservation == "incremental"
         while self.queue and free:
             p = self.queue[0]
-            need = len(p.traj.prompt) + p.traj.max_new_tokens
-            if not alloc.can_allocate(need):
+            need = self._tokens_to_reserve(p.traj)
+            headroom = (len(self.slots) + len(batch)) * alloc.page_size if incremental else 0
+            if not alloc.can_allocate(need + headroom):
                 break
             self.queue.popleft()
             slot = free.pop(0)
@@ -228,11 +239,33 @@ class Scheduler:
         self.engine.allocator.release(slot)
         self.finished.append(t)
 
+    def _grow_or_preempt(self) -> None:
+        """Grants each running slot the pages of its next dispatch; a slot that cannot grow is preempted back
+        to the queue head (it resumes later by re-prefill, with the same seeds, so its sample is unchanged)."""
+        if self.engine.config.page_reservation == "full":
+            return
+        alloc, grew, preempted = self.engine.allocator, False, []
+        for slot, t in sorted(self.slots.items(), key=lambda kv: kv[1].uid):
+            before = len(alloc.owned.get(slot, []))
+            if alloc.grow(slot, self._tokens_to_reserve(t)):
+                grew |= len(alloc.owned[slot]) > before
+            else:
+                preempted.append(slot)
+        if preempted:
+            self.engine.deactivate(preempted)
+            for slot in reversed(preempted):
+                alloc.release(slot)
+                self.queue.appendleft(_Pending(self.slots.pop(slot), None))
+            self.stats.preemptions += len(preempted)
+        if grew:
+            self.engine.sync_page_table()
+
     def step(self) -> int:
         """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated."""
         t0 = time.perf_counter()
         prefill_before = self.stats.prefill_time
         self._admit()
+        self._grow_or_preempt()
         if not self.slots:
             return 0
         t1 = time.perf_counter()
