@@ -70,8 +70,8 @@ def dry_run(train_cfg, num_devices: int) -> dict:
     return {"params": cfg.num_params(), "param_bytes_per_device": per_device, "mesh": dict(mesh.shape),
             "rows_per_step": rows, "kv_bytes_per_sequence": kv_per_seq,
             "kv_bytes_all_slots": kv_per_seq * engine.num_slots,
-            "full_length_sequences_in_kv_budget": min(engine.num_slots, (engine.kv_memory_bytes or kv_per_seq * engine.num_slots)
-                                             // kv_per_seq), "mode": rollout.mode, "loss": learner_cfg.loss_name}
+            "full_length_sequences_in_kv_budget":
+                (engine.kv_memory_bytes or kv_per_seq * engine.num_slots) // kv_per_seq, "mode": rollout.mode, "loss": learner_cfg.loss_name}
 
 
 def _bound(name: str) -> bool:
