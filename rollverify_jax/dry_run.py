@@ -71,7 +71,8 @@ def dry_run(train_cfg, num_devices: int) -> dict:
             "rows_per_step": rows, "kv_bytes_per_sequence": kv_per_seq,
             "kv_bytes_all_slots": kv_per_seq * engine.num_slots,
             "full_length_sequences_in_kv_budget":
-                (engine.kv_memory_bytes or kv_per_seq * engine.num_slots) // kv_per_seq, "mode": rollout.mode, "loss": learner_cfg.loss_name}
+                (engine.kv_memory_bytes or kv_per_seq * engine.num_slots) // kv_per_seq,
+            "mode": rollout.mode, "loss": learner_cfg.loss_name}
 
 
 def _bound(name: str) -> bool:
