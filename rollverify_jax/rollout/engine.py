@@ -121,19 +121,23 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return min(b, hi)
 
 
-def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens):
+def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens,
+                with_logp: bool):
     model = nnx.merge(static.graphdef, params)
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     attn = _PrefillAttention(state.pages, page_rows, valid)
     hidden, _ = model.hidden_states(tokens, attention=attn)
+    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
+    if not with_logp:  # new prompts: only the last position's logits are needed, and insert computes them
+        return state, Prefix(hidden=hidden, response_logp=jnp.zeros(tokens.shape, jnp.float32))
     logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
     logp_all = jax.nn.log_softmax(logits / static.sampling.logp_temperature, axis=-1)
     token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
     token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token
     idx = jnp.clip(prompt_lens[:, None] + jnp.arange(tokens.shape[1])[None], 0, tokens.shape[1] - 1)
     response_logp = jnp.take_along_axis(token_logp, idx, axis=1)
-    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
     return state, Prefix(hidden=hidden, response_logp=response_logp)
+
 
 def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots, sample_pos, gen_index, seeds,
                max_new, page_rows, row_valid):
@@ -151,6 +155,7 @@ def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots,
         max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, ~done),
     )
     return state, (tok, logp)
+
 
 def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
     model = nnx.merge(static.graphdef, params)
@@ -175,8 +180,7 @@ def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
     return state, (tokens, logps, emitted)
 
 
-
-_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0,), donate_argnums=(2,))
+_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 7), donate_argnums=(2,))
 _insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,))
 _generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3), donate_argnums=(2,))
 
@@ -274,8 +278,10 @@ class Engine:
         for n in rows:
             ones, zeros = np.ones((n,), np.int32), np.zeros((n,), np.int32)
             for t in lengths:
-                self.state, prefix = _prefill_jit(self._static(), self.params, self.state, np.zeros((n, t), np.int32),
-                                                  ones, np.zeros((n, pps), np.int32), ones)
+                for with_logp in (False, True):
+                    self.state, prefix = _prefill_jit(self._static(), self.params, self.state,
+                                                      np.zeros((n, t), np.int32), ones, np.zeros((n, pps), np.int32),
+                                                      ones, with_logp)
                 self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros,
                                             zeros, zeros, zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32),
                                             zeros.astype(bool))
@@ -287,9 +293,11 @@ class Engine:
         """The padded length a sequence of ``num_tokens`` is prefilled at."""
         return _bucket(num_tokens, self.config.min_prefill_len, self.config.max_seq_len)
 
-    def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int]) -> Prefix:
+    def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
+                with_logp: bool = True) -> Prefix:
         """Runs prompt (+ cached response prefix) through the current params, writing K/V into the pages
-        already allocated to ``slots``. Returns the hidden states and the response tokens' log pi."""
+        already allocated to ``slots``. Returns the hidden states and (``with_logp``) the response tokens'
+        log pi, which verification needs; new prompts skip that full-vocabulary pass."""
         n = len(sequences)
         nb = _bucket(n, 1, max(self.config.num_slots, n))
         longest = max(len(s) for s in sequences)
@@ -303,7 +311,8 @@ class Engine:
         page_rows[:n] = self.allocator.table[slots]
         plens = np.zeros((nb,), np.int32)
         plens[:n] = prompt_lens
-        self.state, prefix = _prefill_jit(self._static(), self.params, self.state, tokens, lengths, page_rows, plens)
+        self.state, prefix = _prefill_jit(self._static(), self.params, self.state, tokens, lengths, page_rows, plens,
+                                          with_logp)
         return prefix
 
     def insert(self, prefix: Prefix, rows: list[int], slots: list[int], sample_pos: list[int],

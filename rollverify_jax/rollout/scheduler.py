@@ -165,7 +165,8 @@ class Scheduler:
         slots = [s for s, _ in batch]
         trajs = [p.traj for _, p in batch]
         seqs = [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]).astype(np.int32) for t in trajs]
-        prefix = engine.prefill(seqs, slots, [len(t.prompt) for t in trajs])
+        needs_logp = any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch)
+        prefix = engine.prefill(seqs, slots, [len(t.prompt) for t in trajs], with_logp=needs_logp)
         self.stats.prefill_sequences += len(seqs)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         keeps = self._verify(batch, prefix.response_logp)
