@@ -335,6 +335,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
         for stale in [_SINGLE, _INDEX, *[f.name for f in path.glob("model-*-of-*.safetensors")]]:
             (path / stale).unlink(missing_ok=True)
         for f in tmp.iterdir():
+            f.chmod(0o644)
             os.replace(f, path / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

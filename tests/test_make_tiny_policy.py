@@ -1,0 +1,125 @@
+"""Tests for scripts/make_tiny_policy.py and the committed embedded default under assets/tiny_policy."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollverify_jax.data.synthetic import SyntheticTask, char_vocabulary
+from rollverify_jax.models.hf import load_pretrained
+from rollverify_jax.models.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = ROOT / "assets" / "tiny_policy"
+EOS = "<|endoftext|>"
+
+
+@functools.cache
+def _load_script():
+    """scripts/ is not a package; load the module from its file (registered, as its dataclasses need)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_policy", ROOT / "scripts" / "make_tiny_policy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_policy_dir(path: Path) -> None:
+    """What every consumer of the policy relies on: HF weights, a tokenizer that fits them, the task."""
+    model = load_pretrained(path)
+    tokenizer = Tokenizer.from_dir(path, model_vocab_size=model.cfg.vocab_size)
+    assert tokenizer.vocab_size <= model.cfg.vocab_size
+    assert model.cfg.vocab_size % 8 == 0
+    assert tokenizer.eos_ids[0] == tokenizer.token_id(EOS)
+    assert tokenizer.decode(tokenizer.eos_ids[:1], skip_special_tokens=False) == EOS
+    assert tokenizer.pad_id is not None and tokenizer.pad_id not in tokenizer.eos_ids
+    assert tokenizer.decode(tokenizer.encode(char_vocabulary())) == char_vocabulary()
+    task_kwargs = json.loads((path / "task.json").read_text())
+    task = SyntheticTask(seed=0, split="test", **task_kwargs)
+    example = task.sample(0)
+    assert tokenizer.decode(tokenizer.encode(example["prompt"] + example["solution"])) == (
+        example["prompt"] + example["solution"]
+    )
+    longest = task.max_steps * 12 + 64  # generous bound on prompt + solution for this task
+    assert model.cfg.max_position_embeddings >= longest
+
+
+def _sampled_accuracy(readme: str) -> float:
+    match = re.search(r"Held-out sampled accuracy[^:]*:\s*([0-9.]+)", readme)
+    assert match, "README.md must report the held-out sampled accuracy"
+    return float(match.group(1))
+
+
+def test_script_writes_a_loadable_policy(tmp_path):
+    script = _load_script()
+    out = tmp_path / "policy"
+    report = script.main([
+        "--steps", "3", "--seed", "1", "--out", str(out), "--batch-rows", "2", "--eval-problems", "4",
+        "--num-samples", "1", "--eval-batch", "4",
+    ])
+    _check_policy_dir(out)
+    assert report["steps"] == 3
+    assert 0.0 <= report["eval"]["sampled_accuracy"] <= 1.0
+    assert 0.0 <= _sampled_accuracy((out / "README.md").read_text()) <= 1.0
+    assert json.loads((out / "task.json").read_text()) == report["task"]
+
+
+def test_max_lengths_bound_the_task():
+    script = _load_script()
+    task = SyntheticTask(seed=0, **script.TASK_KWARGS)
+    prompt_max, solution_max = script.max_lengths(task)
+    samples = [task.sample(i) for i in range(2000)]
+    assert max(len(s["prompt"]) for s in samples) <= prompt_max
+    assert max(len(s["solution"]) + 1 for s in samples) <= solution_max
+    assert all(script.num_ops(s["prompt"]) == s["solution"].count("=") for s in samples)
+
+
+def test_cached_greedy_matches_full_recompute():
+    """The script's KV-cache sampler must decode what the teacher-forced model would, despite left padding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from rollverify_jax.models.qwen3 import CausalAttention, init_model, model_config
+
+    script = _load_script()
+    cfg = model_config("tiny", vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = init_model(cfg, seed=3)
+    graphdef, params = nnx.split(model)
+    max_new = 6
+    sampler = script.make_sampler(graphdef, cfg, max_new, eos_id=15, pad_id=0)
+    prompts = [[3, 4, 5, 6, 7], [8, 9]]
+    width = 5
+    toks = np.zeros((2, width), np.int32)
+    valid = np.zeros((2, width), bool)
+    for r, p in enumerate(prompts):
+        toks[r, width - len(p):], valid[r, width - len(p):] = p, True
+    out = np.asarray(sampler(params, toks, valid, jax.random.key(0), True))
+    full = jax.jit(lambda x: model(x, attention=CausalAttention()))  # right padding: causal mask suffices
+    for r, p in enumerate(prompts):
+        seq = list(p)
+        for _ in range(max_new):
+            padded = np.zeros((1, width + max_new), np.int32)
+            padded[0, : len(seq)] = seq
+            nxt = int(jnp.argmax(full(padded)[0, len(seq) - 1]))
+            seq.append(nxt)
+            if nxt == 15:
+                break
+        generated = seq[len(p):]
+        assert out[r, : len(generated)].tolist() == generated
+
+
+@pytest.mark.skipif(not (ASSET / "config.json").exists(), reason="assets/tiny_policy not built yet")
+def test_committed_tiny_policy():
+    _check_policy_dir(ASSET)
+    assert 0.2 <= _sampled_accuracy((ASSET / "README.md").read_text()) <= 0.6
+    size = sum(f.stat().st_size for f in ASSET.iterdir() if f.is_file())
+    assert size < 20 * 2**20
