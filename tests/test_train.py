@@ -53,6 +53,7 @@ def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path):
         assert DESIGN_KEYS <= set(m), DESIGN_KEYS - set(m)
         assert m["mode/on_policy"] == 0 and 0 <= m["rollout/slot_utilization"] <= 1
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
+    assert metrics[-1]["learning_rate"] == pytest.approx(3e-3)  # gin bindings reach the optimizer
     assert "RolloutConfig.mode = 'rollverify'" in (tmp_path / "run" / "operative_config.gin").read_text()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert list((tmp_path / "run" / "tensorboard").glob("events.*"))

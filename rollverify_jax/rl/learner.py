@@ -117,9 +117,10 @@ def _decay_mask(params: Any) -> Any:
 
 
 @gin.configurable
-def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig | None = None) -> optax.GradientTransformation:
     """`chain(clip_by_global_norm, adamw)`; hyper-parameters live in the optimizer state (inject_hyperparams)
     so the train step can report the learning rate it used and checkpoints carry the schedule position."""
+    cfg = cfg if cfg is not None else OptimizerConfig()  # built at call time, so gin bindings apply
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
         mask=_decay_mask,
@@ -291,7 +292,7 @@ class LearnerConfig:
     """
 
     loss_name: str = "grpo"
-    loss: losses.LossConfig = losses.LossConfig()
+    loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)  # gin bindings apply
     num_minibatches: int = 1
     ppo_epochs: int = 1
     micro_batch_size: int | None = None
