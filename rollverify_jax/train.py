@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -287,8 +288,14 @@ def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> Path:
 
 def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     """Runs (or resumes) training in ``workdir``; returns the metrics written by this invocation."""
+    fresh = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
-    run = build(cfg, workdir=workdir, for_training=True)
+    try:
+        run = build(cfg, workdir=workdir, for_training=True)
+    except BaseException:
+        if fresh:  # a configuration error leaves no half-made workdir behind
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     start = run.step
     save_operative_config(workdir)
     (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
@@ -325,8 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.num_steps=5")
     ap.add_argument("--workdir", default=None, help="override runs_root/run_name")
     ap.add_argument("--dry_run", action="store_true", help="validate the configuration, load no weights")
+    ap.add_argument("--distributed", action="store_true",
+                    help="multi-host: call jax.distributed.initialize() (every host runs the same command)")
     ap.add_argument("--dry_run_devices", type=int, default=8, help="device count the dry run lays the mesh on")
     args = ap.parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize()
     parse_gin(args.gin_file, args.gin_param)
     cfg = TrainConfig()
     if args.dry_run:

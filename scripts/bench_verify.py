@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import benchlib
 import jax
 import numpy as np
 
-import benchlib
 from rollverify_jax.metrics import read_metrics
 from rollverify_jax.verify import two_stage_verify
 

@@ -4,7 +4,7 @@ import gin
 import numpy as np
 import pytest
 
-from rollverify_jax import train
+from rollverify_jax import evaluate, train
 from rollverify_jax.data.synthetic import char_vocabulary
 from rollverify_jax.metrics import read_metrics
 from rollverify_jax.models import build_char_tokenizer, init_model, model_config, save_pretrained
@@ -46,7 +46,7 @@ def _train(policy, workdir, mode, steps, extra=()):
     return read_metrics(workdir / "metrics.jsonl")
 
 
-def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path):
+def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path, capsys):
     metrics = _train(policy, tmp_path / "run", "rollverify", 2)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:
@@ -57,6 +57,15 @@ def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path):
     assert "RolloutConfig.mode = 'rollverify'" in (tmp_path / "run" / "operative_config.gin").read_text()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
+    capsys.readouterr()
+    gin.clear_config()
+    try:
+        evaluate.main([f"--checkpoint={tmp_path / 'run'}", "--k=2",
+                       *[f"--gin_param={p}" for p in _params(policy, "rollverify", 2)]])
+    finally:
+        gin.clear_config()
+    out = capsys.readouterr().out
+    assert "avg@2 = " in out and "pass@2 = " in out and "4 problems x 2 samples" in out
 
 
 def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
@@ -106,3 +115,4 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
 def test_bad_configuration_fails_at_start(policy, tmp_path, param, match):
     with pytest.raises(ValueError, match=match):
         _train(policy, tmp_path / "bad", "on_policy", 1, extra=(param,))
+    assert not (tmp_path / "bad").exists()

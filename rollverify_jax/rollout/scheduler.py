@@ -204,21 +204,24 @@ class Scheduler:
         by_fn: dict[int, list[int]] = collections.defaultdict(list)
         for i in rows:
             by_fn[id(batch[i][1].keep_fn)].append(i)
-        new_logp_all = np.asarray(response_logp)
+        # Rows padded to the slot count and columns to the prefill's length bucket (unverified rows get length
+        # 0), so the jitted verifier sees one shape per length bucket and compiles once for each.
+        logp = np.asarray(response_logp)
+        new_logp_all = np.zeros((max(logp.shape[0], self.engine.config.num_slots), logp.shape[1]), np.float32)
+        new_logp_all[: logp.shape[0]] = logp
         for idx in by_fn.values():
-            fn = batch[idx[0]][1].keep_fn
-            trajs = [batch[i][1].traj for i in idx]
-            width = new_logp_all.shape[1]
-            lengths = np.asarray([t.num_tokens for t in trajs], np.int32)
-            behavior = np.zeros((len(idx), width), np.float32)
-            versions = np.zeros((len(idx), width), np.int32)
-            for r, t in enumerate(trajs):
-                behavior[r, : t.num_tokens] = t.logps
-                versions[r, : t.num_tokens] = t.versions
-            keep = np.asarray(fn(new_logp_all[idx], behavior, versions, lengths))
-            keep = np.clip(keep, 0, lengths)
+            behavior = np.zeros(new_logp_all.shape, np.float32)
+            versions = np.zeros(new_logp_all.shape, np.int32)
+            lengths = np.zeros(new_logp_all.shape[0], np.int32)
+            for i in idx:
+                t = batch[i][1].traj
+                behavior[i, : t.num_tokens] = t.logps
+                versions[i, : t.num_tokens] = t.versions
+                lengths[i] = t.num_tokens
+            keep = np.asarray(batch[idx[0]][1].keep_fn(new_logp_all, behavior, versions, lengths))[idx]
+            keep = np.clip(keep, 0, lengths[idx])
             keeps[idx] = keep
-            self.verified.extend(zip(keep.tolist(), lengths.tolist(), strict=True))
+            self.verified.extend(zip(keep.tolist(), lengths[idx].tolist(), strict=True))
         return keeps
 
     @staticmethod
