@@ -35,7 +35,8 @@ def run_mode(mode: str, workdir: Path, steps: int, budget: float, extra: list[st
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    pts = [(r["step"], r.get("time/wall", np.nan), r[key]) for r in rows if r.get(key) is not None]
+    pts = [(r["step"], r.get("time/wall", np.nan), r[key]) for r in rows if r.get(key) is not None
+           and (key != "verify/acceptance" or r.get("verify/num_verified"))]  # only cycles that verified
     if not pts:
         return np.zeros(0), np.zeros(0), np.zeros(0)
     a = np.asarray(pts, float)
