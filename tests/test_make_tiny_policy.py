@@ -9,8 +9,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 from rollverify_jax.data.synthetic import SyntheticTask, char_vocabulary
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
@@ -117,7 +115,6 @@ def test_cached_greedy_matches_full_recompute():
         assert out[r, : len(generated)].tolist() == generated
 
 
-@pytest.mark.skipif(not (ASSET / "config.json").exists(), reason="assets/tiny_policy not built yet")
 def test_committed_tiny_policy():
     _check_policy_dir(ASSET)
     assert 0.2 <= _sampled_accuracy((ASSET / "README.md").read_text()) <= 0.6
