@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import gin
 import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
@@ -27,8 +28,6 @@ from rollverify_jax.verify import SwitchConfig
 
 
 def dry_run(train_cfg, num_devices: int) -> dict:
-    import gin
-
     rollout, engine = RolloutConfig(), EngineConfig()
     SamplingConfig(), SwitchConfig(), CheckpointConfig()
     learner_cfg = learner_lib.LearnerConfig()
@@ -76,8 +75,6 @@ def dry_run(train_cfg, num_devices: int) -> dict:
 
 
 def _bound(name: str) -> bool:
-    import gin
-
     try:
         gin.query_parameter(name)
         return True

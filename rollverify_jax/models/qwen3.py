@@ -8,7 +8,7 @@ in paged KV-cache attention without touching the model. Every parameter carries 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import gin
@@ -376,5 +376,3 @@ def token_logprobs(logits: Array, targets: Array, temperature: float = 1.0) -> A
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
-
-ModelFactory = Callable[[], Qwen3ForCausalLM]

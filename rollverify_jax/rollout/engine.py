@@ -335,12 +335,11 @@ class Engine:
         tok, logp = jax.device_get((tok, logp))
         return tok[:n], logp[:n]
 
-    def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
-        behaviour log-probs, emitted mask; and the still-active mask [S]."""
+        behaviour log-probs and the emitted mask."""
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
-        tokens, logps, emitted, active = jax.device_get((*out, self.state.active))
-        return tokens, logps, emitted, active
+        return jax.device_get(out)
 
     def sync_page_table(self) -> None:
         """Pushes the host page table to the device after pages were granted to running slots."""

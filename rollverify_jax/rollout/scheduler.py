@@ -88,6 +88,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._eos = set(engine.eos_ids)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.slots: dict[int, Trajectory] = {}
         self.finished: list[Trajectory] = []
@@ -191,7 +192,7 @@ class Scheduler:
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):
             self._append(t, int(y), float(lp), version)
             if self._is_done(t):
-                self._finish(slot, t, on_device=False)
+                self._finish(slot, t)
             else:
                 self.slots[slot] = t
 
@@ -233,11 +234,7 @@ class Scheduler:
     def _is_done(self, t: Trajectory) -> bool:
         return t.num_tokens >= t.max_new_tokens or t.tokens[-1] in self._eos
 
-    @property
-    def _eos(self) -> set[int]:
-        return set(np.asarray(self.engine.eos_ids).tolist())
-
-    def _finish(self, slot: int, t: Trajectory, on_device: bool) -> None:
+    def _finish(self, slot: int, t: Trajectory) -> None:
         t.finished = True
         self.slots.pop(slot, None)
         self.engine.allocator.release(slot)
@@ -273,19 +270,18 @@ class Scheduler:
         if not self.slots:
             return 0
         t1 = time.perf_counter()
-        tokens, logps, emitted, _ = self.engine.generate()
+        tokens, logps, emitted = self.engine.generate()
         t2 = time.perf_counter()
         version = self.engine.version
         n = 0
-        eos = self._eos
         for slot, t in list(self.slots.items()):
             for j in range(tokens.shape[0]):
                 if not emitted[j, slot]:
                     break
                 self._append(t, int(tokens[j, slot]), float(logps[j, slot]), version)
                 n += 1
-            if t.num_tokens >= t.max_new_tokens or t.tokens[-1] in eos:
-                self._finish(slot, t, on_device=True)
+            if self._is_done(t):
+                self._finish(slot, t)
         k = tokens.shape[0]
         self.stats.dispatches += 1
         self.stats.decode_steps += k
