@@ -247,13 +247,17 @@ def train_one_step(run: Run) -> dict:
     phase = run.manager.run_phase()
     trajs = flatten_groups(phase.groups)
     adv, reward_metrics = _group_advantages(run, phase.groups)
-    batch = build_batch(trajs, adv, np.ones(len(trajs)))
+    # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
+    # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
+    width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
+    batch = build_batch(trajs, adv, np.ones(len(trajs)), max_len=width)
     keep, filter_metrics = _loss_keep(run, trajs, batch)
     if not keep.all():
         batch["loss_mask"] *= keep[:, None].astype(np.float32)
     if run.ref_params is not None:
         batch["ref_logp"] = np.asarray(learner_lib.compute_logprobs(
             run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
+    batch = learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh)
     t1 = time.perf_counter()
     run.train_state, train_metrics = run.train_step(run.train_state, batch)
     train_metrics = jax.device_get(train_metrics)

@@ -180,3 +180,42 @@ def test_schedules_and_config_errors():
         learner.OptimizerConfig(schedule="linear")
     with pytest.raises(ValueError, match="num_minibatches"):
         learner.LearnerConfig(num_minibatches=0)
+
+
+def _packed(batch, mesh, cfg):
+    packed = learner.pack_for_learner(batch, cfg, mesh)
+    assert packed["packed_tokens"].shape[0] <= batch["tokens"].shape[0]
+    if cfg == learner.LearnerConfig() and mesh.size == 1:
+        assert packed["packed_tokens"].shape[0] == 6  # 87 tokens in 6 rows of 16 instead of 8 rows
+    return packed
+
+
+@pytest.mark.parametrize("cfg", [
+    learner.LearnerConfig(),
+    learner.LearnerConfig(loss=LossConfig(aggregation="seq-mean-token-mean"), micro_batch_size=2),
+    learner.LearnerConfig(num_minibatches=2, ppo_epochs=2),
+], ids=["plain", "micro", "minibatches"])
+def test_packed_step_equals_padded_step(model, mesh1, batch_and_noise, cfg):
+    """Packing changes the FLOPs, not the result: same parameters and metrics as the right-padded step."""
+    batch, _ = batch_and_noise
+    padded, m_padded = _train(model, mesh1, cfg, batch)
+    packed, m_packed = _train(model, mesh1, cfg, _packed(batch, mesh1, cfg))
+    np.testing.assert_allclose(_flat(packed.params), _flat(padded.params), atol=1e-5)
+    for k in ("loss", "grad_norm", "ops/token_mean", "policy/entropy", "policy/ratio_mean", "train/loss_tokens"):
+        np.testing.assert_allclose(m_packed[0][k], m_padded[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_packed_step_sharded_equals_single_device(model, mesh1, batch_and_noise):
+    batch, _ = batch_and_noise
+    cfg = learner.LearnerConfig()
+    mesh8 = mesh_lib.make_mesh((2, 2, 2))
+    one, _ = _train(model, mesh1, cfg, batch)
+    packed8 = _packed(batch, mesh8, cfg)
+    assert packed8["packed_tokens"].shape[0] % 4 == 0  # data x fsdp devices
+    many, _ = _train(model, mesh8, cfg, packed8)
+    np.testing.assert_allclose(_flat(many.params), _flat(one.params), atol=1e-5)
+
+
+def test_packing_off_leaves_the_batch_alone(mesh1, batch_and_noise):
+    batch, _ = batch_and_noise
+    assert learner.pack_for_learner(batch, learner.LearnerConfig(pack_sequences=False), mesh1) is batch

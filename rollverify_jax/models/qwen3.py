@@ -206,15 +206,22 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
 @dataclasses.dataclass
 class CausalAttention:
-    """Dense causal attention over the call's own tokens; ``valid``: bool[B, T] masks padding keys."""
+    """Dense causal attention over the call's own tokens.
+
+    ``valid``: bool[B, T] masks padding keys. ``segments``: int32[B, T] for packed rows (several sequences
+    per row, ids 1, 2, ..., 0 on padding): a query attends only to keys of its own segment.
+    """
 
     valid: Array | None = None
+    segments: Array | None = None
 
     def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array:
         t = q.shape[1]
         mask = jnp.tril(jnp.ones((t, t), bool))[None]
         if self.valid is not None:
             mask = mask & self.valid[:, None, :]
+        if self.segments is not None:
+            mask = mask & (self.segments[:, :, None] == self.segments[:, None, :])
         return dot_product_attention(q, k, v, mask)
 
 

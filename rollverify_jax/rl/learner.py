@@ -16,6 +16,9 @@ Batch layout (every entry has the batch dimension B first, sharded over ('data',
     ref_logp        float32[B, T]  optional, needed when LossConfig.kl_coef > 0 (see `compute_logprobs`)
     attention_mask  bool[B, T]     optional, True on real tokens (padding keys are masked); with right padding
                                    and causal attention it changes nothing at scored positions
+    packed_*, unpack_index         optional, the packed layout of `tokens` (`packing.pack_batch`, added by
+                                   `pack_for_learner`): the model then runs on the packed rows and the
+                                   log-probs are gathered back to [B, T]; the result is the same
 
 The policy's log-prob of token t is read from the logits at position t - 1, so `loss_mask[:, 0]` is ignored.
 """
@@ -24,19 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.models.qwen3 import CausalAttention
-from rollverify_jax.rl import losses
+from rollverify_jax.rl import losses, packing
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -258,6 +263,37 @@ def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, a
     return _logp_and_entropy(logits, tokens, temperature)
 
 
+def _packed_policy_logp(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch,
+                       temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(logp, entropy) [rows, T] of a micro-batch computed on its packed rows [p, T] and gathered back."""
+    model = nnx.merge(graphdef, params)
+    segments = mb["packed_segments"]
+    logits = model(mb["packed_tokens"], positions=mb["packed_positions"],
+                   attention=CausalAttention(segments=segments))
+    logp, entropy = _logp_and_entropy(logits, mb["packed_tokens"], temperature)  # [p, T]
+    index = mb["unpack_index"]
+    return logp.reshape(-1)[index], entropy.reshape(-1)[index]
+
+
+def pack_for_learner(batch: dict, cfg: LearnerConfig, mesh: Mesh) -> dict:
+    """The batch plus its packed layout (`packing.pack_batch`) when `cfg.pack_sequences`, else unchanged.
+
+    Host-side numpy, before the train step: the split into minibatches and micro-batches follows
+    `_check_batch`, and the packed rows of each part are a multiple of what keeps them evenly sharded.
+    """
+    if not cfg.pack_sequences:
+        return batch
+    rows, n_micro = _check_batch(batch, cfg)
+    tokens = np.asarray(batch["tokens"])
+    if "attention_mask" not in batch:
+        raise ValueError("packing needs batch['attention_mask'] (True on real tokens) to find each length.")
+    lengths = np.asarray(batch["attention_mask"]).astype(bool).sum(axis=1)
+    parts = cfg.num_minibatches * n_micro
+    devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    multiple = devices // math.gcd(devices, parts)
+    return {**batch, **packing.pack_batch(tokens, lengths, cfg.num_minibatches, n_micro, row_multiple=multiple)}
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax.Array,
                      temperature: float = 1.0) -> jax.Array:
@@ -287,6 +323,8 @@ class LearnerConfig:
     ppo_epochs: passes over the batch; `num_minibatches * ppo_epochs` updates per train step.
     micro_batch_size: rows per forward/backward pass (gradient accumulation; None: the whole minibatch). It
         bounds activation memory ([micro, T, V] logits) and does not change the result (exact accumulation).
+    pack_sequences: run the model on packed rows (`packing`) instead of padded ones; same result, far fewer
+        FLOPs on long-tailed batches. Applied by `pack_for_learner` on the host before the step.
     temperature: divides the logits before the softmax; use the rollout's sampling temperature so pi and mu
         are the same distribution at ratio 1.
     """
@@ -297,6 +335,7 @@ class LearnerConfig:
     ppo_epochs: int = 1
     micro_batch_size: int | None = None
     temperature: float = 1.0
+    pack_sequences: bool = True
 
     def __post_init__(self) -> None:
         """A bad name or count fails at construction, where the gin binding lands."""
@@ -350,6 +389,12 @@ def _check_batch(batch: Batch, cfg: LearnerConfig) -> tuple[int, int]:
             raise ValueError(f"batch['{k}'] has shape {batch[k].shape}, expected tokens' shape {(b, t)}.")
     if batch["advantages"].shape != (b,):
         raise ValueError(f"batch['advantages'] has shape {batch['advantages'].shape}, expected {(b,)}.")
+    if "unpack_index" in batch:
+        if batch["unpack_index"].shape != (b, t):
+            raise ValueError(f"batch['unpack_index'] has shape {batch['unpack_index'].shape}, expected {(b, t)}.")
+        shapes = {batch[k].shape for k in packing.PACKED_KEYS[:3]}
+        if len(shapes) != 1 or next(iter(shapes))[1] != t:
+            raise ValueError(f"packed entries {packing.PACKED_KEYS[:3]} need one shape [P, {t}], got {shapes}.")
     if b % cfg.num_minibatches:
         raise ValueError(f"batch size {b} is not divisible by LearnerConfig.num_minibatches={cfg.num_minibatches}.")
     rows = b // cfg.num_minibatches
@@ -382,7 +427,11 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     agg = cfg.loss.aggregation
 
     def micro_loss(params, mb: Batch, weight: jax.Array):
-        logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"), cfg.temperature)
+        if "unpack_index" in mb:
+            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.temperature)
+        else:
+            logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
+                                         cfg.temperature)
         mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
         loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
                                 ref_logp=mb.get("ref_logp"), entropy=entropy)
@@ -416,7 +465,8 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         _, n_micro = _check_batch(batch, cfg)
-        batch = {k: v for k, v in batch.items() if k in (*REQUIRED_KEYS, "ref_logp", "attention_mask")}
+        batch = {k: v for k, v in batch.items()
+                 if k in (*REQUIRED_KEYS, "ref_logp", "attention_mask", *packing.PACKED_KEYS)}
         minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh), batch)
 
         def update(carry, minibatch):
