@@ -53,6 +53,9 @@ class TrainConfig:
     num_steps: int = 40
     seed: int = 0
     advantage: str = "grpo"
+    # DAPO's group filter (without re-sampling): groups whose rewards are all equal have zero advantage, so
+    # they leave the loss and its normaliser, and the packed train step skips their forward pass.
+    skip_uniform_groups: bool = False
     train_dataset: str = "synthetic"
     train_dataset_kwargs: dict = dataclasses.field(default_factory=dict)
     eval_dataset: str = "synthetic"
@@ -217,14 +220,18 @@ def _restore_params_only(run: Run, checkpoint: Path) -> None:
 # One training step
 
 
-def _group_advantages(run: Run, groups) -> tuple[np.ndarray, dict]:
+def _group_advantages(run: Run, groups) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(advantages [N], uniform [N]: the trajectory's group has all-equal rewards, metrics)."""
     trajs = flatten_groups(groups)
     texts = [run.decode(t.tokens) for t in trajs]
     answers = [g.record["answer"] for g in groups for _ in g.finished]
     rewards, metrics = run.scorer.score(texts, answers, [t.num_tokens for t in trajs])
     g = run.manager.config.group_size
-    adv = np.asarray(adv_lib.compute_advantages(np.asarray(rewards).reshape(-1, g), run.cfg.advantage)).reshape(-1)
-    return adv, {**metrics, "reward/mean": float(np.mean(rewards))}
+    rewards = np.asarray(rewards, np.float64).reshape(-1, g)
+    adv = np.asarray(adv_lib.compute_advantages(rewards, run.cfg.advantage)).reshape(-1)
+    uniform = np.repeat((rewards == rewards[:, :1]).all(axis=1), g)  # [N]
+    return adv, uniform, {**metrics, "reward/mean": float(rewards.mean()),
+                          "reward/uniform_group_fraction": float(uniform.mean())}
 
 
 def _loss_keep(run: Run, trajs, batch) -> tuple[np.ndarray, dict]:
@@ -246,12 +253,15 @@ def train_one_step(run: Run) -> dict:
     t0 = time.perf_counter()
     phase = run.manager.run_phase()
     trajs = flatten_groups(phase.groups)
-    adv, reward_metrics = _group_advantages(run, phase.groups)
+    adv, uniform, reward_metrics = _group_advantages(run, phase.groups)
     # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
     # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
     width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
     batch = build_batch(trajs, adv, np.ones(len(trajs)), max_len=width)
     keep, filter_metrics = _loss_keep(run, trajs, batch)
+    if run.cfg.skip_uniform_groups:
+        keep = keep & ~uniform
+        filter_metrics["filter/kept_fraction"] = float(keep.mean())
     if not keep.all():
         batch["loss_mask"] *= keep[:, None].astype(np.float32)
     if run.ref_params is not None:

@@ -51,6 +51,20 @@ def test_pack_batch_round_trips_every_token(n_mini, n_micro, multiple):
     assert (out["packed_segments"] > 0).sum() == lengths.sum()
 
 
+def test_skipped_rows_are_not_packed():
+    tokens = np.arange(1, 33, dtype=np.int32).reshape(4, 8)
+    lengths = np.array([8, 8, 8, 8])
+    skip = np.array([False, True, False, True])
+    out = packing.pack_batch(tokens, lengths, skip=skip)
+    assert out["packed_tokens"].shape == (2, 8)
+    assert (out["unpack_index"][skip] == 0).all()
+    flat = out["packed_tokens"].reshape(-1)
+    for i in (0, 2):
+        np.testing.assert_array_equal(flat[out["unpack_index"][i]], tokens[i])
+    everything_skipped = packing.pack_batch(tokens, lengths, skip=np.ones(4, bool))
+    assert everything_skipped["packed_tokens"].shape == (1, 8) and not everything_skipped["packed_segments"].any()
+
+
 def test_pack_batch_bad_input_is_named():
     tokens = np.zeros((4, 8), np.int32)
     with pytest.raises(ValueError, match="lengths must be 4 integers in"):

@@ -68,6 +68,15 @@ def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path, capsys):
     assert "avg@2 = " in out and "pass@2 = " in out and "4 problems x 2 samples" in out
 
 
+def test_uniform_groups_leave_the_loss(policy, tmp_path):
+    """The random policy never answers right: every group is uniform, so with the DAPO group filter nothing is
+    left to train on (and the packed step, which skips those rows, still runs)."""
+    metrics = _train(policy, tmp_path / "run", "on_policy", 1, ["TrainConfig.skip_uniform_groups = True"])
+    m = metrics[1]
+    assert m["reward/uniform_group_fraction"] == 1.0
+    assert m["filter/kept_fraction"] == 0.0 and m["train/loss_tokens"] == 0.0 and m["loss"] == 0.0
+
+
 def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
     """Stop after a checkpoint taken while trajectories were paused; the resumed steps equal an uninterrupted run."""
     full = _train(policy, tmp_path / "full", "rollverify", 4)

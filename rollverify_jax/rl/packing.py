@@ -65,7 +65,7 @@ def _part_rows(batch_rows: int, n_mini: int, n_micro: int) -> list[np.ndarray]:
 
 
 def pack_batch(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: int = 1, num_micro: int = 1,
-               row_multiple: int = 1) -> dict[str, np.ndarray]:
+               row_multiple: int = 1, skip: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Packed layout of a right-padded batch.
 
     Args:
@@ -75,6 +75,9 @@ def pack_batch(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: int = 1
         `micro_batch_size`); every part gets the same number of packed rows.
       row_multiple: packed rows per part are a multiple of this (the batch-sharded device count divided by
         the number of parts, so that `P` shards evenly).
+      skip: bool[B], rows left out of the packed layout (their `unpack_index` is 0): rows with an all-zero
+        loss mask, which add nothing to the loss, its normaliser or the metrics, so the model need not run
+        on them.
     Returns:
       The `PACKED_KEYS` entries, to be added to the batch dict.
     """
@@ -86,8 +89,10 @@ def pack_batch(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: int = 1
         raise ValueError(f"lengths must be {b} integers in [1, {t}], got {lengths!r}.")
     n_mini, n_micro = num_minibatches, num_micro
     parts = _part_rows(b, n_mini, n_micro)
+    if skip is not None:
+        parts = [part[~np.asarray(skip, bool)[part]] for part in parts]
     layouts = [first_fit([int(lengths[i]) for i in part], t) for part in parts]
-    p = row_bucket(max(len(rows) for rows in layouts))
+    p = row_bucket(max(1, *(len(rows) for rows in layouts)))
     p = -(-p // row_multiple) * row_multiple
     packed = {k: np.zeros((n_mini * n_micro * p, t), np.int32) for k in PACKED_KEYS[:3]}
     unpack = np.zeros((b, t), np.int32)
