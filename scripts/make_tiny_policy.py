@@ -1,7 +1,8 @@
 """Builds the embedded default policy: a tiny Qwen3-architecture model taught the synthetic task by SFT.
 
 The RL configs start from this checkpoint, so it has to be *partly* right: held-out accuracy when sampling
-at temperature 1 should sit around 30-45%, leaving room for RL to improve it. Accuracy is controlled by
+at temperature 1 should sit around 25%, with greedy accuracy (~37%) and pass@4 (~48%) well above it, which
+is the room RL's sharpening has to work with in a few CPU minutes. Accuracy is controlled by
 stopping early: the LR schedule spans ``--schedule-steps`` and training stops after ``--steps``. Held-out
 accuracy rises steeply once the model has learned the task's format (from 25% to 44% sampled accuracy
 between steps 450 and 500 of the 600-step schedule), and an LR schedule that does not depend on ``--steps``
@@ -11,7 +12,8 @@ deterministic given ``--seed`` on one backend (train data uses the seed, held-ou
 Output (``--out``, HF layout): ``config.json`` + ``model.safetensors``, the char tokenizer files,
 ``task.json`` (the ``SyntheticTask`` kwargs the RL configs must reuse) and ``README.md`` with the numbers.
 
-    .venv/bin/python scripts/make_tiny_policy.py --steps 490 --schedule-steps 600 --seed 0 --out assets/tiny_policy
+    .venv/bin/python scripts/make_tiny_policy.py --steps 450 --schedule-steps 600 --seed 0 --eval-every 50 \
+        --out assets/tiny_policy
 """
 
 from __future__ import annotations
@@ -363,7 +365,7 @@ Task: `{json.dumps(report['task'])}`.
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=490, help="SFT steps taken; fewer, lower accuracy")
+    ap.add_argument("--steps", type=int, default=450, help="SFT steps taken; fewer, lower accuracy")
     ap.add_argument("--schedule-steps", type=int, default=600, help="LR schedule horizon (>= --steps)")
     ap.add_argument("--seed", type=int, default=0, help="model init, train data and sampling seed")
     ap.add_argument("--out", type=Path, default=Path("assets/tiny_policy"))
