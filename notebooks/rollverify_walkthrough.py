@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -77,7 +79,7 @@ plt.show()
 # new policy their importance ratio `pi/mu` drifts from 1: that drift is the OPS, `|pi/mu - 1|` per token.
 
 # %%
-adv, reward_metrics = train._group_advantages(run, phase.groups)
+adv, _, reward_metrics = train._group_advantages(run, phase.groups)
 batch = build_batch(finished, adv, np.ones(len(finished)))
 run.train_state, m = run.train_step(run.train_state, batch)
 run.step = 1
