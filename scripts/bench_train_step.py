@@ -98,8 +98,10 @@ def main() -> None:
     body = "\n".join(rows) + (
         "\n\nOne GRPO train step (forward + backward + AdamW) of the tiny policy on long-tailed synthetic-task "
         "rows. Padded rows cost `B x bucket(longest)` tokens; packed rows cost about the real token count "
-        "(rows rounded to four sizes per octave), plus attention over the wider packed rows. The losses see "
-        "the same `[B, T]` log-probs either way (`tests/test_learner.py::test_packed_step_equals_padded_step`).\n")
+        "(rows rounded to four sizes per octave), plus attention over the wider packed rows. One sequence "
+        "longer than 256 tokens (the 128- and 256-row batches have one) doubles the padded width to 512, where "
+        "padded attention and activations cost most. The losses see the same `[B, T]` log-probs either way "
+        "(`tests/test_learner.py::test_packed_step_equals_padded_step`).\n")
     benchlib.write_section("Train step: padded vs packed (bench_train_step.py)", body)
 
 
