@@ -283,10 +283,10 @@ def pack_for_learner(batch: dict, cfg: LearnerConfig, mesh: Mesh) -> dict:
     """
     if not cfg.pack_sequences:
         return batch
-    rows, n_micro = _check_batch(batch, cfg)
-    tokens = np.asarray(batch["tokens"])
+    _, n_micro = _check_batch(batch, cfg)
     if "attention_mask" not in batch:
         raise ValueError("packing needs batch['attention_mask'] (True on real tokens) to find each length.")
+    tokens = np.asarray(batch["tokens"])
     lengths = np.asarray(batch["attention_mask"]).astype(bool).sum(axis=1)
     parts = cfg.num_minibatches * n_micro
     devices = mesh.shape["data"] * mesh.shape["fsdp"]
