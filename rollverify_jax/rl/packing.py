@@ -4,8 +4,9 @@ A rollout batch is long-tailed: most sequences are short and the padded width is
 a right-padded `[B, T]` forward spends most of its FLOPs on padding (the packed step is 2.8x to 12x faster on
 the tiny default's batches, `scripts/bench_train_step.py`). Packing puts several sequences into one row of
 width `T`, each with its own positions (RoPE restarts at 0) and segment id (attention never crosses
-sequences), runs the model on `[P, T]`, and gathers every token's log-prob back to the `[B, T]` layout. The losses, normalisers, filters and metrics keep working on `[B, T]` unchanged, so
-packed and padded steps give the same result up to float rounding.
+sequences), runs the model on `[P, T]`, and gathers every token's log-prob back to the `[B, T]` layout.
+The losses, normalisers, filters and metrics keep working on `[B, T]` unchanged, so packed and padded steps
+give the same result up to float rounding.
 
 The packed rows honour the learner's strided split into minibatches and micro-batches (`learner._split`):
 batch row `i` lands in part `(i % n_mini, (i // n_mini) % n_micro)`, and so does packed row `r`. Every part
