@@ -26,45 +26,36 @@ from rollverify_jax.data.synthetic import make_split
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
 from rollverify_jax.rl import learner
-from rollverify_jax.rl.batch import length_bucket
+from rollverify_jax.rl.batch import build_batch
+from rollverify_jax.rollout.scheduler import Trajectory
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 
 
 def long_tailed_batch(tokenizer: Tokenizer, n: int, width: int | None) -> dict[str, np.ndarray]:
+    """The train loop's batch (`build_batch`) over prompt + reference solution of `n` synthetic problems."""
     task = json.loads((POLICY / "task.json").read_text())
-    records = make_split(n, seed=7, split="train", **task)
-    rows = []
-    for r in records:
-        prompt = tokenizer.encode_prompt(r["prompt"], chat=False)
-        rows.append((prompt, tokenizer.encode(r["solution"]) + [tokenizer.eos_ids[0]]))
-    longest = max(len(p) + len(s) for p, s in rows)
-    t = width or length_bucket(longest)
-    rng = np.random.default_rng(0)
-    batch = {k: np.zeros((n, t), dt) for k, dt in
-             (("tokens", np.int32), ("loss_mask", np.float32), ("behavior_logp", np.float32),
-              ("attention_mask", bool))}
-    for i, (p, s) in enumerate(rows):
-        batch["tokens"][i, : len(p) + len(s)] = p + s
-        batch["loss_mask"][i, len(p): len(p) + len(s)] = 1.0
-        batch["behavior_logp"][i, len(p): len(p) + len(s)] = -0.1
-        batch["attention_mask"][i, : len(p) + len(s)] = True
-    batch["advantages"] = rng.normal(size=n).astype(np.float32)
-    return batch
+    trajs = []
+    for i, r in enumerate(make_split(n, seed=7, split="train", **task)):
+        response = tokenizer.encode(r["solution"]) + [tokenizer.eos_ids[0]]
+        prompt = np.asarray(tokenizer.encode_prompt(r["prompt"], chat=False), np.int32)
+        trajs.append(Trajectory(uid=i, group_id=i, prompt=prompt, seed=0, max_new_tokens=len(response),
+                                tokens=response, logps=[-0.1] * len(response)))
+    advantages = np.random.default_rng(0).normal(size=n).astype(np.float32)
+    return build_batch(trajs, advantages, np.ones(n), max_len=width)
 
 
-def time_step(step, state, batch, iters: int) -> tuple[float, float, object]:
-    t0 = time.perf_counter()
+def time_step(step, state, batch, iters: int) -> tuple[float, object]:
+    """Median seconds per step after a compile + warm-up call, and the updated state."""
     state, m = step(state, batch)
     jax.block_until_ready(m)
-    first = time.perf_counter() - t0
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
-    return first, statistics.median(times), state
+    return statistics.median(times), state
 
 
 def main() -> None:
@@ -88,8 +79,8 @@ def main() -> None:
         padded = long_tailed_batch(tokenizer, n, None)
         packed = learner.pack_for_learner(long_tailed_batch(tokenizer, n, args.width), cfg, mesh)
         real = int(padded["attention_mask"].sum())
-        _, t_pad, state = time_step(step, state, padded, args.iters)
-        _, t_pack, state = time_step(step, state, packed, args.iters)
+        t_pad, state = time_step(step, state, padded, args.iters)
+        t_pack, state = time_step(step, state, packed, args.iters)
         shape_pad, shape_pack = padded["tokens"].shape, packed["packed_tokens"].shape
         print(f"{n:4d} sequences, {real} real tokens: padded {shape_pad} {t_pad:.3f} s, packed {shape_pack} "
               f"{t_pack:.3f} s, {t_pad / t_pack:.2f}x")

@@ -30,7 +30,7 @@ def test_pack_batch_round_trips_every_token(n_mini, n_micro, multiple):
     lengths = rng.integers(1, t + 1, b)
     lengths[3] = t  # a full-width sequence gets a row of its own
     tokens = np.where(np.arange(t)[None] < lengths[:, None], rng.integers(1, 50, (b, t)), 0).astype(np.int32)
-    out = packing.pack_batch(tokens, lengths, n_mini, n_micro, row_multiple=multiple)
+    out = packing.pack_batch(tokens, lengths, n_mini * n_micro, row_multiple=multiple)
     parts = n_mini * n_micro
     rows = out["packed_tokens"].shape[0]
     assert rows % (parts * multiple) == 0 and out["unpack_index"].shape == (b, t)
@@ -69,5 +69,5 @@ def test_pack_batch_bad_input_is_named():
     tokens = np.zeros((4, 8), np.int32)
     with pytest.raises(ValueError, match="lengths must be 4 integers in"):
         packing.pack_batch(tokens, np.array([1, 2, 9, 3]))
-    with pytest.raises(ValueError, match="does not split into 3 x 1 parts"):
-        packing.pack_batch(tokens, np.array([1, 2, 3, 4]), num_minibatches=3)
+    with pytest.raises(ValueError, match="does not split into 3 parts"):
+        packing.pack_batch(tokens, np.array([1, 2, 3, 4]), num_parts=3)

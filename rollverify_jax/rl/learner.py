@@ -292,8 +292,7 @@ def pack_for_learner(batch: dict, cfg: LearnerConfig, mesh: Mesh) -> dict:
     devices = mesh.shape["data"] * mesh.shape["fsdp"]
     multiple = devices // math.gcd(devices, parts)
     skip = np.asarray(batch["loss_mask"]).sum(axis=1) == 0  # filtered trajectories: no forward needed
-    return {**batch, **packing.pack_batch(tokens, lengths, cfg.num_minibatches, n_micro, row_multiple=multiple,
-                                          skip=skip)}
+    return {**batch, **packing.pack_batch(tokens, lengths, parts, row_multiple=multiple, skip=skip)}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
