@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollverify_jax.cli import run_cli
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler, Trajectory
@@ -37,7 +38,8 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
     sched.submit(trajs)
     sched.run()
     done = sorted(sched.take_finished(), key=lambda t: t.uid)
-    rewards, _ = scorer.score([decode(t.tokens) for t in done], [records[t.group_id]["answer"] for t in done])
+    rewards, _ = scorer.score([decode(t.tokens) for t in done], [records[t.group_id]["answer"] for t in done],
+                              overlong_penalty=False)
     correct = (np.asarray(rewards).reshape(len(records), k) > 0.5)
     return {"eval/accuracy": float(correct.mean()), f"eval/avg@{k}": float(correct.mean()),
             f"eval/pass@{k}": float(correct.any(axis=1).mean()),
@@ -46,15 +48,20 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rollverify_jax import train
-
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gin_file", action="append", default=[])
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--k", type=int, default=None, help="samples per problem (default: TrainConfig.eval_samples)")
     ap.add_argument("--num_problems", type=int, default=None)
+    ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
     args = ap.parse_args(argv)
+    run_cli(lambda: _main(args), args.traceback)
+
+
+def _main(args: argparse.Namespace) -> None:
+    from rollverify_jax import train
+
     train.parse_gin(args.gin_file, args.gin_param)
     cfg = train.TrainConfig()
     if args.k:

@@ -19,6 +19,7 @@ import numpy as np
 
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.cli import run_cli
 from rollverify_jax.data.datasets import PromptIterator, get_dataset
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.evaluate import evaluate_policy
@@ -206,6 +207,9 @@ def _restore_params_only(run: Run, checkpoint: Path) -> None:
         root, step = checkpoint.parent.parent, int(checkpoint.name)
     else:  # <workdir> or <workdir>/checkpoints
         root, step = (checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint), None
+    if not (root / "checkpoints").is_dir():  # checked first: opening a Checkpointer would create the directory
+        raise FileNotFoundError(f"No checkpoint under {checkpoint}; pass a workdir, a checkpoint step "
+                                "directory or an HF-layout policy directory.")
     with Checkpointer(root, CheckpointConfig(), model_fingerprint=_fingerprint(run.model)) as ckpt:
         step = step if step is not None else ckpt.latest_step()
         if step is None:
@@ -349,7 +353,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--distributed", action="store_true",
                     help="multi-host: call jax.distributed.initialize() (every host runs the same command)")
     ap.add_argument("--dry_run_devices", type=int, default=8, help="device count the dry run lays the mesh on")
+    ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
     args = ap.parse_args(argv)
+    run_cli(lambda: _main(args), args.traceback)
+
+
+def _main(args: argparse.Namespace) -> None:
     if args.distributed:
         jax.distributed.initialize()
     parse_gin(args.gin_file, args.gin_param)

@@ -57,3 +57,34 @@ def test_round_trip_is_exact():
             (b.uid, b.group_id, b.seed, b.max_new_tokens, b.finished, b.meta)
         assert a.tokens == b.tokens and a.logps == b.logps and a.versions == b.versions
         np.testing.assert_array_equal(a.prompt, b.prompt)
+
+
+def test_staleness_is_measured_from_the_oldest_token():
+    cache = PausedCache()
+    cache.add_group(Group(0, 3, {}))
+    mixed = _traj(1, 0, 3)
+    mixed.versions = [1, 3, 4]
+    cache.pause([mixed])
+    assert cache.staleness(5).tolist() == [4]
+
+
+def test_complete_groups_are_never_resumed():
+    """Members of a complete group wait for the batch; only incomplete groups' finished members are resumed."""
+    cache = PausedCache()
+    cache.add_group(Group(0, 2, {}))
+    cache.add_group(Group(1, 2, {}))
+    for uid, gid in ((0, 0), (1, 0), (2, 1)):
+        cache.add_finished(_traj(uid, gid, 3, True))
+    cache.pause([_traj(3, 1, 2)])
+    assert sorted(t.uid for t in cache.take_for_resume(include_finished=True)) == [2, 3]
+    assert sorted(cache.groups[0].finished) == [0, 1] and cache.num_complete() == 1
+    assert [g.group_id for g in cache.pop_complete()] == [0]
+
+
+def test_pop_complete_takes_the_oldest_groups_up_to_the_limit():
+    cache = PausedCache()
+    for gid in (5, 2, 9):
+        cache.add_group(Group(gid, 1, {}))
+        cache.add_finished(_traj(gid, gid, 1, True))
+    assert [g.group_id for g in cache.pop_complete(2)] == [2, 5]
+    assert sorted(cache.groups) == [9] and len(cache) == 0

@@ -88,6 +88,15 @@ def test_dapo_string_prompt_without_template_gets_it(tmp_path):
     assert raw[3] == {"prompt": PROBLEMS[3], "answer": "6"}
 
 
+def test_chat_prompt_takes_the_last_user_message(tmp_path):
+    """A multi-turn prompt (system, user, assistant, user): the problem is the last user message."""
+    row = dapo_row(3)
+    row["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 9 + 9?"},
+                     {"role": "assistant", "content": "18"}, row["prompt"][0]]
+    path = write_jsonl(tmp_path / "chat.jsonl", [row])
+    assert get_dataset("dapo_jsonl", path=path) == [expected_records()[3]]
+
+
 def test_aime_jsonl_and_parquet(tmp_path, aime_rows):
     jsonl = write_jsonl(tmp_path / "aime.jsonl", aime_rows)
     parquet = write_parquet(tmp_path / "aime.parquet", aime_rows)

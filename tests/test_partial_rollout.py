@@ -1,7 +1,12 @@
 """Rollout phases: on-policy, naive partial and RollVerify on the real engine with a random tiny model."""
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
+from test_verifier import reference_keep
 
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
@@ -11,8 +16,13 @@ ENGINE = EngineConfig(num_slots=8, page_size=8, max_seq_len=64, steps_per_dispat
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine(init_model(model_config("tiny"), seed=0), ENGINE, SamplingConfig(temperature=1.0), eos_ids=(3,))
+def model():
+    return init_model(model_config("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, ENGINE, SamplingConfig(temperature=1.0), eos_ids=(3,))
 
 
 def _manager(engine, **kw):
@@ -109,3 +119,130 @@ def test_switch_to_on_policy_drops_cache(engine):
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
         RolloutConfig(**kw)
+
+
+def _cached(mgr):
+    """uid -> trajectory of everything cached (paused, and finished members of incomplete groups)."""
+    waiting = [t for g in mgr.cache.groups.values() if not g.complete for t in g.finished.values()]
+    return {t.uid: t for t in mgr.cache.paused + waiting}
+
+
+def _everywhere(mgr, groups):
+    trajs = mgr.cache.paused + [t for g in [*groups, *mgr.cache.groups.values()] for t in g.finished.values()]
+    return {t.uid: t for t in trajs}
+
+
+@pytest.mark.parametrize("verify_finished", [True, False])
+def test_resume_takes_paused_and_waiting_members_of_incomplete_groups_only(engine, verify_finished):
+    mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, verify_finished=verify_finished, batch_groups=1)
+    for _ in range(8):  # until the cache holds finished members of an incomplete group
+        mgr.run_phase()
+        waiting = [t for g in mgr.cache.groups.values() if not g.complete for t in g.finished.values()]
+        if waiting:
+            break
+    assert waiting and mgr.cache.paused
+    complete = {t.uid for g in mgr.cache.groups.values() if g.complete for t in g.finished.values()}
+    expected = {t.uid for t in mgr.cache.paused} | ({t.uid for t in waiting} if verify_finished else set())
+    resumed = []
+    real_resume = mgr.scheduler.resume
+    mgr.scheduler.resume = lambda trajs, keep=None: (resumed.extend(trajs), real_resume(trajs, keep=keep))
+    try:
+        mgr.run_phase()
+    finally:
+        mgr.scheduler.resume = real_resume
+        mgr.scheduler.pause_all()
+    assert {t.uid for t in resumed} == expected and not complete & expected
+
+
+def test_over_complete_groups_serve_the_next_batch_oldest_first(engine):
+    """Groups completed beyond B stay in the cache and are the next phase's batch, before any newer group."""
+    mgr = _manager(engine, mode="partial", batch_groups=1, group_size=1)
+    for _ in range(6):
+        phase = mgr.run_phase()
+        assert len(phase.groups) == 1
+        extra = sorted(g.group_id for g in mgr.cache.groups.values() if g.complete)
+        if extra:
+            break
+    assert extra, "a phase should complete more than B groups with 8 slots and G = 1"
+    for gid in extra:
+        assert [g.group_id for g in mgr.run_phase().groups] == [gid]
+    mgr.scheduler.pause_all()
+
+
+def _perturbed(model, scale, seed):
+    graphdef, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+             else x for x, k in zip(leaves, keys, strict=True)]
+    state = jax.tree.unflatten(tree, noisy)
+    return state, nnx.merge(graphdef, state)
+
+
+def _teacher_forced(model, prompt, tokens):
+    seq = np.concatenate([prompt, np.asarray(tokens, np.int32)])[None]
+    logp = np.asarray(jax.nn.log_softmax(model(seq)[0], axis=-1))
+    p = len(prompt)
+    return np.asarray([logp[p + j - 1, y] for j, y in enumerate(tokens)], np.float32)
+
+
+DS, DT = 0.06, 0.12  # near this perturbation's typical segment mean and token OPS, so cuts land anywhere
+
+
+def test_rollverify_with_new_weights_cuts_some_tokens_and_regenerates_from_the_verified_prefix(model, engine):
+    """Mixed versions under the same weights, then new weights at a new version: verification sees every token's
+    own version and log mu, its keep lengths equal a reference verifier on a full recompute under the new
+    weights, kept prefixes keep their log mu and versions, and the continuation is sampled by the new policy."""
+    _, original = nnx.split(model)
+    mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, batch_groups=1, group_size=4)
+    for version in range(8):  # same weights, keep everything, until cached trajectories mix versions
+        engine.set_version(version)
+        mgr.run_phase()
+        before = {uid: (list(t.tokens), list(t.logps), list(t.versions)) for uid, t in _cached(mgr).items()
+                  if t.num_tokens}
+        if any(len(set(v)) > 1 for _, _, v in before.values()):
+            break
+    assert any(len(set(v)) > 1 for _, _, v in before.values())
+    mgr.config = dataclasses.replace(mgr.config, ds=DS, dt=DT)
+    new_state, new_model = _perturbed(model, 0.003, seed=7)
+    new_version = version + 1
+    engine.update_params(new_state, version=new_version)
+    calls = []
+    real_keep = mgr._keep_fn
+
+    def spy(new_logp, behavior_logp, versions, lengths):
+        keep = real_keep(new_logp, behavior_logp, versions, lengths)
+        calls.append((np.array(new_logp), np.array(behavior_logp), np.array(versions), np.array(lengths), keep))
+        return keep
+
+    mgr._keep_fn = spy
+    try:
+        phase = mgr.run_phase()
+    finally:
+        engine.update_params(original, version=0)
+        mgr.scheduler.pause_all()
+    after = _everywhere(mgr, phase.groups)
+    keeps = {}
+    for new_logp, behavior, versions, lengths, keep in calls:
+        for row in np.flatnonzero(lengths):
+            n = int(lengths[row])
+            uid = next(u for u, (_, lp, _) in before.items() if len(lp) == n and lp == behavior[row, :n].tolist())
+            tokens, logps, vers = before[uid]
+            assert versions[row, :n].tolist() == vers
+            t = after[uid]
+            want_new = _teacher_forced(new_model, t.prompt, tokens)
+            np.testing.assert_allclose(new_logp[row, :n], want_new, atol=1e-4)
+            ops = np.abs(np.expm1(np.clip(want_new - np.asarray(logps), -20, 20)))
+            keeps[uid] = int(keep[row])
+            assert keeps[uid] == reference_keep(ops, vers, n, DS, DT)[0], uid
+    assert keeps and any(0 < k < len(before[u][0]) for u, k in keeps.items()), keeps
+    assert any(k == len(before[u][0]) for u, k in keeps.items()) or any(k == 0 for k in keeps.values())
+    assert phase.metrics["verify/acceptance"] == pytest.approx(
+        sum(keeps.values()) / sum(len(before[u][0]) for u in keeps))
+    for uid, k in keeps.items():
+        tokens, logps, vers = before[uid]
+        t = after[uid]
+        assert t.tokens[:k] == tokens[:k] and t.logps[:k] == logps[:k] and t.versions[:k] == vers[:k]
+        assert set(t.versions[k:]) <= {new_version}
+        if k < len(tokens) and t.num_tokens > k:  # regenerated under the new weights: log mu is the new policy's
+            np.testing.assert_allclose(t.logps[k:], _teacher_forced(new_model, t.prompt, t.tokens)[k:], atol=1e-4)

@@ -121,6 +121,9 @@ def test_overlong_penalty_is_added_to_the_reward():
     assert metrics["reward/overlong_fraction"] == 0.75
     with pytest.raises(ValueError, match="response_lengths"):
         s.score(responses, ["3"] * 4)
+    correct, metrics = s.score(responses, ["3"] * 4, overlong_penalty=False)  # evaluation: correctness only
+    np.testing.assert_allclose(correct, [1.0, 1.0, 0.0, 1.0])
+    assert metrics["reward/overlong_fraction"] == 0.0
     with pytest.raises(ValueError, match="max_response_length"):
         RewardScorer("exact", overlong_buffer=20)
 
@@ -154,13 +157,26 @@ def test_slow_grade_times_out_without_killing_the_pool(faulty):
     assert elapsed < TIMEOUT_S + GRACE_S, elapsed
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_hung_worker_is_killed_and_the_pool_recycled(faulty):
+    faulty.score(["Answer: 1"], ["ok"])  # a pool is up: these are the workers the hang will meet
+    workers = [p.pid for p in faulty._pool._processes.values()]
     start = time.monotonic()
     got, metrics = faulty.score(["Answer: 2"] * 4, ["hang", "ok", "ok", "2"])
     elapsed = time.monotonic() - start
     np.testing.assert_array_equal(got, [0.0, 1.0, 1.0, 1.0])
     assert metrics["reward/grader_timeouts"] == 1.0 and metrics["reward/grader_pool_restarts"] == 1.0
     assert elapsed < TIMEOUT_S + GRACE_S + 2.0, elapsed
+    assert not any(_alive(pid) for pid in workers), "the hung worker (and its pool) must be killed, not left asleep"
+    assert faulty._pool is not None and not set(workers) & {p.pid for p in faulty._pool._processes.values()}
 
 
 def test_crashing_grader_is_an_error_and_the_others_are_graded(faulty):
@@ -180,11 +196,13 @@ def test_worker_killed_while_idle_is_replaced(scorer):
     assert metrics["reward/grader_errors"] == 0.0 and metrics["reward/grader_pool_restarts"] >= 1.0
 
 
-def test_scorer_recovers_after_faults(scorer):
-    got, metrics = scorer.score(["Answer: 42", "Answer: 41"], ["42", "42"])
+def test_scorer_recovers_after_faults(faulty):
+    before = faulty.totals["timeouts"]
+    faulty.score(["Answer: 2"] * 2, ["sleep", "crash"])
+    got, metrics = faulty.score(["Answer: 42", "Answer: 41"], ["42", "42"])
     np.testing.assert_array_equal(got, [1.0, 0.0])
     assert metrics["reward/grader_timeouts"] == 0.0 and metrics["reward/grader_errors"] == 0.0
-    assert scorer.totals["timeouts"] >= 2
+    assert faulty.totals["timeouts"] == before + 1  # totals accumulate over calls
 
 
 def test_gin_configurable():

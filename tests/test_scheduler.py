@@ -92,16 +92,84 @@ def test_finished_member_that_survives_verification_stays_finished(engine):
     done = _finish_all(sched)
     t = done[0]
     tokens = list(t.tokens)
+    sched.reset_stats()
     sched.resume([t], keep=lambda new, beh, ver, lengths: lengths)
     sched.run()
     assert sched.take_finished()[0].tokens == tokens
-    assert sched.stats.dispatches == 0 or all(s is None for s in sched.slots)
-    t.finished = True
-    sched.resume([t], keep=lambda new, beh, ver, lengths: np.zeros_like(lengths))
-    sched.run()
-    again = sched.take_finished()[0]
-    assert again.finished and again.num_tokens == 5  # cut to 0, regenerated to max length
+    assert sched.stats.dispatches == 0 and not sched.slots  # nothing was decoded: it went straight back
     assert engine.allocator.num_free == engine.allocator.capacity
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_cut_finished_member_is_regenerated_under_the_new_version(engine, keep):
+    """A finished member cut by verification becomes unfinished, keeps its verified prefix (with its
+    original log mu and versions) and is decoded again under the current policy version."""
+    done = _finish_all(_submit(engine, _requests(2, seed=2, max_new=5)))
+    t = done[0]
+    tokens, logps = list(t.tokens), list(t.logps)
+    assert t.finished and t.num_tokens == 5 and t.versions == [0] * 5
+    sched = Scheduler(engine)
+    engine.set_version(1)
+    try:
+        sched.resume([t], keep=lambda new, beh, ver, lengths: np.minimum(lengths, keep))
+        sched.run()
+    finally:
+        engine.set_version(0)
+    again = sched.take_finished()[0]
+    assert sched.verified == [(keep, 5)]
+    assert again.finished and again.num_tokens == 5 and sched.stats.tokens_generated == 5 - keep - 1
+    assert again.tokens[:keep] == tokens[:keep] and again.logps[:keep] == logps[:keep]
+    assert again.versions == [0] * keep + [1] * (5 - keep)
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_truncate_cuts_and_marks_unfinished():
+    t = Trajectory(uid=0, group_id=0, prompt=np.arange(3, dtype=np.int32), seed=0, max_new_tokens=8,
+                   tokens=[5, 6, 7, 8], logps=[-0.1, -0.2, -0.3, -0.4], versions=[0, 0, 1, 1], finished=True)
+    t.truncate(4)  # keeping everything is not a cut
+    assert t.finished and t.tokens == [5, 6, 7, 8]
+    t.truncate(3)
+    assert not t.finished
+    assert (t.tokens, t.logps, t.versions) == ([5, 6, 7], [-0.1, -0.2, -0.3], [0, 0, 1])
+    t.truncate(0)
+    assert (t.tokens, t.logps, t.versions, t.finished) == ([], [], [], False)
+
+
+def test_verifier_sees_each_tokens_own_version(engine):
+    """Tokens sampled at versions 0 and 1 reach the keep function with their own versions and log mu, and
+    a partial cut keeps exactly the verified prefix."""
+    sched = _submit(engine, _requests(3, seed=4, max_new=40))
+    sched.run(max_dispatches=2)
+    first = sched.pause_all()
+    engine.set_version(1)
+    seen = {}
+
+    def record(new_logp, behavior_logp, versions, lengths):
+        for row, n in enumerate(lengths):
+            if n:
+                seen[round(float(behavior_logp[row, 0]), 6)] = (versions[row, :n].tolist(),
+                                                                behavior_logp[row, :n].tolist())
+        return lengths - 1  # a partial cut: drop the last cached token
+    try:
+        sched.resume(first)
+        sched.run(max_dispatches=2)
+        second = [t for t in sched.pause_all() if t.num_tokens]
+        mixed = {t.uid: (list(t.tokens), list(t.logps), list(t.versions)) for t in second}
+        assert any(len(set(v)) == 2 for _, _, v in mixed.values())
+        engine.set_version(2)
+        sched.resume(second, keep=record)
+        sched.step()
+        current = {t.uid: t for t in [*sched.slots.values(), *sched.finished]}
+    finally:
+        engine.set_version(0)
+        sched.pause_all()
+    assert len(seen) == len(mixed)
+    for uid, (tokens, logps, versions) in mixed.items():
+        assert seen[round(logps[0], 6)][0] == versions
+        np.testing.assert_allclose(seen[round(logps[0], 6)][1], logps, rtol=1e-6)
+        t, n = current[uid], len(tokens) - 1
+        assert t.tokens[:n] == tokens[:n] and t.versions[:n] == versions[:n] and t.logps[:n] == logps[:n]
+        assert set(t.versions[n:]) == {2}
 
 
 def test_slot_refill_keeps_utilization_high(engine):

@@ -1,13 +1,18 @@
 """The main job end to end on a small random policy: metrics, configs, checkpoints, exact resume."""
 
+import json
+import re
+
 import gin
+import jax
 import numpy as np
 import pytest
 
 from rollverify_jax import evaluate, train
+from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.data.synthetic import char_vocabulary
 from rollverify_jax.metrics import read_metrics
-from rollverify_jax.models import build_char_tokenizer, init_model, model_config, save_pretrained
+from rollverify_jax.models import build_char_tokenizer, init_model, load_pretrained, model_config, save_pretrained
 
 DESIGN_KEYS = {"step", "time/wall", "time/rollout", "time/verify", "time/train", "rollout/tokens_per_s",
                "rollout/slot_utilization", "reward/mean", "policy/entropy", "ops/token_mean", "verify/acceptance",
@@ -69,6 +74,15 @@ def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path, capsys):
 
 
 def test_uniform_groups_leave_the_loss(policy, tmp_path):
+    """With the DAPO group filter, groups whose rewards are all equal leave the loss and the others stay."""
+    metrics = _train(policy, tmp_path / "run", "on_policy", 2,
+                     (*LENGTH_REWARD, "TrainConfig.skip_uniform_groups = True"))
+    for m in metrics[1:]:
+        assert m["filter/kept_fraction"] == pytest.approx(1.0 - m["reward/uniform_group_fraction"])
+    assert any(0.0 < m["reward/uniform_group_fraction"] < 1.0 for m in metrics[1:])
+
+
+def test_a_run_with_only_uniform_groups_trains_on_nothing(policy, tmp_path):
     """The random policy never answers right: every group is uniform, so with the DAPO group filter nothing is
     left to train on (and the packed step, which skips those rows, still runs)."""
     metrics = _train(policy, tmp_path / "run", "on_policy", 1, ["TrainConfig.skip_uniform_groups = True"])
@@ -77,16 +91,78 @@ def test_uniform_groups_leave_the_loss(policy, tmp_path):
     assert m["filter/kept_fraction"] == 0.0 and m["train/loss_tokens"] == 0.0 and m["loss"] == 0.0
 
 
+# A reward that varies with the response length (DAPO's overlong penalty on a task the random policy never
+# solves), so the policy learns from step 1 and a run that lost its state would differ.
+LENGTH_REWARD = ("RewardScorer.overlong_buffer = 20", "RewardScorer.max_response_length = 24")
+
+
+def _final_state(workdir, policy):
+    fingerprint = train._fingerprint(load_pretrained(policy))
+    with Checkpointer(workdir, CheckpointConfig(async_save=False), model_fingerprint=fingerprint) as ckpt:
+        step, state, extra = ckpt.restore()
+    return step, jax.tree.leaves(state), extra
+
+
 def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
-    """Stop after a checkpoint taken while trajectories were paused; the resumed steps equal an uninterrupted run."""
-    full = _train(policy, tmp_path / "full", "rollverify", 4)
-    _train(policy, tmp_path / "split", "rollverify", 2)
-    resumed = _train(policy, tmp_path / "split", "rollverify", 4)
+    """Stop after a checkpoint taken while trajectories were paused and the policy was learning; the resumed
+    steps equal an uninterrupted run, and so does the train state they end with."""
+    full = _train(policy, tmp_path / "full", "rollverify", 4, LENGTH_REWARD)
+    _train(policy, tmp_path / "split", "rollverify", 2, LENGTH_REWARD)
+    resumed = _train(policy, tmp_path / "split", "rollverify", 4, LENGTH_REWARD)
     assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]  # no duplicated lines after the resume
-    keys = ["reward/mean", "loss", "ops/token_mean", "verify/acceptance", "response/length_mean", "cache/size"]
+    assert len({m["reward/mean"] for m in full[1:]}) > 1 and any(m["reward/uniform_group_fraction"] < 1
+                                                                 for m in full[1:])
+    assert any(abs(m["loss"]) > 1e-6 and m["grad_norm"] > 1e-6 for m in full[1:])
+    keys = ["reward/mean", "loss", "grad_norm", "ops/token_mean", "verify/acceptance", "response/length_mean",
+            "cache/size", "learning_rate"]
     for a, b in zip(full[3:], resumed[3:], strict=True):
         for k in keys:
-            np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-5, err_msg=f"step {a['step']} {k}")
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=f"step {a['step']} {k}")
+    (step_a, state_a, extra_a), (step_b, state_b, extra_b) = _final_state(tmp_path / "full", policy), \
+        _final_state(tmp_path / "split", policy)
+    assert step_a == step_b == 4 and len(state_a) == len(state_b)
+    for x, y in zip(state_a, state_b, strict=True):
+        np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64), rtol=1e-4, atol=1e-6)
+    assert extra_a["data"] == extra_b["data"] and extra_a["rollout"]["next_uid"] == extra_b["rollout"]["next_uid"]
+
+
+def test_low_acceptance_switches_to_on_policy_for_good(policy, tmp_path):
+    """Window 1 and threshold 1: the first cycle that cuts anything switches the run to on-policy rollout; the
+    cache is dropped, nothing is verified afterwards, and the checkpoint records the switch."""
+    metrics = _train(policy, tmp_path / "run", "rollverify", 4,
+                     (*LENGTH_REWARD, "SwitchConfig.window = 1", "SwitchConfig.threshold = 1.0"))[1:]
+    first = next(i for i, m in enumerate(metrics) if m["verify/num_verified"] > 0)
+    switch = metrics[first]
+    assert switch["verify/acceptance"] < 1.0 and switch["mode/switch_step"] == switch["step"]
+    assert switch["verify/acceptance_window"] == pytest.approx(switch["verify/acceptance"])
+    assert all(m["mode/on_policy"] == 0 and "mode/switch_step" not in m for m in metrics[:first])
+    assert metrics[first + 1:], "the run should go on after the switch"
+    for m in metrics[first + 1:]:
+        assert m["mode/on_policy"] == 1 and m["cache/size"] == 0 and m["verify/num_verified"] == 0
+        assert m["staleness/max"] == 0
+    _, _, extra = _final_state(tmp_path / "run", policy)
+    assert int(extra["switch"]["on_policy"]) == 1 and int(extra["switch"]["switch_step"]) == switch["step"]
+    assert int(extra["rollout"]["on_policy"]) == 1 and not extra["rollout"]["cache"]["paused"]
+
+
+def test_staleness_filter_drops_exactly_the_stale_trajectories(policy, tmp_path):
+    """s_max = 0: a batch holding any resumed (stale) trajectory trains on less than all of it, a fresh batch on
+    all of it."""
+    metrics = _train(policy, tmp_path / "run", "partial", 4,
+                     (*LENGTH_REWARD, "RolloutConfig.filter = 'staleness'", "RolloutConfig.s_max = 0"))[1:]
+    assert any(m["staleness/max"] > 0 for m in metrics)
+    for m in metrics:
+        assert (m["filter/kept_fraction"] < 1.0) == (m["staleness/max"] > 0), m["step"]
+        assert m["filter/kept_fraction"] > 0.0 or m["staleness/mean"] >= 1.0
+
+
+def test_ops_filter_keeps_fresh_trajectories_and_drops_shifted_ones(policy, tmp_path):
+    metrics = _train(policy, tmp_path / "run", "partial", 4,
+                     (*LENGTH_REWARD, "RolloutConfig.filter = 'ops'", "RolloutConfig.ops_threshold = 0.05"))[1:]
+    for m in metrics:
+        if m["staleness/max"] == 0:  # sampled by the current policy: train-time OPS is rounding noise
+            assert m["filter/kept_fraction"] == 1.0, m["step"]
+    assert any(m["filter/kept_fraction"] < 1.0 for m in metrics)
 
 
 def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
@@ -116,12 +192,59 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
         gin.clear_config()
 
 
-@pytest.mark.parametrize("param, match", [
-    ("RolloutConfig.mode = 'sync'", "known modes"),
-    ("LearnerConfig.loss_name = 'ppo2'", "known"),
-    ("TrainConfig.train_dataset = 'nope'", "known datasets"),
+@pytest.mark.parametrize("args, match", [
+    (["--gin_param=RolloutConfig.mode = 'sync'"], "Unknown rollout mode 'sync'; known modes"),
+    (["--gin_param=LearnerConfig.loss_name = 'ppo2'"], "known"),
+    (["--gin_param=TrainConfig.train_dataset = 'nope'"], "known datasets"),
+    (["--gin_param=TrainConfig.num_stepz = 3"], "num_stepz"),
+    (["--gin_file=configs/missing.gin"], "gin file configs/missing.gin does not exist"),
 ])
-def test_bad_configuration_fails_at_start(policy, tmp_path, param, match):
-    with pytest.raises(ValueError, match=match):
-        _train(policy, tmp_path / "bad", "on_policy", 1, extra=(param,))
+def test_bad_configuration_exits_with_one_message(policy, tmp_path, capsys, args, match):
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main([f"--workdir={tmp_path / 'bad'}", *[f"--gin_param={p}" for p in _params(policy, "on_policy", 1)],
+                        *args])
+    finally:
+        gin.clear_config()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and re.search(match, err) and "Traceback" not in err, err
+    assert err.startswith("error: ")
     assert not (tmp_path / "bad").exists()
+
+
+def test_traceback_on_request(policy, tmp_path, capsys):
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit):
+            train.main(["--traceback", f"--workdir={tmp_path / 'bad'}", "--gin_param=RolloutConfig.mode = 'sync'"])
+    finally:
+        gin.clear_config()
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_dry_run_validates_without_weights(capsys):
+    gin.clear_config()
+    try:
+        train.main(["--dry_run", "--gin_file=configs/tiny_rollverify.gin"])
+        report = json.loads(capsys.readouterr().out.split("dry run OK: ", 1)[1])
+        assert report["mode"] == "rollverify" and report["rows_per_step"] == 256 and report["params"] > 0
+        gin.clear_config()
+        with pytest.raises(SystemExit) as exit_info:  # 32 x 8 rows cannot split over data x fsdp = 3 devices
+            train.main(["--dry_run", "--dry_run_devices=3", "--gin_file=configs/tiny_rollverify.gin"])
+    finally:
+        gin.clear_config()
+    assert exit_info.value.code == 2
+    assert "do not divide over data x fsdp = 3" in capsys.readouterr().err
+
+
+def test_evaluate_cli_reports_a_missing_checkpoint(policy, tmp_path, capsys):
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            evaluate.main([f"--checkpoint={tmp_path / 'nothing'}",
+                           *[f"--gin_param={p}" for p in _params(policy, "on_policy", 1)]])
+    finally:
+        gin.clear_config()
+    assert exit_info.value.code == 2 and "No checkpoint under" in capsys.readouterr().err
+    assert not (tmp_path / "nothing").exists()

@@ -288,13 +288,16 @@ class RewardScorer:
         responses: Sequence[str],
         answers: Sequence[str],
         response_lengths: Sequence[int] | None = None,
+        overlong_penalty: bool = True,
     ) -> tuple[np.ndarray, dict[str, float]]:
-        """Rewards ``float32[N]`` (base reward + overlong penalty) and metrics for one batch."""
+        """Rewards ``float32[N]`` (base reward + overlong penalty) and metrics for one batch.
+
+        ``overlong_penalty=False`` scores correctness alone (evaluation: accuracy is not a training signal)."""
         if len(responses) != len(answers):
             raise ValueError(f"score got {len(responses)} responses but {len(answers)} answers")
         if response_lengths is not None and len(response_lengths) != len(responses):
             raise ValueError(f"score got {len(responses)} responses but {len(response_lengths)} lengths")
-        if self.overlong_buffer > 0 and response_lengths is None:
+        if overlong_penalty and self.overlong_buffer > 0 and response_lengths is None:
             raise ValueError(
                 "RewardScorer.overlong_buffer > 0 needs response_lengths (token counts) in score()"
             )
@@ -304,7 +307,7 @@ class RewardScorer:
                 base, counts = self._grade_pooled(list(responses), [str(a) for a in answers])
             else:
                 base, counts = self._grade_inline(list(responses), [str(a) for a in answers])
-        penalties = self._penalties(response_lengths, len(responses))
+        penalties = self._penalties(response_lengths if overlong_penalty else None, len(responses))
         rewards = (base + penalties).astype(np.float32)
         self.totals.update(counts)
         return rewards, self._metrics(rewards, base, penalties, counts, time.perf_counter() - start)

@@ -1,0 +1,150 @@
+"""Plants one-line bugs in the method's core and checks that the test suite catches each one.
+
+Each bug is a single-line edit of the source. It is applied to a scratch copy of the repository (the working
+tree is never touched), the tests that cover that code run against the copy, and the bug counts as caught when
+they fail. The table goes to stdout and to ``docs/planted_bugs.md``.
+
+    python scripts/planted_bugs.py [--only NAME ...] [--out docs/planted_bugs.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Bug:
+    name: str
+    path: str
+    old: str  # must occur exactly once; it may span lines for context, but only one line changes
+    new: str
+    tests: tuple[str, ...]
+
+
+T = "tests/test_train.py::"
+BUGS = [
+    Bug("verifier: token stage `>=` -> `>`", "rollverify_jax/verify/verifier.py",
+        "& (ops >= dt)", "& (ops > dt)", ("tests/test_verifier.py",)),
+    Bug("verifier: a NaN token is no longer cut", "rollverify_jax/verify/verifier.py",
+        "jnp.where(jnp.isnan(ops), jnp.inf, ops)", "ops", ("tests/test_verifier.py",)),
+    Bug("TIS weight without stop-gradient", "rollverify_jax/rl/losses.py",
+        "return jax.lax.stop_gradient(jnp.exp(jnp.minimum(0.0, math.log(cfg.tis_cap) - lr)))",
+        "return jnp.exp(jnp.minimum(0.0, math.log(cfg.tis_cap) - lr))", ("tests/test_losses.py",)),
+    Bug("seq-mean counts fully masked rows", "rollverify_jax/rl/losses.py",
+        "live = (token_count > 0).astype(jnp.float32)", "live = jnp.ones_like(token_count)",
+        ("tests/test_losses.py",)),
+    Bug("checkpoint restore ignores the commit marker", "rollverify_jax/checkpoint.py",
+        "if (self.directory / str(s) / COMMIT_FILE).exists())", ")", ("tests/test_checkpoint.py",)),
+    Bug("`Trajectory.truncate` leaves a cut trajectory finished", "rollverify_jax/rollout/scheduler.py",
+        "            self.finished = False\n", "            pass\n", ("tests/test_scheduler.py",)),
+    Bug("scheduler ignores a verifier cut of a finished group member", "rollverify_jax/rollout/scheduler.py",
+        "if t.finished and k >= t.num_tokens:", "if t.finished:", ("tests/test_scheduler.py",)),
+    Bug("the verifier receives version 0 for every token", "rollverify_jax/rollout/scheduler.py",
+        "versions[i, : t.num_tokens] = t.versions", "versions[i, : t.num_tokens] = 0",
+        ("tests/test_scheduler.py", "tests/test_partial_rollout.py")),
+    Bug("cache staleness from the newest token", "rollverify_jax/rl/buffer.py",
+        "[current_version - min(t.versions) for t in trajs", "[current_version - max(t.versions) for t in trajs",
+        ("tests/test_buffer.py",)),
+    Bug("filter staleness from the newest token", "rollverify_jax/rl/filters.py",
+        "current_version - min(v) if v", "current_version - max(v) if v",
+        ("tests/test_filters.py", T + "test_staleness_filter_drops_exactly_the_stale_trajectories")),
+    Bug("OPS filter inverted", "rollverify_jax/rl/filters.py",
+        "return np.asarray(sequence_ops) <= threshold", "return np.asarray(sequence_ops) > threshold",
+        ("tests/test_filters.py", T + "test_ops_filter_keeps_fresh_trajectories_and_drops_shifted_ones")),
+    Bug("finished members of unfinished groups never re-verified", "rollverify_jax/rl/partial_rollout.py",
+        "include_finished=self.verifying and cfg.verify_finished", "include_finished=False",
+        ("tests/test_partial_rollout.py",)),
+    Bug("complete groups resumed as if unfinished", "rollverify_jax/rl/buffer.py",
+        "                if not g.complete:\n                    out.extend",
+        "                if True:\n                    out.extend",
+        ("tests/test_buffer.py", "tests/test_partial_rollout.py")),
+    Bug("resume discards the restored train state", "rollverify_jax/train.py",
+        "_, run.train_state, extra = run.checkpointer.restore(", "_, _, extra = run.checkpointer.restore(",
+        (T + "test_resumed_run_equals_uninterrupted_run",)),
+    Bug("the switch to on-policy never happens", "rollverify_jax/train.py",
+        "if run.switch_state.on_policy:", "if False:", (T + "test_low_acceptance_switches_to_on_policy_for_good",)),
+    Bug("every group treated as uniform-reward", "rollverify_jax/train.py",
+        "uniform = np.repeat((rewards == rewards[:, :1]).all(axis=1), g)",
+        "uniform = np.repeat(np.ones(len(rewards), bool), g)", (T + "test_uniform_groups_leave_the_loss",)),
+    Bug("DAPO chat prompts take the first user message", "rollverify_jax/data/datasets.py",
+        'return users[-1]["content"]', 'return users[0]["content"]', ("tests/test_datasets.py",)),
+    Bug("a hung grader is never killed (only its counter bumped)", "rollverify_jax/data/rewards.py",
+        "        inflight.clear()\n        self._kill_pool()\n        counts[\"pool_restarts\"] += 1\n\n    # -- pool",
+        "        inflight.clear()\n        pass\n        counts[\"pool_restarts\"] += 1\n\n    # -- pool",
+        ("tests/test_rewards.py",)),
+]
+
+
+def _copy_repo(dest: Path) -> None:
+    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".hypothesis",
+                                    "mutants", "*.egg-info")
+    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
+
+
+def plant(bug: Bug, tree: Path) -> None:
+    path = tree / bug.path
+    source = path.read_text()
+    if source.count(bug.old) != 1:
+        raise SystemExit(f"{bug.name}: the text to replace occurs {source.count(bug.old)} times in {bug.path}; "
+                         "it must occur exactly once (has the code changed?).")
+    changed = [a for a, b in zip(bug.old.splitlines(), bug.new.splitlines(), strict=False) if a != b]
+    if len(changed) != 1 or len(bug.old.splitlines()) != len(bug.new.splitlines()):
+        raise SystemExit(f"{bug.name}: a planted bug changes exactly one line.")
+    path.write_text(source.replace(bug.old, bug.new))
+
+
+def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
+    """(tests failed, seconds, last line of pytest's summary)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=tree, env=env, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    return proc.returncode != 0, time.perf_counter() - t0, lines[-1] if lines else proc.stderr[-200:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", default=None, help="substrings of bug names to run")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "planted_bugs.md"))
+    args = ap.parse_args()
+    bugs = [b for b in BUGS if not args.only or any(s in b.name for s in args.only)]
+    rows = []
+    for bug in bugs:
+        with tempfile.TemporaryDirectory(prefix="planted_") as tmp:
+            tree = Path(tmp) / "repo"
+            _copy_repo(tree)
+            plant(bug, tree)
+            caught, seconds, summary = run_tests(tree, bug.tests)
+        rows.append((bug, caught, seconds, summary))
+        print(f"{'CAUGHT' if caught else 'MISSED'}  {bug.name}  ({seconds:.0f} s: {summary})", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    lines = ["# Planted bugs", "",
+             f"Measured by `python scripts/planted_bugs.py` at commit `{commit}` (plus the working tree it ran on).",
+             "Each bug is a one-line edit planted in a scratch copy of the repository; the tests listed run",
+             "against it, and the bug is caught when they fail.", "",
+             "| planted bug | file | tests run | caught | pytest says |", "| --- | --- | --- | --- | --- |"]
+    for bug, caught, seconds, summary in rows:
+        tests = ", ".join(f"`{t.replace('tests/', '')}`" for t in bug.tests)
+        lines.append(f"| {bug.name} | `{bug.path}` | {tests} | {'yes' if caught else '**no**'} | "
+                     f"{summary.replace('|', '/')} ({seconds:.0f} s) |")
+    lines += ["", f"Caught: {sum(c for _, c, _, _ in rows)} of {len(rows)}.", ""]
+    if not args.only:
+        Path(args.out).write_text("\n".join(lines))
+        print(f"wrote {args.out}")
+    print(f"caught {sum(c for _, c, _, _ in rows)} of {len(rows)}")
+
+
+if __name__ == "__main__":
+    main()
