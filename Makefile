@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 GIN ?= configs/tiny_rollverify.gin
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench mutants clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -30,5 +30,12 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_model.py
 	$(PY) scripts/bench_rollout.py
 
+# Mutation testing (not in CI: hours on 2 cores); writes docs/mutation.md. See docs/testing.md.
+mutants: $(VENV)/.installed-test
+	$(PY) -m pip install -q -e '.[test,mutation]'
+	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(VENV)/bin/mutmut run --max-children 2
+	$(PY) scripts/mutation_report.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache mutants .jax_cache

@@ -1,6 +1,6 @@
 """Mutation score per module from mutmut's results (``make mutants`` runs mutmut, then this).
 
-Reads ``mutants/**/*.meta`` (mutmut's per-file results) and ``tests/mutation_equivalents.toml`` (surviving
+Reads ``mutants/**/*.meta`` (mutmut's per-file results) and ``tests/mutation_equivalents/*.toml`` (surviving
 mutants judged equivalent, each with its reason), and writes the score table, the equivalent mutants and
 every other survivor with its diff to ``docs/mutation.md``.
 
@@ -41,10 +41,12 @@ def load_results() -> dict[str, dict[str, str]]:
 
 
 def load_equivalents() -> dict[str, str]:
-    path = ROOT / "tests" / "mutation_equivalents.toml"
-    if not path.exists():
-        return {}
-    return {e["mutant"]: e["why"] for e in tomllib.loads(path.read_text()).get("equivalent", [])}
+    """mutant name -> why it is equivalent, from ``tests/mutation_equivalents/*.toml`` (one file per area)."""
+    out = {}
+    for path in sorted((ROOT / "tests" / "mutation_equivalents").glob("*.toml")):
+        for entry in tomllib.loads(path.read_text()).get("equivalent", []):
+            out[entry["mutant"]] = entry["why"]
+    return out
 
 
 def diff(name: str, path: str) -> str:

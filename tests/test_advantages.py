@@ -1,6 +1,7 @@
 """Tests for rollverify_jax.rl.advantages against loop-based numpy references."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -84,3 +85,26 @@ def test_unknown_name_lists_known():
 def test_flat_rewards_rejected():
     with pytest.raises(ValueError, match=r"\[num_groups, G\]"):
         adv_lib.grpo_advantages(np.zeros(8, np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(adv_lib.ADVANTAGES))
+def test_low_precision_rewards_give_float32_advantages(name):
+    got = adv_lib.compute_advantages(jnp.asarray(REWARDS, jnp.bfloat16), name)
+    assert got.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", sorted(adv_lib.ADVANTAGES))
+def test_flat_rewards_error_names_the_estimator(name):
+    with pytest.raises(ValueError, match=rf"advantage '{name}' expects rewards of shape \[num_groups, G\]"):
+        adv_lib.compute_advantages(np.zeros(8, np.float32), name)
+
+
+def test_grpo_std_guard_is_added():
+    """A tiny spread shows the guard: (R - mean) / (std + 1e-6), with std = 5e-6 here."""
+    got = np.asarray(adv_lib.grpo_advantages(np.asarray([[0.0, 1e-5]], np.float32)))
+    np.testing.assert_allclose(got, [[-5e-6 / 6e-6, 5e-6 / 6e-6]], rtol=1e-3)
+
+
+def test_rloo_with_two_members():
+    np.testing.assert_allclose(np.asarray(adv_lib.rloo_advantages(np.asarray([[1.0, 0.0]], np.float32))),
+                               [[1.0, -1.0]])

@@ -88,3 +88,20 @@ def test_pop_complete_takes_the_oldest_groups_up_to_the_limit():
         cache.add_finished(_traj(gid, gid, 1, True))
     assert [g.group_id for g in cache.pop_complete(2)] == [2, 5]
     assert sorted(cache.groups) == [9] and len(cache) == 0
+
+
+def test_checkpoint_layout_uses_compact_dtypes():
+    """Prompt, tokens and versions are int32 and log mu float32 in a checkpoint; restored values are exact."""
+    cache = PausedCache()
+    cache.add_group(Group(1, 2, {"prompt": "p"}))
+    cache.pause([_traj(4, 1, 3, version=2)])
+    saved = cache.to_dict()["paused"][0]
+    assert {k: saved[k].dtype.name for k in ("prompt", "tokens", "logps", "versions")} == \
+        {"prompt": "int32", "tokens": "int32", "logps": "float32", "versions": "int32"}
+    assert (saved["uid"], saved["group_id"], saved["seed"], saved["max_new_tokens"], saved["finished"]) == \
+        (4, 1, 4, 9, False)
+    del saved["meta"]  # older checkpoints carry no meta
+    back = PausedCache.from_dict({"paused": [saved], "groups": []})
+    assert back.paused[0].meta == {} and back.paused[0].versions == [2, 2, 2] and len(back) == 1
+    assert all(isinstance(x, int) for x in back.paused[0].tokens)
+    assert all(isinstance(x, float) for x in back.paused[0].logps)

@@ -109,8 +109,46 @@ def test_switch_to_on_policy_drops_cache(engine):
     assert mgr.run_phase().metrics["mode/on_policy"] == 1
 
 
+def test_new_groups_get_their_own_ids_uids_and_distinct_seeds(engine):
+    mgr = _manager(engine, mode="partial", group_size=3, max_new_tokens=7)
+    first, second = mgr._new_group(), mgr._new_group()
+    assert [t.uid for t in first + second] == list(range(6)) and mgr.next_uid == 6 and mgr.next_group_id == 2
+    assert {t.group_id for t in first} == {0} and {t.group_id for t in second} == {1}
+    assert sorted(mgr.cache.groups) == [0, 1] and mgr.cache.groups[1].size == 3 and not mgr.cache.groups[1].finished
+    assert all(t.max_new_tokens == 7 and t.num_tokens == 0 and not t.finished for t in first + second)
+    assert len({t.seed for t in first + second}) == 6  # group members must not draw the same samples
+    np.testing.assert_array_equal(first[0].prompt, first[2].prompt)  # one prompt per group
+    other = RolloutManager(mgr.config, mgr.scheduler, mgr.next_record, mgr.encode_prompt, seed=2)
+    assert {t.seed for t in other._new_group()}.isdisjoint({t.seed for t in first})
+    assert all(0 <= t.seed < 2**31 - 1 for t in first + second)
+
+
+def test_switch_drops_and_counts_every_cached_trajectory_and_survives_a_checkpoint(engine):
+    mgr = _manager(engine, mode="rollverify")
+    mgr.run_phase()
+    cached = len(mgr.cache.paused) + sum(len(g.finished) for g in mgr.cache.groups.values())
+    assert cached
+    mgr.switch_to_on_policy()
+    assert mgr.dropped_at_switch == cached and not mgr.cache.groups
+    other = _manager(engine, mode="rollverify")
+    assert not other.on_policy and other.verifying
+    other.load_state_dict(mgr.state_dict())
+    assert other.on_policy and not other.verifying
+
+
+@pytest.mark.parametrize("kw", [dict(mode="rollverify", ds=0.0), dict(mode="partial", filter="staleness", s_max=0),
+                                dict(mode="partial", filter="ops", ops_threshold=1e-9), dict(max_new_tokens=1)])
+def test_good_config_boundaries(kw):
+    RolloutConfig(**kw)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(mode="async"), r"Unknown rollout mode 'async'.*on_policy"),
+    (dict(batch_groups=0), "batch_groups=0 must be >= 1"),
+    (dict(group_size=0), "group_size=0 must be >= 1"),
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+    (dict(mode="partial", filter="staleness", s_max=-1), "s_max >= 0"),
+    (dict(mode="partial", filter="ops", ops_threshold=0.0), "threshold > 0"),
     (dict(filter="staleness"), "needs partial rollout"),
     (dict(mode="partial", filter="magic"), "Unknown filter"),
     (dict(mode="rollverify", ds=-0.1), "ds=-0.1"),
@@ -246,3 +284,43 @@ def test_rollverify_with_new_weights_cuts_some_tokens_and_regenerates_from_the_v
         assert set(t.versions[k:]) <= {new_version}
         if k < len(tokens) and t.num_tokens > k:  # regenerated under the new weights: log mu is the new policy's
             np.testing.assert_allclose(t.logps[k:], _teacher_forced(new_model, t.prompt, t.tokens)[k:], atol=1e-4)
+
+
+PHASE_KEYS = {"time/rollout", "time/verify", "rollout/tokens_per_s", "rollout/tokens", "rollout/slot_utilization",
+              "rollout/prefill_tokens", "rollout/host_time", "staleness/mean", "staleness/max", "cache/size",
+              "cache/staleness_mean", "verify/acceptance", "verify/num_verified", "verify/tokens_total",
+              "mode/on_policy"}
+
+
+def test_phase_metrics_describe_the_phase(engine):
+    mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9)
+    first = mgr.run_phase()
+    for version in range(1, 6):
+        engine.set_version(version)
+        phase = mgr.run_phase()
+        if phase.metrics["verify/num_verified"]:
+            break
+    engine.set_version(0)
+    mgr.scheduler.pause_all()
+    for p, version_now in ((first, 0), (phase, version)):
+        m = p.metrics
+        hist = {int(k.rsplit("/", 1)[1]): v for k, v in m.items() if k.startswith("cache/staleness_hist/")}
+        assert set(m) - {k for k in m if k.startswith("cache/staleness_hist/")} == PHASE_KEYS
+        cached = [t for t in mgr.cache.paused + [t for g in mgr.cache.groups.values() for t in g.finished.values()]]
+        if p is phase:  # the cache as this phase left it
+            assert m["cache/size"] == len(mgr.cache.paused)
+            stale = sorted(version_now - min(t.versions) for t in cached if t.versions)
+            assert sorted(s for s, c in hist.items() for _ in range(c)) == stale
+            assert m["cache/staleness_mean"] == pytest.approx(np.mean(stale) if stale else 0.0)
+        batch = [t for g in p.groups for t in g.finished.values()]
+        assert m["staleness/max"] == max(version_now - min(t.versions) for t in batch)
+        assert m["staleness/mean"] == pytest.approx(np.mean([version_now - min(t.versions) for t in batch]))
+        assert m["rollout/tokens"] >= 0 and m["rollout/tokens_per_s"] == pytest.approx(
+            m["rollout/tokens"] / (m["time/rollout"] + m["time/verify"]), rel=1e-6)
+        assert 0 < m["rollout/slot_utilization"] <= 1 or m["rollout/tokens"] == 0
+        assert m["mode/on_policy"] == 0 and m["time/verify"] >= 0
+    assert first.metrics["verify/num_verified"] == 0 and first.metrics["verify/acceptance"] == 1.0
+    assert first.metrics["rollout/prefill_tokens"] > 0 and first.metrics["rollout/tokens"] > 0
+    m = phase.metrics
+    assert m["verify/num_verified"] > 0 and m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 1.0
+    assert m["time/verify"] > 0

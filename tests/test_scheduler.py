@@ -172,11 +172,38 @@ def test_verifier_sees_each_tokens_own_version(engine):
         assert set(t.versions[n:]) == {2}
 
 
-def test_slot_refill_keeps_utilization_high(engine):
-    sched = _submit(engine, _requests(12, seed=3, max_new=12))
+def test_slot_refill_keeps_utilization_high_and_counts_add_up(engine):
+    trajs = _requests(12, seed=3, max_new=12)
+    sched = _submit(engine, trajs)
     sched.run()
-    assert len(sched.finished) == 12
-    assert sched.stats.slot_utilization(CFG.num_slots) > 0.6
+    assert len(sched.finished) == 12 and sched.idle
+    st = sched.stats
+    assert st.slot_utilization(CFG.num_slots) > 0.6
+    # Each admission samples one token from its prefill; every other token comes from a decode dispatch.
+    assert st.prefill_sequences == 12 and st.preemptions == 0
+    assert st.tokens_generated == sum(t.num_tokens for t in trajs) - 12 == st.useful_token_steps
+    assert st.prefill_tokens == sum(len(t.prompt) for t in trajs)
+    assert st.decode_steps == st.dispatches * CFG.steps_per_dispatch
+    assert st.slot_utilization(CFG.num_slots) == st.useful_token_steps / (CFG.num_slots * st.decode_steps)
+    assert st.prefill_time > 0 and st.decode_time > 0 and st.host_time >= 0
+    assert all(t.finished and len(t.logps) == len(t.versions) == t.num_tokens for t in trajs)
+    assert all(t.num_tokens == 12 or t.tokens[-1] == 3 for t in trajs)  # max length or EOS, nothing after
+    assert all(3 not in t.tokens[:-1] for t in trajs)
+    sched.reset_stats()
+    assert sched.stats == type(st)() and sched.verified == []
+    assert sched.step() == 0 and sched.stats.dispatches == 0  # an idle scheduler does not dispatch
+
+
+def test_run_stops_at_the_dispatch_limit_and_the_condition(engine):
+    sched = _submit(engine, _requests(4, seed=6, max_new=30))
+    sched.run(max_dispatches=2)
+    assert sched.stats.dispatches == 2
+    sched.run(until=lambda s: s.stats.dispatches >= 3)
+    assert sched.stats.dispatches == 3
+    assert sorted(sched.free_slots) == sorted(set(range(CFG.num_slots)) - set(sched.slots))
+    paused = sched.pause_all()
+    assert len(paused) + len(sched.take_finished()) == 4 and not sched.slots and not sched.queue
+    assert sched.free_slots == list(range(CFG.num_slots))
 
 
 def test_request_that_does_not_fit_yet_waits(model):
@@ -215,3 +242,88 @@ def test_bad_requests_fail_before_touching_slots(engine, prompt, max_new, match)
         sched.submit([Trajectory(uid=0, group_id=0, prompt=np.asarray(prompt, np.int32), seed=0,
                                  max_new_tokens=max_new)])
     assert not sched.queue and engine.allocator.num_free == free
+
+
+def test_request_boundaries_at_the_context_length(engine):
+    sched = Scheduler(engine)
+    fits = Trajectory(uid=0, group_id=0, prompt=np.full(54, 5, np.int32), seed=0, max_new_tokens=10)  # 64 = max
+    one = Trajectory(uid=1, group_id=1, prompt=np.asarray([5], np.int32), seed=0, max_new_tokens=1)
+    sched.submit([fits, one])
+    assert [p.traj.uid for p in sched.queue] == [0, 1]
+    over = Trajectory(uid=2, group_id=2, prompt=np.full(55, 5, np.int32), seed=0, max_new_tokens=10)
+    with pytest.raises(ValueError, match="65 tokens|exceeds the context of 64"):
+        sched.submit([over])
+    with pytest.raises(ValueError, match="exceeds the context of 64"):
+        sched.resume([over])
+    sched.run()
+    done = {t.uid: t for t in sched.take_finished()}
+    assert done[1].num_tokens == 1 and done[1].finished and done[0].num_tokens <= 10
+
+
+def test_resumed_trajectories_queue_ahead_of_new_ones_in_their_order(engine):
+    sched = Scheduler(engine)
+    new, old = _requests(2, seed=7), _requests(4, seed=8)[2:]
+    sched.submit(new)
+    sched.resume(old)
+    assert [p.traj.uid for p in sched.queue] == [2, 3, 0, 1]
+    assert [p.keep_fn for p in sched.queue] == [None] * 4
+
+
+def test_prefill_computes_log_probs_only_for_rows_that_are_verified(engine, monkeypatch):
+    asked = []
+    real = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda *a, with_logp=True, **k: (asked.append(with_logp),
+                                                                             real(*a, with_logp=with_logp, **k))[1])
+    sched = _submit(engine, _requests(3, seed=9, max_new=20))
+    sched.step()
+    assert asked and not any(asked)  # fresh prompts: nothing to verify
+    paused = [t for t in sched.pause_all() if t.num_tokens]
+    asked.clear()
+    sched.resume(paused)  # keep=None: resumed without verification
+    sched.step()
+    assert asked and not any(asked)
+    paused = [t for t in sched.pause_all() if t.num_tokens]
+    asked.clear()
+    sched.resume(paused, keep=lambda new, beh, ver, lengths: lengths)
+    sched.step()
+    assert asked and all(asked)
+    sched.pause_all()
+
+
+def test_keep_lengths_are_clipped_to_the_cached_tokens(engine):
+    sched = _submit(engine, _requests(2, seed=10, max_new=30))
+    sched.run(max_dispatches=2)
+    paused = [t for t in sched.pause_all() if t.num_tokens]
+    lengths = sorted(t.num_tokens for t in paused)
+    sched.reset_stats()
+    sched.resume(paused, keep=lambda new, beh, ver, n: np.where(np.arange(len(n)) % 2 == 0, n + 5, -3))
+    sched.step()
+    sched.pause_all()
+    assert sorted(n for _, n in sched.verified) == lengths
+    assert all(k in (0, n) for k, n in sched.verified)
+
+
+def test_pause_returns_running_then_queued_and_frees_every_page(engine):
+    sched = _submit(engine, _requests(5, seed=11, max_new=30))
+    sched.step()
+    running = sorted(sched.slots.values(), key=lambda t: t.uid)
+    queued = [p.traj for p in sched.queue]
+    assert len(running) == CFG.num_slots and queued
+    paused = sched.pause_all()
+    assert sorted(t.uid for t in paused[: len(running)]) == [t.uid for t in running]
+    assert paused[len(running):] == queued
+    assert engine.allocator.num_free == engine.allocator.capacity and sched.idle
+
+
+@pytest.mark.parametrize("reservation", ["incremental", "full"])
+def test_pages_reserved_per_admission(model, reservation):
+    """Incremental reservation owns the pages of the next dispatch only; full owns prompt + max_new_tokens."""
+    cfg = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3, page_reservation=reservation)
+    eng = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
+    sched = Scheduler(eng)
+    sched.submit([Trajectory(uid=0, group_id=0, prompt=np.arange(4, 8, dtype=np.int32), seed=0, max_new_tokens=40)])
+    sched._admit()
+    owned = len(eng.allocator.owned[0])
+    assert owned == (1 if reservation == "incremental" else 6)  # 4 + 3 + 1 = 8 tokens: one page; 44: six
+    sched.run()
+    assert eng.allocator.num_free == eng.allocator.capacity
