@@ -94,7 +94,9 @@ def test_checkpoint_layout_uses_compact_dtypes():
     """Prompt, tokens and versions are int32 and log mu float32 in a checkpoint; restored values are exact."""
     cache = PausedCache()
     cache.add_group(Group(1, 2, {"prompt": "p"}))
-    cache.pause([_traj(4, 1, 3, version=2)])
+    traj = _traj(4, 1, 3, version=2)
+    traj.prompt = traj.prompt.astype(np.int64)  # whatever a caller built the prompt with
+    cache.pause([traj])
     saved = cache.to_dict()["paused"][0]
     assert {k: saved[k].dtype.name for k in ("prompt", "tokens", "logps", "versions")} == \
         {"prompt": "int32", "tokens": "int32", "logps": "float32", "versions": "int32"}
