@@ -69,7 +69,7 @@ def main() -> None:
     rows, survivors, equivalent_rows = [], [], []
     for path, statuses in results.items():
         counts = collections.Counter(statuses.values())
-        eq = [n for n, s in statuses.items() if s not in DETECTED and n in equivalents]
+        eq = [n for n, s in statuses.items() if s not in DETECTED | {"not checked"} and n in equivalents]
         detected = sum(counts[s] for s in DETECTED)
         denominator = len(statuses) - len(eq) - counts["not checked"]
         score = detected / denominator if denominator else 1.0
