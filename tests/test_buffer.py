@@ -66,6 +66,8 @@ def test_staleness_is_measured_from_the_oldest_token():
     mixed.versions = [1, 3, 4]
     cache.pause([mixed])
     assert cache.staleness(5).tolist() == [4]
+    empty = PausedCache().staleness(5)  # integer staleness even with nothing cached (it keys a histogram)
+    assert empty.dtype == np.int64 and empty.shape == (0,)
 
 
 def test_complete_groups_are_never_resumed():

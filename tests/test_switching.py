@@ -1,6 +1,7 @@
 """Tests for rollverify_jax.verify.switching: acceptance window and the one-way switch to on-policy."""
 
 import dataclasses
+import json
 
 import gin
 import jax.numpy as jnp
@@ -176,3 +177,88 @@ def test_switch_config_validates():
         SwitchConfig(threshold=2.0)
     with pytest.raises(ValueError, match="window"):
         SwitchConfig(window=0)
+
+
+# --- exact window arithmetic, validation boundaries, and the state's types ----------------------------------
+
+
+def test_window_mean_is_exact_float64_mean_of_stored_rates():
+    # 0.5 and 0.5 - 2^-25 are both float32; their float32 sum rounds to 1.0 (mean 0.5, no switch), but the exact
+    # mean is 0.5 - 2^-26 < 0.5, so the window must switch.
+    low = 0.5 - 2.0**-25
+    state = update_switch_state(init_switch_state(2), 0.5, 0)
+    assert window_mean(state) == 0.5 and state.count == 1
+    state = update_switch_state(state, low, 1)
+    assert window_mean(state) == 0.5 - 2.0**-26
+    assert state.on_policy and state.switch_step == 1
+
+
+def test_window_of_one_switches_on_the_first_low_rate():
+    state = update_switch_state(init_switch_state(1), 0.75, 0)
+    assert state.window == 1 and state.count == 1 and window_mean(state) == 0.75 and not state.on_policy
+    state = update_switch_state(state, 0.25, 1)
+    assert window_mean(state) == 0.25 and state.on_policy and state.switch_step == 1
+
+
+def test_threshold_and_acceptance_boundaries_are_accepted():
+    # threshold 1.0: any cycle that rejects anything switches; threshold 0.0 never switches.
+    state = update_switch_state(init_switch_state(1), 0.999, 3, threshold=1.0)
+    assert state.on_policy and state.switch_step == 3
+    assert not update_switch_state(init_switch_state(1), 1.0, 0, threshold=1.0).on_policy
+    assert not update_switch_state(init_switch_state(1), 0.0, 0, threshold=0.0).on_policy
+    assert SwitchConfig(window=1, threshold=1.0).threshold == 1.0
+
+
+def test_negative_step_raises():
+    with pytest.raises(ValueError, match="step"):
+        update_switch_state(init_switch_state(), 0.5, -1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"rates": np.zeros((2, 2))},  # a window is 1-D
+        {"rates": np.zeros(0)},  # and not empty
+        {"count": -1},
+        {"count": 3},  # more than the window holds
+        {"switch_step": -2},
+    ],
+)
+def test_invalid_state_raises(kwargs):
+    fields = {"rates": np.zeros(2, np.float32), "count": 0, "on_policy": False, "switch_step": -1, **kwargs}
+    with pytest.raises(ValueError):
+        SwitchState(**fields)
+
+
+def test_state_fields_are_normalized_to_plain_python_and_float32():
+    # Checkpoints and metrics hand back numpy scalars; the state must hold plain Python values (JSON-able) and a
+    # private float32 copy of the rates.
+    source = [0.25, 0.5, 1.0]
+    state = SwitchState(rates=source, count=np.int64(2), on_policy=np.bool_(True), switch_step=np.int32(7))
+    assert state.rates.dtype == np.float32 and state.rates.shape == (3,)
+    assert type(state.count) is int and type(state.on_policy) is bool and type(state.switch_step) is int
+    assert json.loads(json.dumps([state.count, state.on_policy, state.switch_step])) == [2, True, 7]
+    source[0] = 0.0
+    assert state.rates[0] == 0.25
+
+
+def test_to_dict_dtypes_and_shapes_are_fixed():
+    # A checkpoint restore template needs the same dtypes every time: float32 window, int32 scalars.
+    state = _run([0.1] * 8, start_step=40)
+    d = state.to_dict()
+    assert set(d) == {"rates", "count", "on_policy", "switch_step"}
+    assert d["rates"].dtype == np.float32 and d["rates"].shape == (8,)
+    for key, want in (("count", 8), ("on_policy", 1), ("switch_step", 47)):
+        assert d[key].dtype == np.int32 and d[key].shape == () and int(d[key]) == want
+    back = SwitchState.from_dict(d)
+    assert back.on_policy is True and back.switch_step == 47 and back == state
+
+
+def test_states_differing_in_one_field_are_unequal():
+    base = _run([0.7, 0.8], window=4)
+    assert base == _run([0.7, 0.8], window=4)
+    assert base != _run([0.7, 0.9], window=4)
+    assert base != dataclasses.replace(base, count=3)
+    assert base != dataclasses.replace(base, on_policy=True)
+    assert base != dataclasses.replace(base, switch_step=5)
+    assert base != "not a state"

@@ -269,3 +269,97 @@ def test_verify_stats_rejects_bad_input():
         verify_stats(np.array([3]), np.array([2]))
     with pytest.raises(ValueError, match="must both be"):
         verify_stats(np.array([1, 2]), np.array([2]))
+
+
+# --- boundaries of the checks, per-row reductions, and clipping of device lengths ---------------------------
+
+
+def test_shape_errors_name_the_argument():
+    z = np.zeros((2, 3), np.float32)
+    v = z.astype(np.int32)
+    with pytest.raises(ValueError, match=r"^two_stage_verify: behavior_logp has shape \(2, 2\)"):
+        two_stage_verify(z, z[:, :2], v, np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"^two_stage_verify: versions has shape \(2, 4\)"):
+        two_stage_verify(z, z, np.zeros((2, 4), np.int32), np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"new_logp must be \[N, L\]"):
+        two_stage_verify(z[0], z[0], v[0], np.array([1]))
+
+
+def test_negative_host_lengths_raise():
+    z = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        two_stage_verify(z, z, z.astype(np.int32), np.array([-1, 2]))
+
+
+def test_empty_batch():
+    z = np.zeros((0, 4), np.float32)
+    keep = two_stage_verify(z, z, z.astype(np.int32), np.zeros((0,), np.int32))
+    assert keep.shape == (0,) and keep.dtype == jnp.int32
+
+
+def test_device_lengths_are_clipped_to_the_padded_length():
+    # Device lengths are not checked on the host; out-of-range values are clipped into [0, L].
+    z = np.zeros((2, 4), np.float32)
+    keep = two_stage_verify(z, z, z.astype(np.int32), jnp.array([-2, 9], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(keep), [0, 4])
+
+
+def test_threshold_boundaries_are_accepted():
+    # ds = 0 is allowed: every non-empty trajectory then restarts (a segment mean is always >= 0).
+    diffs, versions = np.zeros((2, 4)), np.zeros((2, 4))
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [4, 0], ds=0.0), [0, 0])
+    # Any positive dt is allowed, also below 1: OPS e^0.25 - 1 ~ 0.28 >= 0.25 cuts at that token.
+    diffs[0, 2] = 0.25
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [4, 4], ds=10.0, dt=0.25), [2, 4])
+
+
+def test_each_row_gets_its_own_cut():
+    # Row 0: segment cut at 2 (segment [2, 5) has mean OPS e^1.5 - 1 >= ds = 1); its spike at 2 is not earlier.
+    # Row 1: one segment with mean ~0.39 < ds, but token 4 has OPS e^1.2 - 1 ~ 2.3 >= dt = 2: token cut at 4.
+    # Rows 2 and 3: nothing to cut, keep everything (6 and 3 tokens).
+    diffs = np.array(
+        [
+            [0.0, 0.0, 1.5, 1.5, 1.5, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 1.2, 0.0],
+            [0.0, 0.1, 0.0, 0.0, 0.1, 0.0],
+            [0.0, 0.0, 0.0, 5.0, 5.0, 5.0],
+        ]
+    )
+    versions = np.array([[0, 0, 1, 1, 1, 2], [0] * 6, [0, 0, 1, 1, 1, 1], [7] * 6])
+    np.testing.assert_array_equal(_verify_from_diffs(diffs, versions, [6, 6, 6, 3], ds=1.0), [2, 4, 6, 3])
+
+
+def test_thresholds_are_rounded_to_float32_like_the_ops_even_with_x64():
+    # A threshold a hair above a float32 OPS value rounds to that value in float32, so it is a tie and cuts, in
+    # x64 mode as in the default mode (the keep lengths must not depend on jax_enable_x64). A numpy float64
+    # threshold is not weakly typed, so under x64 it would stay float64 if it were not cast.
+    diffs = np.array([[0.0, 0.0, 0.25, 0.0]], np.float32)
+    spike = np.float64(np.asarray(token_ops(diffs, np.zeros_like(diffs)))[0, 2])
+    above = np.nextafter(spike, np.inf)
+    assert np.float32(above) == spike and above > spike
+    segments = np.array([[0, 0, 1, 2]], np.int32)
+    for x64 in (False, True):
+        with jax.enable_x64(x64):
+            np.testing.assert_array_equal(_verify_from_diffs(diffs, segments, [4], ds=above), [2])
+            np.testing.assert_array_equal(_verify_from_diffs(diffs, segments, [4], ds=10.0, dt=above), [2])
+
+
+def test_verify_stats_single_token_rows():
+    stats = verify_stats(np.array([0, 1, 0]), np.array([1, 1, 0]))
+    assert stats == {
+        "tokens_kept": 1,
+        "tokens_total": 2,
+        "acceptance": 0.5,
+        "num_verified": 2,
+        "num_cut": 1,
+        "num_restarted": 1,
+    }
+    assert verify_stats(np.array([0]), np.array([1]))["acceptance"] == 0.0
+    assert verify_stats(jnp.array([2, 3], jnp.int32), np.array([2, 3]))["acceptance"] == 1.0
+
+
+def test_verify_stats_rejects_negative_keep_and_2d_input():
+    with pytest.raises(ValueError, match=r"\[0, length\]"):
+        verify_stats(np.array([-1, 2]), np.array([2, 2]))
+    with pytest.raises(ValueError, match="must both be"):
+        verify_stats(np.array([[1, 2]]), np.array([[2, 2]]))

@@ -141,3 +141,76 @@ def test_masked_functions_return_zero_on_padding(fn):
     mask = jnp.zeros((2, 3), bool)
     args = (o, mask) if fn is ops.sequence_ops else (o, jnp.zeros((2, 3), jnp.int32), mask)
     assert np.all(np.asarray(fn(*args)) == 0.0)
+
+
+# --- segment boundaries, dtypes, and masks that are not bool ----------------------------------------------
+
+
+def test_segment_starts_and_ends_hand_case():
+    # Row 0: a hole at 3 splits the version-0 run; the last token (version 0, at L-1) ends its segment.
+    # Row 1: response of 5 tokens, then padding that continues version 2 (padding is never a start or an end).
+    versions = jnp.array([[0, 0, 1, 1, 1, 0, 0, 0], [2, 2, 2, 3, 2, 2, 2, 2]])
+    mask = jnp.array([[1, 1, 1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]], bool)
+    starts = np.asarray(ops.segment_starts(versions, mask))
+    ends = np.asarray(ops.segment_ends(versions, mask))
+    assert starts.dtype == np.bool_ and ends.dtype == np.bool_
+    np.testing.assert_array_equal(starts.astype(int), [[1, 0, 1, 0, 1, 1, 0, 0], [1, 0, 0, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(ends.astype(int), [[0, 1, 1, 0, 1, 0, 0, 1], [0, 0, 1, 1, 1, 0, 0, 0]])
+    ids = ops.segment_ids(versions, mask)
+    assert ids.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(ids), [[0, 0, 1, -1, 2, 3, 3, 3], [0, 0, 0, 1, 2, -1, -1, -1]])
+
+
+def test_integer_masks_behave_like_bool_masks():
+    # Attention masks often arrive as 0/1 integers (or any nonzero value); the result must match the bool mask.
+    o = jnp.array([[1.0, 2.0, 4.0, jnp.nan], [3.0, 5.0, 7.0, 9.0]])
+    versions = jnp.array([[0, 0, 1, 1], [4, 4, 4, 4]])
+    bool_mask = jnp.array([[True, True, True, False], [False, True, True, False]])
+    for int_mask in (bool_mask.astype(jnp.int32), bool_mask.astype(jnp.int32) * 2):
+        np.testing.assert_array_equal(np.asarray(ops.sequence_ops(o, int_mask)), np.float32([7.0 / 3.0, 6.0]))
+        np.testing.assert_array_equal(
+            np.asarray(_segment_mean_jit(o, versions, int_mask)), [[1.5, 1.5, 4.0, 0.0], [0.0, 6.0, 6.0, 0.0]]
+        )
+        np.testing.assert_array_equal(np.asarray(_segment_ids_jit(versions, int_mask)), [[0, 0, 1, -1], [-1, 0, 0, -1]])
+        np.testing.assert_array_equal(np.asarray(ops.staleness(5, versions, int_mask)), [5, 1])
+        for fn in (ops.segment_starts, ops.segment_ends):
+            got = fn(versions, int_mask)
+            assert got.dtype == jnp.bool_
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(fn(versions, bool_mask)))
+
+
+def test_response_mask_truncates_float_lengths():
+    # Lengths are token counts: a float array of lengths is cast to int32 (truncated), like everywhere else.
+    np.testing.assert_array_equal(
+        np.asarray(ops.response_mask(np.array([2.0, 3.7]), 4)), [[True, True, False, False], [True, True, True, False]]
+    )
+
+
+def test_output_dtypes_do_not_follow_64bit_or_bf16_inputs():
+    # Under jax_enable_x64, float64/int64 inputs must still give float32 OPS and int32 ids/staleness (the
+    # documented dtypes), with the same values as the float32 computation.
+    new = np.array([[-1.0, -2.0, 30.0, -0.5]])
+    old = np.array([[-1.5, -2.0, 0.0, -0.25]])
+    versions = np.array([[3, 3, 5, 5]], np.int64)
+    mask = np.array([[True, True, True, False]])
+    want_ratio = np.clip(new.astype(np.float32) - old.astype(np.float32), -20, 20)
+    with jax.enable_x64(True):
+        ratio = ops.log_ratio(new, old)
+        tok = ops.token_ops(new, old)
+        seq = ops.sequence_ops(np.asarray(tok, np.float64), mask)
+        seg = _segment_mean_jit(np.asarray(tok, np.float64), versions, mask)
+        ids = _segment_ids_jit(versions, mask)
+        stale = ops.staleness(np.int64(9), versions, mask)
+    assert ratio.dtype == jnp.float32 and tok.dtype == jnp.float32
+    assert seq.dtype == jnp.float32 and seg.dtype == jnp.float32
+    assert ids.dtype == jnp.int32 and stale.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(ratio), want_ratio)
+    np.testing.assert_array_equal(np.asarray(stale), [6])
+    np.testing.assert_array_equal(np.asarray(ids), [[0, 0, 1, -1]])
+    tok32 = np.asarray(tok)
+    np.testing.assert_allclose(np.asarray(seq), [tok32[0, :3].mean()], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(seg)[0, 2], tok32[0, 2], rtol=1e-6)
+    # bfloat16 OPS (a bf16 model's log-probs) are reduced in float32.
+    o16 = jnp.array([[1.0, 2.0, 4.0, 8.0]], jnp.bfloat16)
+    assert ops.sequence_ops(o16, mask).dtype == jnp.float32
+    assert _segment_mean_jit(o16, versions, mask).dtype == jnp.float32
