@@ -219,3 +219,262 @@ def test_config_validation():
         CheckpointConfig(save_interval_steps=0)
     with pytest.raises(ValueError, match="max_to_keep"):
         CheckpointConfig(max_to_keep=0)
+
+
+# -- host state encoding ---------------------------------------------------------------------------------------------
+
+
+def json_round_trip(obj):
+    """What a save then a restore does to extra: encode, write JSON, read JSON, decode."""
+    return decode_extra(json.loads(json.dumps(encode_extra(obj))))
+
+
+def assert_same_array(got, want):
+    assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape, (got, want)
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))  # -0.0, NaN
+
+
+@pytest.mark.parametrize("arr", [
+    np.asarray([0.1, -0.0, np.nan, np.inf, -np.inf, 1e-300], np.float64),
+    np.asarray([[0.1, -2.5e-38], [np.inf, -0.0]], np.float32),
+    np.asarray([6.1e-5, -65504.0, 1e-7, np.nan], np.float16),  # a subnormal included
+    np.asarray([[[1.0078125], [-3.5]]], ml_dtypes.bfloat16),
+    np.asarray([-128, 127, 0], np.int8),
+    np.asarray([2**62 + 1, -(2**63), 2**63 - 1], np.int64),  # not representable as float64
+    np.asarray([2**64 - 1, 0, 2**63 + 1], np.uint64),
+    np.asarray([[2**32 - 1], [7]], np.uint32),
+    np.arange(6, dtype=np.int16).reshape(3, 2),
+    np.asarray([[True], [False]]),
+    np.zeros((0, 3), np.int32),
+    np.zeros((0,), np.float32),
+    np.asarray(-7, np.int32),
+    np.asarray(np.nan, ml_dtypes.bfloat16),
+], ids=lambda a: f"{a.dtype}{list(a.shape)}")
+def test_every_array_dtype_round_trips_bit_exact(arr):
+    assert_same_array(json_round_trip({"a": arr})["a"], arr)
+    assert_same_array(json_round_trip([arr])[0], arr)
+
+
+def test_encoded_extra_is_plain_json_in_a_documented_layout():
+    enc = encode_extra({
+        "ints": np.arange(4, dtype=np.int32).reshape(2, 1, 2),
+        "jax": jnp.asarray([1.5, 2.0], jnp.bfloat16),
+        "f32": np.float32(0.1), "f16": np.float16(0.1), "bf16": ml_dtypes.bfloat16(0.1), "ld": np.longdouble(0.25),
+        "i64": np.int64(2**62 + 1), "u8": np.uint8(255), "flag": np.bool_(True),
+        "tup": (1, ("a", None)), "nested": [{"x": [2.5]}],
+    })
+    assert enc["ints"] == {"__ndarray__": [0, 1, 2, 3], "dtype": "int32", "shape": [2, 1, 2]}
+    assert enc["jax"] == {"__ndarray__": [1.5, 2.0], "dtype": "bfloat16", "shape": [2]}
+    # numpy scalars become exact Python numbers of the matching kind
+    assert type(enc["f32"]) is float and np.float32(enc["f32"]) == np.float32(0.1)
+    assert type(enc["f16"]) is float and enc["f16"] == float(np.float16(0.1))
+    assert type(enc["bf16"]) is float and enc["bf16"] == float(ml_dtypes.bfloat16(0.1))
+    assert type(enc["ld"]) is float and enc["ld"] == 0.25
+    assert type(enc["i64"]) is int and enc["i64"] == 2**62 + 1
+    assert type(enc["u8"]) is int and enc["u8"] == 255
+    assert enc["flag"] is True
+    assert enc["tup"] == [1, ["a", None]] and enc["nested"] == [{"x": [2.5]}]
+    assert json.loads(json.dumps(enc)) == enc  # nothing JSON would change
+    got = json_round_trip({"tup": (1, ("a", None)), "n": [{"x": (np.int8(3),)}], "s": "", "z": 0, "b": False})
+    assert got == {"tup": [1, ["a", None]], "n": [{"x": [3]}], "s": "", "z": 0, "b": False}
+
+
+def test_encode_extra_copies_the_input():
+    arr = np.zeros(3, np.float32)
+    state = {"arr": arr, "list": [1, 2]}
+    enc = encode_extra(state)
+    arr[:] = 5.0
+    state["list"].append(3)
+    state["new"] = 1
+    assert enc == {"arr": {"__ndarray__": [0.0, 0.0, 0.0], "dtype": "float32", "shape": [3]}, "list": [1, 2]}
+
+
+def test_encode_extra_errors_name_the_path():
+    with pytest.raises(TypeError, match=r"^extra\['cache'\]: dict key 3 is a int"):
+        encode_extra({"cache": {3: [1, 2]}})
+    with pytest.raises(TypeError, match=r"^extra\['a'\]\[1\]\['b'\]\[0\]: dict key \(1, 2\) is a tuple"):
+        encode_extra({"a": [0, {"b": [{(1, 2): 0}]}]})
+    with pytest.raises(TypeError, match=r"^extra\[2\]: set is not JSON-serialisable"):
+        encode_extra([0, 1, {1}])
+    with pytest.raises(ValueError, match=r"^extra\['x'\]\[0\]: the key '__ndarray__' is reserved"):
+        encode_extra({"x": [{"__ndarray__": [1], "dtype": "int32", "shape": [1]}]})
+    with pytest.raises(TypeError, match=r"^extra\['s'\]: cannot store an array of dtype <U2"):
+        encode_extra({"s": np.asarray(["ab"])})
+    with pytest.raises(TypeError, match=r"^extra\['c'\]\[0\]: cannot store an array of dtype complex64"):
+        encode_extra({"c": [np.zeros(2, np.complex64)]})
+    with pytest.raises(TypeError, match=r"^model_fingerprint\['m'\]: bytes is not"):
+        encode_extra({"m": b"x"}, "model_fingerprint")
+
+
+def test_fingerprint_must_be_json(tmp_path):
+    with pytest.raises(TypeError, match=r"^model_fingerprint\['dtype'\]: type is not JSON-serialisable"):
+        Checkpointer(tmp_path, CheckpointConfig(), {"dtype": np.float32})
+
+
+# -- policy ----------------------------------------------------------------------------------------------------------
+
+
+def test_config_smallest_valid_values():
+    config = CheckpointConfig(save_interval_steps=1, max_to_keep=1, async_save=False)
+    assert (config.save_interval_steps, config.max_to_keep) == (1, 1)
+    assert CheckpointConfig(max_to_keep=None).max_to_keep is None
+    with pytest.raises(ValueError, match="save_interval_steps"):
+        CheckpointConfig(save_interval_steps=-5)
+    with pytest.raises(ValueError, match="max_to_keep"):
+        CheckpointConfig(max_to_keep=-1)
+
+
+def test_max_to_keep_one_keeps_only_the_latest(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(save_interval_steps=1, max_to_keep=1), FP) as ckpt:
+        for step in (1, 2, 3):
+            assert ckpt.save(step, {"x": jnp.full((2,), step)}, {"step": step})
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [3]
+        step, state, extra = ckpt.restore()
+    assert step == 3 and extra == {"step": 3}
+    np.testing.assert_array_equal(np.asarray(state["x"]), [3, 3])
+
+
+def test_defaults_and_on_disk_layout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer("run") as ckpt:  # relative workdir, default config, no fingerprint
+        assert ckpt.config == CheckpointConfig()
+        assert ckpt.directory == tmp_path / "run" / "checkpoints" and ckpt.directory.is_dir()  # created up front
+        assert [s for s in range(151) if ckpt.should_save(s)] == [0, 50, 100, 150]
+        assert not ckpt.save(49, {"x": jnp.zeros(2)})
+        assert ckpt.save(50, {"x": jnp.arange(2)}, {"pos": np.asarray([4], np.int16)})
+        assert ckpt.save(51, {"x": jnp.zeros(2)}, force=True)  # no extra given
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [50, 51]
+        step, state, extra = ckpt.restore(50)
+        assert ckpt.restore()[2] == {}
+    assert step == 50
+    np.testing.assert_array_equal(np.asarray(state["x"]), [0, 1])
+    assert_same_array(extra["pos"], np.asarray([4], np.int16))
+    step_dir = tmp_path / "run" / "checkpoints" / "50"
+    assert {"state", "extra", "meta", COMMIT_FILE} <= {p.name for p in step_dir.iterdir()}
+    assert json.loads((step_dir / "extra" / "metadata").read_text()) == {
+        "pos": {"__ndarray__": [4], "dtype": "int16", "shape": [1]}}
+    assert json.loads((step_dir / "meta" / "metadata").read_text()) == {}
+
+
+def test_fingerprint_is_stored_as_json(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
+        assert ckpt.model_fingerprint == {**FP, "head_dim": [8, 8]}
+        ckpt.save(2, {"x": jnp.zeros(2)}, force=True)
+    assert json.loads((tmp_path / "checkpoints" / "2" / "meta" / "metadata").read_text()) == {**FP, "head_dim": [8, 8]}
+
+
+def test_should_save_at_a_preemption_sync_point(tmp_path, monkeypatch):
+    from jax.experimental import multihost_utils
+
+    with Checkpointer(tmp_path, CheckpointConfig(save_interval_steps=5, max_to_keep=None), FP) as ckpt:
+        monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda step: step == 7)
+        assert [s for s in range(11) if ckpt.should_save(s)] == [0, 5, 7, 10]
+        assert ckpt.save(7, {"x": jnp.zeros(2)})  # off-interval, saved because every host reached the sync point
+        assert not ckpt.save(8, {"x": jnp.zeros(2)})
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [7]
+
+
+def test_saves_a_step_below_the_latest(tmp_path):
+    """After resuming from an older checkpoint, new steps below the latest on disk are still saved."""
+    with Checkpointer(tmp_path, CheckpointConfig(save_interval_steps=5, max_to_keep=None), FP) as ckpt:
+        assert ckpt.save(10, {"x": jnp.full(2, 10)}, {"s": 10})
+        assert ckpt.save(5, {"x": jnp.full(2, 5)}, {"s": 5})
+        assert ckpt.save(np.int64(3), {"x": jnp.full(2, 3)}, {"s": 3}, force=True)
+        assert not ckpt.save(np.int32(5), {"x": jnp.zeros(2)}, {"s": -1}, force=True)  # on disk: kept as it is
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [3, 5, 10] and ckpt.latest_step() == 10
+        assert ckpt.restore(5)[2] == {"s": 5} and ckpt.restore(3)[2] == {"s": 3}
+        with pytest.raises(FileNotFoundError, match=r"step 4 .*available steps: \[3, 5, 10\]"):
+            ckpt.restore(4)
+
+
+# -- fingerprint -----------------------------------------------------------------------------------------------------
+
+
+def test_fingerprint_diff_lists_every_field_and_tells_absent_from_none(tmp_path):
+    saved_fp = {"a": 1, "b": None, "c": [1, 2], "same": "x"}
+    with Checkpointer(tmp_path, CheckpointConfig(), saved_fp) as ckpt:
+        ckpt.save(1, {"x": jnp.zeros(2)}, force=True)
+    current = {"a": 2, "c": (1, 3), "d": None, "same": "x"}
+    with Checkpointer(tmp_path, CheckpointConfig(), current) as ckpt:
+        with pytest.raises(ValueError) as err:
+            ckpt.restore()
+        with pytest.raises(ValueError):
+            ckpt.check_fingerprint(1)
+    assert ("differing fields: a: checkpoint=1, current=2; b: checkpoint=None, current='<absent>'; "
+            "c: checkpoint=[1, 2], current=[1, 3]; d: checkpoint='<absent>', current=None. ") in str(err.value)
+    assert "same" not in str(err.value)
+    with Checkpointer(tmp_path, CheckpointConfig(), saved_fp) as ckpt:
+        ckpt.check_fingerprint(1)  # the same model: no error
+        assert ckpt.restore()[0] == 1
+
+
+def test_fingerprint_is_checked_for_the_requested_step(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
+        ckpt.save(1, {"x": jnp.zeros(2)}, {"m": "first"}, force=True)
+    other = {**FP, "vocab_size": 128}
+    with Checkpointer(tmp_path, CheckpointConfig(), other) as ckpt:
+        ckpt.save(2, {"x": jnp.ones(2)}, {"m": "second"}, force=True)
+    with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
+        assert ckpt.restore(1)[2] == {"m": "first"}
+        ckpt.check_fingerprint(1)
+        with pytest.raises(ValueError, match="vocab_size: checkpoint=128, current=64"):
+            ckpt.restore()
+    with Checkpointer(tmp_path, CheckpointConfig(), other) as ckpt:
+        assert ckpt.restore()[2] == {"m": "second"}
+        with pytest.raises(ValueError, match="vocab_size: checkpoint=64, current=128"):
+            ckpt.restore(1)
+
+
+# -- failures and lifetime -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk_full(monkeypatch):
+    """Every item is written; the commit (commit file + rename) fails."""
+    from orbax.checkpoint._src.path import atomicity
+
+    async def finalize(self):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    return monkeypatch
+
+
+def test_sync_save_raises_from_save(tmp_path, disk_full):
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(1, {"x": jnp.ones(2)}, force=True)
+    disk_full.undo()
+    ckpt.close()
+    assert ckpt.latest_step() is None
+
+
+def test_close_reports_a_failed_async_save(tmp_path, disk_full):
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(async_save=True), FP)
+    assert ckpt.save(1, {"x": jnp.ones(2)}, force=True)  # returns before the failure
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.close()
+    ckpt.close()  # reported once
+    with pytest.raises(OSError, match="disk full"):
+        with Checkpointer(tmp_path / "cm", CheckpointConfig(async_save=True), FP) as ckpt:
+            ckpt.save(1, {"x": jnp.ones(2)}, force=True)
+    disk_full.undo()
+    assert ckpt.latest_step() is None
+
+
+def test_closed_checkpointer_is_released(tmp_path):
+    import gc
+    import weakref
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(), FP)
+    ckpt.save(1, {"x": jnp.ones(2)}, force=True)
+    ckpt.close()
+    assert (tmp_path / "checkpoints" / "1" / COMMIT_FILE).exists()  # close waited for the async save
+    ref = weakref.ref(ckpt)
+    del ckpt
+    gc.collect()
+    assert ref() is None  # not kept alive by the exit hook once closed
