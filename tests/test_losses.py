@@ -423,6 +423,74 @@ def test_config_validation(field, value, pattern):
         L.LossConfig(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("eps_low", -0.1),
+        ("eps_low", 1.0),
+        ("eps_high", -0.01),
+        ("gspo_eps_low", -0.1),
+        ("gspo_eps_low", 1.0),
+        ("gspo_eps_high", -1e-4),
+        ("dual_clip_c", 1.0),
+        ("dual_clip_c", 0.5),
+        ("max_response_length", 0),
+        ("max_response_length", -3),
+        ("kl_coef", -1e-3),
+        ("tis_cap", 0.0),
+        ("tis_cap", -1.0),
+        ("sapo_tau_pos", 0.0),
+        ("sapo_tau_neg", -1.0),
+        ("vespo_lam_pos", 0.0),
+        ("vespo_lam_neg", -0.5),
+        ("vespo_k_pos", -1e-3),
+        ("vespo_k_neg", -2.0),
+    ],
+)
+def test_config_error_names_the_field_and_value(field, value):
+    # Just outside each bound: the error names exactly the offending field and echoes its value.
+    with pytest.raises(ValueError) as info:
+        L.LossConfig(**{field: value})
+    message = str(info.value).splitlines()[0]  # gin appends the configurable on a second line
+    assert message.startswith(f"LossConfig.{field} must be ") and message.endswith(f"got {value}."), message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("eps_low", 0.0),
+        ("eps_low", 0.99),
+        ("eps_high", 0.0),
+        ("gspo_eps_low", 0.0),
+        ("gspo_eps_low", 0.99),
+        ("gspo_eps_high", 0.0),
+        ("dual_clip_c", 1.01),
+        ("dual_clip_c", 1.5),
+        ("max_response_length", 1),
+        ("kl_coef", 0.0),
+        ("kl_coef", 0.5),
+        ("tis_cap", 0.01),
+        ("tis_cap", 0.5),
+        ("sapo_tau_pos", 0.01),
+        ("sapo_tau_neg", 0.5),
+        ("vespo_lam_pos", 0.01),
+        ("vespo_lam_neg", 0.5),
+        ("vespo_k_pos", 0.0),
+        ("vespo_k_pos", 0.5),
+        ("vespo_k_neg", 0.0),
+        ("vespo_k_neg", 0.5),
+    ],
+)
+def test_config_accepts_values_just_inside_the_bounds(field, value):
+    cfg = L.LossConfig(**{field: value})
+    assert getattr(cfg, field) == value
+
+
+@pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
+def test_config_accepts_every_aggregation(aggregation):
+    assert L.LossConfig(aggregation=aggregation).aggregation == aggregation
+
+
 def test_config_is_gin_configurable_and_hashable():
     # Scoped bindings leave the global gin config (other tests' bindings) untouched.
     gin.parse_config(
@@ -467,3 +535,377 @@ def test_shape_errors():
 def test_unknown_loss_lists_known():
     with pytest.raises(ValueError, match=r"unknown loss 'ppo'.*grpo.*gspo.*gspo_token.*sapo.*vespo"):
         L.get_loss_fn("ppo")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A second, hand-made batch run through a general float64 reference (values, metrics and gradients)
+# ---------------------------------------------------------------------------------------------------------
+
+# Per-row log ratios (new - behavior) on the masked tokens, chosen so that each branch is taken somewhere:
+#   row 0, A > 0: r = 1.65 clipped high, r = 0.67 below 1 - eps_low (unclipped for A > 0); GSPO clipped high.
+#   row 1, A < 0: r = 4.48 beyond the dual clip c = 3 and the TIS cap, r = 2.46 unclipped (only the dual clip
+#       could act), r = 0.61 clipped low; GSPO unclipped (s > 1 with A < 0).
+#   row 2: fully masked (its log-probs are garbage and must not matter).
+#   row 3, A = 0: no gradient, but VESPO's phi_mean still sees which kernel A = 0 selects.
+#   row 4, A < 0: a single token (means over exactly one token), GSPO unclipped (s > 1 with A < 0).
+#   row 5, A < 0: GSPO clipped low (s < 1 - 3e-4).
+#   row 6, A > 0: near on-policy, inside GSPO's tiny clip range, so its sequence gradient flows.
+EDGE_LR = [
+    [0.5, -0.4, 0.1, -0.05, 0.2],
+    [1.5, 0.9, -0.5, 0.0],
+    [],
+    [0.3, -0.2, 0.05],
+    [0.3],
+    [-0.2, 0.1],
+    [1e-4, -5e-5, 2e-4],
+]
+EDGE_ADV = np.array([1.0, -2.0, 0.7, 0.0, -0.5, -0.3, 0.9], np.float32)
+EB, ET = len(EDGE_LR), 5
+
+
+def _edge_batch():
+    rng = np.random.default_rng(1)
+    beh = rng.uniform(-2.5, -0.2, size=(EB, ET)).astype(np.float32)
+    mask = np.zeros((EB, ET), np.float32)
+    new = beh + rng.uniform(-3.0, 3.0, size=(EB, ET)).astype(np.float32)  # padding: anything
+    for b, row in enumerate(EDGE_LR):
+        mask[b, : len(row)] = 1.0
+        new[b, : len(row)] = beh[b, : len(row)] + np.asarray(row, np.float32)
+    ref = (new + rng.uniform(-0.4, 0.4, size=(EB, ET))).astype(np.float32)
+    ent = rng.uniform(0.0, 3.0, size=(EB, ET)).astype(np.float32)
+    return new.astype(np.float32), beh, mask, ref, ent
+
+
+E_NEW, E_BEH, E_MASK, E_REF, E_ENT = _edge_batch()
+
+
+def ref_aggregate(mat, mask, mode, max_len=None):
+    rows = [[t for t in range(mask.shape[1]) if mask[b, t] > 0] for b in range(mask.shape[0])]
+    if mode == "token-mean":
+        n = sum(len(r) for r in rows)
+        return sum(mat[b, t] for b, r in enumerate(rows) for t in r) / max(n, 1)
+    per_seq = []
+    for b, toks in enumerate(rows):
+        if toks:
+            s = sum(mat[b, t] for t in toks)
+            per_seq.append(s / len(toks) if mode == "seq-mean-token-mean" else s / (max_len or mask.shape[1]))
+    return sum(per_seq) / max(len(per_seq), 1)
+
+
+def ref_masked_mean(x, mask):
+    n = float(np.sum(mask > 0))
+    return float(np.sum(np.where(mask > 0, x, 0.0))) / max(n, 1.0)
+
+
+def ref_policy(name, new, beh, adv, mask, cfg, new_sg=None):
+    """Per-token loss, clip and dual-clip indicators and VESPO's phi `[B]`; `new_sg` holds the stop-gradient'ed
+    copy of `new` (equal to it for values; fixed while `new` is perturbed for finite differences)."""
+    new_sg = new if new_sg is None else new_sg
+    b_n, t_n = new.shape
+    lr = np.clip(new.astype(np.float64) - beh, -20.0, 20.0)
+    lr_sg = np.clip(new_sg.astype(np.float64) - beh, -20.0, 20.0)
+    mat, clip, dual = np.zeros((b_n, t_n)), np.zeros((b_n, t_n), bool), np.zeros((b_n, t_n), bool)
+    phi = np.zeros(b_n)
+    for b in range(b_n):
+        a = float(adv[b])
+        toks = [t for t in range(t_n) if mask[b, t] > 0]
+        seq_lr = sum(lr[b, t] for t in toks) / max(len(toks), 1)
+        seq_lr_sg = sum(lr_sg[b, t] for t in toks) / max(len(toks), 1)
+        if name == "vespo":
+            log_w = min(max(sum(lr_sg[b, t] for t in toks), -20.0), 20.0)
+            k, lam = (cfg.vespo_k_pos, cfg.vespo_lam_pos) if a >= 0 else (cfg.vespo_k_neg, cfg.vespo_lam_neg)
+            phi[b] = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        for t in toks:
+            r, r_sg = math.exp(lr[b, t]), math.exp(lr_sg[b, t])
+            tis = 1.0 if cfg.tis_cap is None else min(r_sg, cfg.tis_cap) / r_sg
+            if name == "grpo":
+                loss, clip[b, t] = np_ppo(r, a, cfg.eps_low, cfg.eps_high)
+                if cfg.dual_clip_c is not None and a < 0 and loss > -a * cfg.dual_clip_c:
+                    loss, clip[b, t], dual[b, t] = -a * cfg.dual_clip_c, True, True
+                mat[b, t] = loss * tis
+            elif name == "gspo":
+                mat[b, t], clip[b, t] = np_ppo(math.exp(seq_lr), a, cfg.gspo_eps_low, cfg.gspo_eps_high)
+            elif name == "gspo_token":
+                s = math.exp(seq_lr_sg + float(new[b, t]) - float(new_sg[b, t]))
+                mat[b, t], clip[b, t] = np_ppo(s, a, cfg.gspo_eps_low, cfg.gspo_eps_high)
+            elif name == "sapo":
+                tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+                mat[b, t] = -4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0))) * a * tis
+            else:
+                mat[b, t] = -phi[b] * a * float(new[b, t])
+    return mat, clip, dual, phi
+
+
+def ref_loss(name, new, beh, adv, mask, cfg, ref=None, new_sg=None):
+    mat, _, _, _ = ref_policy(name, new, beh, adv, mask, cfg, new_sg)
+    loss = ref_aggregate(mat, mask, cfg.aggregation, cfg.max_response_length)
+    if cfg.kl_coef > 0:
+        d = np.clip(ref.astype(np.float64) - new, -20.0, 20.0)
+        loss += cfg.kl_coef * ref_aggregate(np.exp(d) - d - 1.0, mask, cfg.aggregation, cfg.max_response_length)
+    return loss
+
+
+def ref_all_metrics(name, new, beh, adv, mask, cfg, ref=None, ent=None):
+    mat, clip, dual, phi = ref_policy(name, new, beh, adv, mask, cfg)
+    ratio = np.exp(np.clip(new.astype(np.float64) - beh, -20.0, 20.0))
+    out = {
+        "loss": ref_loss(name, new, beh, adv, mask, cfg, ref),
+        "policy/pg_loss": ref_aggregate(mat, mask, cfg.aggregation, cfg.max_response_length),
+        "policy/ratio_mean": ref_masked_mean(ratio, mask),
+        "ops/token_mean": ref_masked_mean(np.abs(ratio - 1.0), mask),
+        "policy/clip_fraction": ref_masked_mean(clip, mask),
+    }
+    if ent is not None:
+        out["policy/entropy"] = ref_masked_mean(ent, mask)
+    if cfg.kl_coef > 0:
+        d = np.clip(ref.astype(np.float64) - new, -20.0, 20.0)
+        out["policy/kl"] = ref_masked_mean(np.exp(d) - d - 1.0, mask)
+    if name == "grpo" and cfg.dual_clip_c is not None:
+        out["policy/dual_clip_fraction"] = ref_masked_mean(dual, mask)
+    if name == "vespo":
+        live = mask.sum(axis=1) > 0
+        out["vespo/phi_mean"] = float(phi[live].mean())
+    return out
+
+
+def ref_weights(mask, mode, max_len=None):
+    """d(aggregate)/d(token loss) `[B, L]`: aggregation is linear in the per-token loss."""
+    n_b, n_t = mask.shape
+    w = np.zeros((n_b, n_t))
+    for b in range(n_b):
+        for t in range(n_t):
+            one = np.zeros((n_b, n_t))
+            one[b, t] = 1.0
+            w[b, t] = ref_aggregate(one, mask, mode, max_len)
+    return w
+
+
+def ref_grad(name, new, beh, adv, mask, cfg, ref=None, h=1e-5):
+    """Central finite differences of the float64 reference, stop-gradient'ed parts held at `new`.
+
+    Token terms are differenced before they are summed, so huge terms elsewhere (exp(20)) cancel exactly."""
+    w = ref_weights(mask, cfg.aggregation, cfg.max_response_length)
+
+    def token_terms(x):
+        mat = ref_policy(name, x, beh, adv, mask, cfg, new_sg=new.astype(np.float64))[0]
+        if cfg.kl_coef > 0:
+            d = np.clip(ref.astype(np.float64) - x, -20.0, 20.0)
+            mat = mat + cfg.kl_coef * (np.exp(d) - d - 1.0)
+        return w * mat
+
+    grad = np.zeros(new.shape)
+    for b, t in zip(*np.nonzero(mask > 0), strict=True):
+        bump = np.zeros(new.shape)
+        bump[b, t] = h
+        grad[b, t] = np.sum(token_terms(new + bump) - token_terms(new - bump)) / (2 * h)
+    return grad
+
+
+def _edge_check(name, cfg, new=E_NEW, beh=E_BEH, adv=EDGE_ADV, mask=E_MASK, ref=E_REF, ent=E_ENT):
+    """Loss, every metric (same key set) and the gradient of `name` against the reference."""
+    fn = L.get_loss_fn(name)
+    kw = {"ref_logp": ref if cfg.kl_coef > 0 else None, "entropy": ent}
+    (loss, metrics), grad = jax.value_and_grad(lambda x: fn(x, beh, adv, mask, cfg, **kw), has_aux=True)(
+        jnp.asarray(new)
+    )
+    want = ref_all_metrics(name, new, beh, adv, mask, cfg, kw["ref_logp"], ent)
+    assert set(metrics) == set(want)
+    for key, value in want.items():
+        np.testing.assert_allclose(float(metrics[key]), value, rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(float(loss), want["loss"], rtol=1e-5, atol=1e-6)
+    want_grad = ref_grad(name, new, beh, adv, mask, cfg, kw["ref_logp"])
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-3, atol=1e-6)
+    return metrics, np.asarray(grad)
+
+
+EDGE_CONFIGS = {
+    "plain": {},
+    "dual_tis": {"dual_clip_c": 3.0, "tis_cap": 2.0},
+    "dual_only": {"dual_clip_c": 2.2},
+    "tis_low_cap": {"tis_cap": 0.9, "eps_low": 0.1, "eps_high": 0.4},
+    "kl": {"kl_coef": 0.3},
+    "sum_norm_len": {"max_response_length": 7},
+    "kernels": {"sapo_tau_pos": 0.5, "sapo_tau_neg": 2.0, "vespo_k_pos": 1.0, "vespo_lam_pos": 0.5},
+}
+
+
+def _edge_cases():
+    for cfg_name, extra in EDGE_CONFIGS.items():
+        for name in sorted(L.LOSSES):
+            if ("dual_clip_c" in extra and name != "grpo") or ("tis_cap" in extra and name not in ("grpo", "sapo")):
+                continue  # refused options (see test_every_unsupported_option_is_refused_by_name)
+            if cfg_name == "kernels" and name not in ("sapo", "vespo"):
+                continue  # fields only these losses read
+            for aggregation in L.AGGREGATIONS:
+                if cfg_name == "sum_norm_len" and aggregation != "seq-mean-token-sum-norm":
+                    continue  # the only aggregation that reads max_response_length
+                yield pytest.param(name, aggregation, extra, id=f"{name}-{aggregation}-{cfg_name}")
+
+
+@pytest.mark.parametrize(("name", "aggregation", "extra"), list(_edge_cases()))
+def test_edge_batch_value_metrics_and_gradient(name, aggregation, extra):
+    _edge_check(name, L.LossConfig(aggregation=aggregation, **extra))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_extreme_log_ratios_are_clipped_per_token(name, aggregation):
+    # |new - behavior| and |ref - new| beyond 20 are clipped token by token, before GSPO's sequence mean and
+    # VESPO's sequence sum: row 0's clipped log ratios (-20, 20, 0) average to 0, unclipped they would not.
+    beh = np.array([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]], np.float32)
+    new = beh + np.array([[-30.0, 25.0, 0.0], [22.0, 0.1, 9.0]], np.float32)
+    mask = np.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], np.float32)
+    ref = new + np.array([[25.0, -26.0, 0.2], [0.3, -0.1, 0.0]], np.float32)
+    adv = np.array([-1.0, 1.0], np.float32)
+    cfg = L.LossConfig(aggregation=aggregation, kl_coef=0.1)
+    metrics, _ = _edge_check(name, cfg, new=new, beh=beh, adv=adv, mask=mask, ref=ref, ent=None)
+    want_ratio = (math.exp(-20) + 2 * math.exp(20) + 1 + math.exp(0.1)) / 5
+    np.testing.assert_allclose(float(metrics["policy/ratio_mean"]), want_ratio, rtol=1e-5)
+    if name == "vespo":  # log W = 0 for row 0 (phi = 1), log W = 20 for row 1 (phi = 0)
+        np.testing.assert_allclose(float(metrics["vespo/phi_mean"]), 0.5, rtol=1e-6)
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    # bfloat16 inputs (exactly representable values) give the float32 result: -A c for the dual-clipped token
+    # is computed in float32 (c = 2.2 is not a bfloat16 number).
+    cfg = L.LossConfig(dual_clip_c=2.2, tis_cap=2.0, aggregation="seq-mean-token-mean")
+    as_bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (E_NEW, E_BEH, EDGE_ADV, E_MASK)]
+    exact = [np.asarray(x, np.float32) for x in as_bf16]
+    for name in ("grpo", "sapo"):
+        fn = L.get_loss_fn(name)
+        kw = {"dual_clip_c": None} if name == "sapo" else {}
+        c = dataclasses.replace(cfg, **kw)
+        loss, metrics = fn(*as_bf16, c)
+        want_loss, want_metrics = fn(*exact, c)
+        assert loss.dtype == jnp.float32
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+        for key, value in want_metrics.items():
+            np.testing.assert_allclose(float(metrics[key]), float(value), rtol=1e-6, err_msg=key)
+
+
+def test_clip_indicators_are_strict_at_ties():
+    # r = 2 exactly (float32 exp of this log ratio), A < 0: with c = 2 the dual cap equals the PPO loss, so
+    # the token is not counted as dual-clipped; r = 2.5 > c is. With eps_high = 1 the clip bound 1 + eps_high
+    # equals r = 2 for the A > 0 row: the clipped branch does not win strictly, so it is not counted either.
+    lr_two = np.float32(0.6931472)
+    assert float(jnp.exp(jnp.float32(0.0) - jnp.float32(-lr_two))) == 2.0
+    new = np.zeros((2, 2), np.float32)
+    beh = np.array([[-lr_two, -math.log(2.5)], [-lr_two, -0.1]], np.float32)
+    mask = np.ones((2, 2), np.float32)
+    adv = np.array([-1.0, 1.0], np.float32)
+    cfg = L.LossConfig(dual_clip_c=2.0, eps_high=1.0)
+    loss, metrics = L.grpo_loss(new, beh, adv, mask, cfg)
+    np.testing.assert_allclose(float(metrics["policy/dual_clip_fraction"]), 1 / 4)
+    np.testing.assert_allclose(float(metrics["policy/clip_fraction"]), 1 / 4)
+    # -A c for both A < 0 tokens, -A r for the A > 0 ones.
+    np.testing.assert_allclose(float(loss), (2.0 + 2.0 - 2.0 - math.exp(0.1)) / 4, rtol=1e-6)
+
+
+def test_vespo_overflowing_kernel_gives_zero_weight():
+    # phi = exp(lam + k log W - lam W) overflows float32 for k = 100, log W = 5: that sequence gets weight 0
+    # (no inf/NaN in the loss or the gradient), while the A < 0 sequence keeps its finite phi.
+    cfg = L.LossConfig(vespo_k_pos=100.0, vespo_lam_pos=0.01)
+    beh = np.full((2, 2), -1.0, np.float32)
+    new = beh + np.array([[2.5, 2.5], [0.2, -0.1]], np.float32)
+    mask = np.ones((2, 2), np.float32)
+    adv = np.array([1.0, -1.0], np.float32)
+    fn = lambda x: L.vespo_loss(x, beh, adv, mask, cfg)
+    (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(new))
+    phi_neg = math.exp(2.0 + 3.0 * 0.1 - 2.0 * math.exp(0.1))
+    np.testing.assert_allclose(float(metrics["vespo/phi_mean"]), phi_neg / 2, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), phi_neg * float(new[1].sum()) / 4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.0], [phi_neg / 4, phi_neg / 4]], rtol=1e-5)
+
+
+def test_bfloat16_masks_count_every_token():
+    # bfloat16 cannot count past 256 (256 + 1 rounds to 256): masks are cast to float32 before counting, so a
+    # bfloat16 mask over 257 tokens gives the float32 results for the public helpers and for every loss.
+    n = 257
+    rng = np.random.default_rng(2)
+    beh = rng.uniform(-2.0, -0.5, size=(2, n)).astype(np.float32)
+    new = (beh + rng.uniform(-0.3, 0.3, size=(2, n))).astype(np.float32)
+    mask = np.ones((2, n), np.float32)
+    mask[1, 200:] = 0.0
+    mat = rng.uniform(-1.0, 1.0, size=(2, n)).astype(np.float32)
+    half = jnp.asarray(mask, jnp.bfloat16)
+    for got, want in [
+        (L.sequence_ops(new, beh, half), L.sequence_ops(new, beh, mask)),
+        (L.masked_mean(mat, half), L.masked_mean(mat, mask)),
+        (L.masked_mean(mat, half, axis=-1), L.masked_mean(mat, mask, axis=-1)),
+    ]:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    want_ops = np.mean(np.abs(np.exp(new[0].astype(np.float64) - beh[0]) - 1))
+    np.testing.assert_allclose(float(L.sequence_ops(new, beh, mask)[0]), want_ops, rtol=1e-5)
+    for aggregation in L.AGGREGATIONS:
+        cfg = L.LossConfig(aggregation=aggregation)
+        np.testing.assert_allclose(float(L.aggregate(mat, half, cfg)), float(L.aggregate(mat, mask, cfg)), rtol=1e-6)
+    cfg = L.LossConfig(aggregation="seq-mean-token-mean")
+    adv = np.array([0.5, -1.0], np.float32)
+    np.testing.assert_allclose(
+        float(L.grpo_loss(new, beh, adv, half, cfg)[0]), float(L.grpo_loss(new, beh, adv, mask, cfg)[0]), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_seq_means_with_a_single_live_sequence(aggregation):
+    # One live sequence (the other is dropped: all-zero mask): the loss is that sequence's own term.
+    mat = np.array([[0.3, -1.2, 0.6], [5.0, 5.0, 5.0]], np.float32)
+    mask = np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    cfg = L.LossConfig(aggregation=aggregation, max_response_length=4)
+    want = (0.3 - 1.2) / (2 if aggregation == "seq-mean-token-mean" else 4)
+    np.testing.assert_allclose(float(L.aggregate(mat, mask, cfg)), want, rtol=1e-6)
+    assert float(L.aggregate(mat, np.zeros_like(mask), cfg)) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_bfloat16_log_probs_get_the_float32_gradient(name):
+    # Mixed precision: bfloat16 log-probs are cast to float32 once, so their gradient is the float32 gradient
+    # (summed over the policy and KL paths in float32) rounded once to bfloat16.
+    cfg = L.LossConfig(kl_coef=0.7)
+    fn = L.get_loss_fn(name)
+    new16 = jnp.asarray(E_NEW, jnp.bfloat16)
+    grad = lambda x: jax.grad(lambda y: fn(y, E_BEH, EDGE_ADV, E_MASK, cfg, ref_logp=E_REF)[0])(x)
+    got = grad(new16)
+    want = grad(jnp.asarray(new16, jnp.float32)).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+UNSUPPORTED = [
+    (name, option)
+    for name in sorted(L.LOSSES)
+    for option in ("dual_clip_c", "tis_cap")
+    if not (name == "grpo" or (name == "sapo" and option == "tis_cap"))
+]
+
+
+@pytest.mark.parametrize(("name", "option"), UNSUPPORTED)
+def test_every_unsupported_option_is_refused_by_name(name, option):
+    # Only grpo has a dual clip; only grpo and sapo have token-level TIS. The others refuse the option.
+    words = "no dual clip" if option == "dual_clip_c" else "no token-level TIS"
+    with pytest.raises(ValueError, match=f"loss '{name}' has {words}; set LossConfig.{option} = None"):
+        L.get_loss_fn(name)(E_NEW, E_BEH, EDGE_ADV, E_MASK, L.LossConfig(**{option: 2.0}))
+
+
+def test_supported_options_are_accepted():
+    for name, cfg in [
+        ("grpo", L.LossConfig(dual_clip_c=2.0, tis_cap=2.0)),
+        ("sapo", L.LossConfig(tis_cap=2.0)),
+    ]:
+        loss, _ = L.get_loss_fn(name)(E_NEW, E_BEH, EDGE_ADV, E_MASK, cfg)
+        assert np.isfinite(float(loss))
+
+
+def test_vespo_sequence_log_weight_is_clipped_to_20():
+    # Per-token log ratios within +-20 can still sum past +-20: log W is clipped to [-20, 20]. Kernels for which
+    # that matters: (k, lam) = (0, 1e-9) for A > 0 with log W = 25 -> 20 (phi = exp(-1e-9 e^20) = 0.62, not 0)
+    # and (0.1, 2) for A < 0 with log W = -30 -> -20 (phi = exp(2 - 2) = 1, not exp(-1)).
+    cfg = L.LossConfig(vespo_k_pos=0.0, vespo_lam_pos=1e-9, vespo_k_neg=0.1, vespo_lam_neg=2.0)
+    beh = np.array([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]], np.float32)
+    new = beh + np.array([[12.5, 12.5, 0.0], [-15.0, -15.0, 0.0]], np.float32)
+    mask = np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], np.float32)
+    adv = np.array([1.0, -1.0], np.float32)
+    metrics, grad = _edge_check("vespo", cfg, new=new, beh=beh, adv=adv, mask=mask, ent=None)
+    phi = [math.exp(1e-9 - 1e-9 * math.exp(20.0)), math.exp(2.0 - 2.0 - 2.0 * math.exp(-20.0))]
+    np.testing.assert_allclose(float(metrics["vespo/phi_mean"]), sum(phi) / 2, rtol=1e-5)
+    np.testing.assert_allclose(grad[:, :2], [[-phi[0] / 4] * 2, [phi[1] / 4] * 2], rtol=1e-5)
