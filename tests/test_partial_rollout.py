@@ -324,3 +324,24 @@ def test_phase_metrics_describe_the_phase(engine):
     m = phase.metrics
     assert m["verify/num_verified"] > 0 and m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 1.0
     assert m["time/verify"] > 0
+
+
+@pytest.mark.parametrize("queue_groups", [0, 1])
+def test_partial_phase_decodes_until_b_groups_complete_and_queues_a_bounded_number_of_groups(engine, queue_groups):
+    """The phase stops decoding as soon as B groups are complete, and keeps at most `queue target` fresh groups
+    queued (by default enough groups to fill every slot: ceil(slots / G))."""
+    mgr = _manager(engine, mode="partial", batch_groups=1, group_size=3, queue_groups=queue_groups)
+    complete_at_step = []
+    real_step = mgr.scheduler.step
+    mgr.scheduler.step = lambda: (complete_at_step.append(mgr.cache.num_complete()), real_step())[1]
+    try:
+        for _ in range(3):
+            phase = mgr.run_phase()
+            assert len(phase.groups) == 1 and phase.metrics["verify/num_verified"] == 0  # naive: never verified
+            fresh = [t for t in mgr.cache.paused if t.num_tokens == 0]
+            target = queue_groups or -(-ENGINE.num_slots // 3)  # ceil(8 / 3) = 3 groups
+            assert len(fresh) <= target * 3
+    finally:
+        mgr.scheduler.step = real_step
+        mgr.scheduler.pause_all()
+    assert complete_at_step and max(complete_at_step) < 1
