@@ -92,6 +92,8 @@ def main() -> None:
             shown = "not run"
         else:
             shown = f"{score:.1%}" + ("" if score >= TARGET else " (below target)")
+            if unchecked:
+                shown += f" (partial: {total - unchecked} of {total} run)"
         lines.append(f"| `{path}` | {total} | {detected} | {survived} | {no_tests} | {eq} | {unchecked} | {shown} |")
     total = sum(r[1] for r in rows)
     detected = sum(r[2] for r in rows)
@@ -109,7 +111,8 @@ def main() -> None:
         lines += [f"- `{name}` ({status})", "", "```diff", diff(name, path), "```", ""]
     Path(args.out).write_text("\n".join(lines) + "\n")
     for row in rows:
-        print(f"{row[0]:45s} {row[7]:6.1%}  ({row[2]} of {row[1] - row[5] - row[6]}; {row[3]} survived)")
+        print(f"{row[0]:45s} {row[7]:6.1%}  ({row[2]} of {row[1] - row[5] - row[6]}; {row[3]} survived; "
+              f"{row[6]} not run)")
     print(f"wrote {args.out}")
 
 
