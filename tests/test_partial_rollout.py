@@ -37,7 +37,16 @@ def test_on_policy_phase_waits_for_exactly_b_groups(engine):
     phase = mgr.run_phase()
     assert len(phase.groups) == 2 and all(g.complete for g in phase.groups)
     assert len(mgr.cache) == 0 and not mgr.cache.groups
-    assert phase.metrics["mode/on_policy"] == 1 and phase.metrics["verify/num_verified"] == 0
+    m = phase.metrics
+    assert m["mode/on_policy"] == 1 and m["verify/num_verified"] == 0 and m["verify/acceptance"] == 1.0
+    assert m["time/verify"] == 0.0 and m["cache/staleness_mean"] == 0.0 and m["cache/size"] == 0
+    assert not any(k.startswith("cache/staleness_hist/") for k in m)
+
+
+def test_default_seed_is_zero(engine):
+    mgr = RolloutManager(RolloutConfig(group_size=2), Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
+                         lambda rec: np.arange(4, 9))
+    assert [t.seed for t in mgr._new_group()] == [0, 1]  # (seed * 1_000_003 + uid) mod (2^31 - 1)
 
 
 def test_partial_phase_pauses_the_long_tail_and_resumes_it(engine):
@@ -49,11 +58,16 @@ def test_partial_phase_pauses_the_long_tail_and_resumes_it(engine):
     assert paused, "slots beyond the batch should leave unfinished trajectories behind"
     assert engine.allocator.num_free == engine.allocator.capacity
     seen = []
+    cache_staleness = []
     for version in (1, 2, 3):  # groups completed beyond B in one phase serve the next one without decoding
         engine.set_version(version)
         phase = mgr.run_phase()
         seen += [t for g in phase.groups for t in g.finished.values()]
         assert phase.metrics["staleness/max"] <= version
+        stale = mgr.cache.staleness(version)
+        assert phase.metrics["cache/staleness_mean"] == pytest.approx(stale.mean() if stale.size else 0.0)
+        cache_staleness.append(phase.metrics["cache/staleness_mean"])
+    assert max(cache_staleness) > 0
     seen += mgr.cache.paused
     resumed = [t for t in seen if paused.get(t.uid)]
     assert resumed
