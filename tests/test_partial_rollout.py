@@ -132,6 +132,13 @@ def test_new_groups_get_their_own_ids_uids_and_distinct_seeds(engine):
     assert all(t.max_new_tokens == 7 and t.num_tokens == 0 and not t.finished for t in first + second)
     assert len({t.seed for t in first + second}) == 6  # group members must not draw the same samples
     np.testing.assert_array_equal(first[0].prompt, first[2].prompt)  # one prompt per group
+    assert first[0].prompt.dtype == np.int32  # the encoder here returns int64 tokens
+    records = iter([{"prompt": "ab"}, {"prompt": "xyz"}])
+    by_record = RolloutManager(mgr.config, mgr.scheduler, lambda: next(records),
+                               lambda rec: np.asarray([ord(c) for c in rec["prompt"]]), seed=1)
+    assert by_record._new_group()[0].prompt.tolist() == [97, 98]
+    assert by_record._new_group()[0].prompt.tolist() == [120, 121, 122]
+    assert by_record.cache.groups[1].record == {"prompt": "xyz"}
     other = RolloutManager(mgr.config, mgr.scheduler, mgr.next_record, mgr.encode_prompt, seed=2)
     assert {t.seed for t in other._new_group()}.isdisjoint({t.seed for t in first})
     assert all(0 <= t.seed < 2**31 - 1 for t in first + second)
@@ -145,7 +152,7 @@ def test_switch_drops_and_counts_every_cached_trajectory_and_survives_a_checkpoi
     mgr.switch_to_on_policy()
     assert mgr.dropped_at_switch == cached and not mgr.cache.groups
     other = _manager(engine, mode="rollverify")
-    assert not other.on_policy and other.verifying
+    assert not other.on_policy and other.verifying and other.dropped_at_switch == 0
     other.load_state_dict(mgr.state_dict())
     assert other.on_policy and not other.verifying
 
