@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import tomllib
 from pathlib import Path
@@ -60,8 +61,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "docs" / "mutation.md"))
     args = ap.parse_args()
-    import os
-
     os.chdir(ROOT)  # mutmut reads its configuration from pyproject.toml in the working directory
     results, equivalents = load_results(), load_equivalents()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
