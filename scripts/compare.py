@@ -2,12 +2,15 @@
 
 Each mode is a separate process (`python -m rollverify_jax.train`) so wall-clock numbers are not shared.
 Usage: python scripts/compare.py --name tiny_modes --modes onpolicy partial staleness opsfilter rollverify \
-           --steps 40 [--time_budget_s 0] [--gin_param ...]
+           --steps 40 [--seeds 0 1 2] [--time_budget_s 0] [--gin_param ...]
+With several seeds the table shows mean +- standard error over seeds; plots show the mean curve.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +29,10 @@ PLOTS = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"), 
          ("verify/acceptance", "acceptance (cycle)")]
 
 
-def run_mode(mode: str, workdir: Path, steps: int, budget: float, extra: list[str]) -> None:
+def run_mode(mode: str, workdir: Path, steps: int, budget: float, seed: int, extra: list[str]) -> None:
     cmd = [sys.executable, "-m", "rollverify_jax.train", f"--gin_file=configs/tiny_{mode}.gin", f"--workdir={workdir}",
            f"--gin_param=TrainConfig.num_steps={steps}", f"--gin_param=TrainConfig.time_budget_s={budget}",
-           *[f"--gin_param={p}" for p in extra]]
+           f"--gin_param=TrainConfig.seed={seed}", *[f"--gin_param={p}" for p in extra]]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
@@ -51,6 +54,7 @@ def summarize(rows: list[dict]) -> dict:
         vals = [r[key] for r in train if r.get(key) is not None]
         return float(np.mean(vals)) if vals else float("nan")
     switch = [r["mode/switch_step"] for r in train if r.get("mode/switch_step") is not None]
+    regen = [(r["verify/regen_tokens"], r["verify/regen_equal_rate"]) for r in train if r.get("verify/regen_tokens")]
     return {
         "steps": train[-1]["step"] if train else 0,
         "acc0": evals[0]["eval/accuracy"] if evals else float("nan"),
@@ -61,11 +65,35 @@ def summarize(rows: list[dict]) -> dict:
         "verify": sum(r["time/verify"] for r in train), "util": mean("rollout/slot_utilization"),
         "ops": mean("ops/token_mean"), "acceptance": mean("verify/acceptance") if any(
             r.get("verify/num_verified") for r in train) else float("nan"),
-        "switch": int(switch[0]) if switch else None, "entropy": mean("policy/entropy"),
+        "switch": float(switch[0]) if switch else float("nan"), "entropy": mean("policy/entropy"),
+        "regen_equal": sum(n * x for n, x in regen) / sum(n for n, _ in regen) if regen else float("nan"),
     }
 
 
-def plot(results: dict[str, list[dict]], out: Path, name: str) -> list[str]:
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error over seeds (NaN entries, e.g. a run that never switched, are left out)."""
+    v = np.asarray([x for x in values if np.isfinite(x)], float)
+    if v.size == 0:
+        return float("nan"), float("nan")
+    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    m, se = mean_se(values)
+    if not np.isfinite(m):
+        return "-"
+    n = sum(np.isfinite(values))
+    text = f"{m:{fmt}}" + (f" ± {se:{fmt}}" if len(values) > 1 else "")
+    return text + (f" ({n}/{len(values)})" if n < len(values) else "")
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def plot(results: dict[str, list[list[dict]]], out: Path, name: str) -> list[str]:
+    """One line per mode and seed (seeds of a mode share a colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,11 +103,12 @@ def plot(results: dict[str, list[dict]], out: Path, name: str) -> list[str]:
     for axis, idx in (("wall-clock (s)", 1), ("step", 0)):
         fig, axes = plt.subplots(1, len(PLOTS), figsize=(5 * len(PLOTS), 3.8))
         for ax, (key, title) in zip(axes, PLOTS, strict=True):
-            for mode, rows in results.items():
-                s = _series(rows, key)
-                if s[2].size:
-                    ax.plot(s[idx], s[2], marker="o" if key == "eval/accuracy" else None, ms=3,
-                            label=LABELS.get(mode, mode))
+            for i, (mode, per_seed) in enumerate(results.items()):
+                for j, rows in enumerate(per_seed):
+                    s = _series(rows, key)
+                    if s[2].size:
+                        ax.plot(s[idx], s[2], marker="o" if key == "eval/accuracy" else None, ms=3, color=f"C{i}",
+                                alpha=0.8, lw=1, label=LABELS.get(mode, mode) if j == 0 else None)
             ax.set_title(title)
             ax.set_xlabel(axis)
             ax.grid(alpha=0.3)
@@ -98,6 +127,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["onpolicy", "partial", "staleness", "opsfilter", "rollverify"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--time_budget_s", type=float, default=0.0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="TrainConfig.seed of each run")
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--skip_runs", action="store_true", help="only re-read existing workdirs and rewrite the report")
     args = ap.parse_args()
@@ -106,29 +136,33 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for mode in args.modes:
-        workdir = runs / mode
-        if not args.skip_runs:
-            if workdir.exists():
-                import shutil
-
-                shutil.rmtree(workdir)
-            run_mode(mode, workdir, args.steps, args.time_budget_s, args.gin_param)
-        results[mode] = read_metrics(workdir / "metrics.jsonl")
-    summary = {m: summarize(r) for m, r in results.items()}
+        results[mode] = []
+        for seed in args.seeds:
+            workdir = runs / (mode if args.seeds == [0] else f"{mode}_s{seed}")
+            if not args.skip_runs:
+                if workdir.exists():
+                    shutil.rmtree(workdir)
+                run_mode(mode, workdir, args.steps, args.time_budget_s, seed, args.gin_param)
+            results[mode].append(read_metrics(workdir / "metrics.jsonl"))
+    summary = {m: [summarize(r) for r in per_seed] for m, per_seed in results.items()}
+    (runs / "summary.json").write_text(json.dumps(summary, indent=1))
     files = plot(results, out, args.name)
     lines = [f"# Comparison: {args.name}", "",
              f"Command: `python scripts/compare.py --name {args.name} --modes {' '.join(args.modes)} --steps "
-             f"{args.steps} --time_budget_s {args.time_budget_s}" +
+             f"{args.steps} --seeds {' '.join(map(str, args.seeds))} --time_budget_s {args.time_budget_s}" +
              "".join(f" --gin_param \"{p}\"" for p in args.gin_param) + "`", "",
-             "Same seeds, data order and budget for every mode; each ran in its own process on this machine.", "",
-             "| mode | steps | held-out acc (start -> end) | reward (last 5) | wall (s) | rollout (s) | train (s) | "
-             "verify (s) | slot util | mean OPS | acceptance | entropy | switch step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for m, s in summary.items():
-        lines.append(
-            f"| {LABELS.get(m, m)} | {s['steps']} | {s['acc0']:.3f} -> {s['acc']:.3f} | {s['reward']:.3f} | "
-            f"{s['wall']:.0f} | {s['rollout']:.0f} | {s['train']:.0f} | {s['verify']:.2f} | {s['util']:.3f} | "
-            f"{s['ops']:.4f} | {s['acceptance']:.3f} | {s['entropy']:.3f} | {s['switch'] or '-'} |")
+             f"Same seeds, data order and budget for every mode; each run in its own process on this machine, at "
+             f"commit {_commit()}. {len(args.seeds)} seed(s): mean ± standard error over seeds; the switch step is "
+             "averaged over the runs that switched (their count in brackets).", "",
+             "| mode | steps | held-out acc (start) | held-out acc (end) | reward (last 5) | wall (s) | rollout (s) | "
+             "train (s) | verify (s) | slot util | mean OPS | acceptance | regen = cut | entropy | switch step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    columns = [("steps", ".0f"), ("acc0", ".3f"), ("acc", ".3f"), ("reward", ".3f"), ("wall", ".0f"),
+               ("rollout", ".0f"), ("train", ".0f"), ("verify", ".2f"), ("util", ".3f"), ("ops", ".4f"),
+               ("acceptance", ".3f"), ("regen_equal", ".3f"), ("entropy", ".3f"), ("switch", ".1f")]
+    for m, per_seed in summary.items():
+        cells = [_cell([s[key] for s in per_seed], fmt) for key, fmt in columns]
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     lines += ["", *[f"![{f}]({f})" for f in files], ""]
     report = out / f"{args.name}.md"
     existing = report.read_text() if report.exists() else ""

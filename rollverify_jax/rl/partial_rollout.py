@@ -150,6 +150,8 @@ class RolloutManager:
             "verify/acceptance": verified["acceptance"],
             "verify/num_verified": verified["num_verified"],
             "verify/tokens_total": verified["tokens_total"],
+            "verify/regen_tokens": stats.regen_tokens,
+            "verify/regen_equal_rate": stats.regen_equal / stats.regen_tokens if stats.regen_tokens else float("nan"),
             "mode/on_policy": int(self.on_policy),
         }
         for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):

@@ -78,6 +78,10 @@ class RolloutStats:
     prefill_time: float = 0.0  # prefill + insert dispatches (includes waiting for the device)
     decode_time: float = 0.0  # generate dispatches (includes waiting for the device)
     host_time: float = 0.0  # scheduler bookkeeping outside device calls
+    # Regenerated tokens (sampled where a verification cut removed a token) and how many equal the removed one:
+    # a diagnostic of whether regeneration is a fresh draw (it is when the rate matches fresh samples').
+    regen_tokens: int = 0
+    regen_equal: int = 0
 
     def slot_utilization(self, num_slots: int) -> float:
         return self.useful_token_steps / max(1, num_slots * self.decode_steps)
@@ -94,6 +98,7 @@ class Scheduler:
         self.finished: list[Trajectory] = []
         self.stats = RolloutStats()
         self.verified: list[tuple[int, int]] = []  # (keep, n) per trajectory verified since reset
+        self._cut_suffix: dict[int, tuple[int, list[int]]] = {}  # uid -> (keep, tokens the cut removed)
 
     # ------------------------------------------------------------------------------------------------
     # Requests
@@ -176,6 +181,8 @@ class Scheduler:
             if t.finished and k >= t.num_tokens:
                 done.append((slot, t))  # a finished member of an unfinished group survived verification
             else:
+                if k < t.num_tokens:
+                    self._cut_suffix[t.uid] = (int(k), t.tokens[int(k):])
                 t.truncate(int(k))
                 go.append((slot, t))
         for slot, t in done:
@@ -225,8 +232,15 @@ class Scheduler:
             self.verified.extend(zip(keep.tolist(), lengths[idx].tolist(), strict=True))
         return keeps
 
-    @staticmethod
-    def _append(t: Trajectory, token: int, logp: float, version: int) -> None:
+    def _append(self, t: Trajectory, token: int, logp: float, version: int) -> None:
+        cut = self._cut_suffix.get(t.uid)
+        if cut is not None:
+            offset = t.num_tokens - cut[0]
+            if offset < len(cut[1]):
+                self.stats.regen_tokens += 1
+                self.stats.regen_equal += int(cut[1][offset] == token)
+            else:
+                del self._cut_suffix[t.uid]
         t.tokens.append(token)
         t.logps.append(logp)
         t.versions.append(version)
