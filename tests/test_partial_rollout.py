@@ -192,15 +192,14 @@ def _everywhere(mgr, groups):
 
 
 @pytest.mark.parametrize("verify_finished", [True, False])
-def test_resume_takes_paused_and_waiting_members_of_incomplete_groups_only(engine, verify_finished):
+def test_resume_takes_paused_and_every_cached_finished_member_when_verifying(engine, verify_finished):
     mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, verify_finished=verify_finished, batch_groups=1)
     for _ in range(8):  # until the cache holds finished members of an incomplete group
         mgr.run_phase()
-        waiting = [t for g in mgr.cache.groups.values() if not g.complete for t in g.finished.values()]
-        if waiting:
+        waiting = [t for g in mgr.cache.groups.values() for t in g.finished.values()]
+        if any(not g.complete and g.finished for g in mgr.cache.groups.values()):
             break
     assert waiting and mgr.cache.paused
-    complete = {t.uid for g in mgr.cache.groups.values() if g.complete for t in g.finished.values()}
     expected = {t.uid for t in mgr.cache.paused} | ({t.uid for t in waiting} if verify_finished else set())
     resumed = []
     real_resume = mgr.scheduler.resume
@@ -210,7 +209,29 @@ def test_resume_takes_paused_and_waiting_members_of_incomplete_groups_only(engin
     finally:
         mgr.scheduler.resume = real_resume
         mgr.scheduler.pause_all()
-    assert {t.uid for t in resumed} == expected and not complete & expected
+    assert {t.uid for t in resumed} == expected
+
+
+def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine):
+    """A group completed beyond B trains one version later: in RollVerify mode it is verified against that
+    version first. ds = 0 cuts every verified token, so every token trained in the next phase must have been
+    sampled by the current version (unverified, a carried group would train its version-0 tokens)."""
+    mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, batch_groups=1, group_size=1)
+    for _ in range(6):
+        mgr.run_phase()
+        carried = [g.group_id for g in mgr.cache.groups.values() if g.complete]
+        if carried:
+            break
+    assert carried, "a phase should complete more than B groups with 8 slots and G = 1"
+    mgr.config = dataclasses.replace(mgr.config, ds=0.0)
+    engine.set_version(1)
+    try:
+        phase = mgr.run_phase()
+    finally:
+        engine.set_version(0)
+        mgr.scheduler.pause_all()
+    assert phase.groups
+    assert all(t.versions and set(t.versions) == {1} for g in phase.groups for t in g.finished.values())
 
 
 def test_over_complete_groups_serve_the_next_batch_oldest_first(engine):
@@ -310,7 +331,7 @@ def test_rollverify_with_new_weights_cuts_some_tokens_and_regenerates_from_the_v
 PHASE_KEYS = {"time/rollout", "time/verify", "rollout/tokens_per_s", "rollout/tokens", "rollout/slot_utilization",
               "rollout/prefill_tokens", "rollout/host_time", "staleness/mean", "staleness/max", "cache/size",
               "cache/staleness_mean", "verify/acceptance", "verify/num_verified", "verify/tokens_total",
-              "mode/on_policy"}
+              "verify/regen_tokens", "verify/regen_equal_rate", "mode/on_policy"}
 
 
 def test_phase_metrics_describe_the_phase(engine):
@@ -345,6 +366,7 @@ def test_phase_metrics_describe_the_phase(engine):
     m = phase.metrics
     assert m["verify/num_verified"] > 0 and m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 1.0
     assert m["time/verify"] > 0
+    assert m["verify/regen_tokens"] == 0 and np.isnan(m["verify/regen_equal_rate"])  # nothing was cut
 
 
 @pytest.mark.parametrize("queue_groups", [0, 1])

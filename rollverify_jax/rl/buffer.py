@@ -54,13 +54,15 @@ class PausedCache:
         self.paused.extend(trajectories)
 
     def take_for_resume(self, include_finished: bool) -> list[Trajectory]:
-        """Everything to resume (paused first, then waiting finished members when they are re-verified)."""
+        """Everything to resume: paused first, then, when finished members are re-verified, every finished
+        member still cached, of incomplete groups and of complete groups carried beyond a batch's B alike (a
+        carried group trains under a newer policy than the one it was verified against, so it is verified
+        again; a member that survives goes straight back to its group without decoding)."""
         out, self.paused = self.paused, []
         if include_finished:
-            for g in self.groups.values():
-                if not g.complete:
-                    out.extend(g.finished.values())
-                    g.finished = {}
+            for gid in sorted(self.groups):
+                out.extend(self.groups[gid].finished.values())
+                self.groups[gid].finished = {}
         return out
 
     def staleness(self, current_version: int) -> np.ndarray:
@@ -99,7 +101,7 @@ def _traj_to_dict(t: Trajectory) -> dict:
         "uid": t.uid, "group_id": t.group_id, "prompt": np.asarray(t.prompt, np.int32), "seed": t.seed,
         "max_new_tokens": t.max_new_tokens, "tokens": np.asarray(t.tokens, np.int32),
         "logps": np.asarray(t.logps, np.float32), "versions": np.asarray(t.versions, np.int32),
-        "finished": bool(t.finished), "meta": t.meta,
+        "finished": bool(t.finished), "draws": t.draws, "meta": t.meta,
     }
 
 
@@ -110,5 +112,5 @@ def _traj_from_dict(d: dict) -> Trajectory:
         tokens=[int(x) for x in np.asarray(d["tokens"]).reshape(-1)],
         logps=[float(x) for x in np.asarray(d["logps"], np.float32).reshape(-1)],
         versions=[int(x) for x in np.asarray(d["versions"]).reshape(-1)],
-        finished=bool(d["finished"]), meta=dict(d.get("meta") or {}),
+        finished=bool(d["finished"]), draws=int(d.get("draws", 0)), meta=dict(d.get("meta") or {}),
     )

@@ -32,17 +32,29 @@ class Trajectory:
     logps: list[float] = dataclasses.field(default_factory=list)  # log mu(y_t)
     versions: list[int] = dataclasses.field(default_factory=list)  # v_t
     finished: bool = False
+    draws: int = 0  # verification cuts so far: each cut starts a fresh draw of the suffix
     meta: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def sample_seed(self) -> int:
+        """The seed of the current draw. Token t is sampled with key (sample_seed, t), so a resume after
+        preemption (no cut) reproduces its samples, while a suffix regenerated after a cut is a fresh draw
+        from the current policy, not a replay of the removed tokens' randomness."""
+        if self.draws == 0:
+            return self.seed
+        return int(np.random.SeedSequence([self.seed, self.draws]).generate_state(1)[0])
+
     def truncate(self, keep: int) -> None:
-        """Keeps y_1..y_keep (with their original log mu and versions); a cut trajectory is unfinished."""
+        """Keeps y_1..y_keep (with their original log mu and versions); a cut trajectory is unfinished and
+        regenerates its suffix with a new draw."""
         if keep < len(self.tokens):
             del self.tokens[keep:], self.logps[keep:], self.versions[keep:]
             self.finished = False
+            self.draws += 1
 
 
 def validate_request(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -> None:
@@ -194,7 +206,7 @@ class Scheduler:
         tok, logp = engine.insert(
             prefix, [slots.index(s) for s, _ in go], [s for s, _ in go],
             [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
-            [t.seed for t in gt], [t.max_new_tokens for t in gt])
+            [t.sample_seed for t in gt], [t.max_new_tokens for t in gt])
         version = engine.version
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):
             self._append(t, int(y), float(lp), version)
