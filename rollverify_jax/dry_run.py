@@ -30,7 +30,7 @@ from rollverify_jax.verify import SwitchConfig
 def dry_run(train_cfg, num_devices: int) -> dict:
     rollout, engine = RolloutConfig(), EngineConfig()
     SamplingConfig(), SwitchConfig(), CheckpointConfig()
-    learner_cfg = learner_lib.LearnerConfig()
+    learner_cfg = learner_lib.LearnerConfig().for_sampler(SamplingConfig().logp_temperature)
     get_loss_fn(learner_cfg.loss_name)
     learner_lib.make_optimizer()
     reward_name = gin.query_parameter("RewardScorer.name") if _bound("RewardScorer.name") else "math"

@@ -155,8 +155,8 @@ class MetricsWriter:
         self._file.write(line + "\n")
         self._file.flush()
         if self._tb is not None:
-            for name, value in record.items():
-                if name != "step" and not isinstance(value, str):
+            for name, value in record.items():  # an undefined value (NaN: nothing to measure) is no point
+                if name != "step" and not isinstance(value, str) and math.isfinite(value):
                     self._tb.add_scalar(name, value, global_step=record["step"])
             self._tb.flush()
         return record

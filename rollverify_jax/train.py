@@ -29,13 +29,12 @@ from rollverify_jax.models.hf import config_to_hf
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch, flatten_groups
-from rollverify_jax.rl.filters import ops_keep, staleness_keep
-from rollverify_jax.rl.losses import sequence_ops
+from rollverify_jax.rl.filters import FilterInputs, apply_filter
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
 from rollverify_jax.rollout.engine import Engine, EngineConfig
 from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.rollout.scheduler import Scheduler
-from rollverify_jax.verify import SwitchConfig, SwitchState, window_mean
+from rollverify_jax.verify import SwitchConfig
 
 
 @gin.configurable
@@ -67,6 +66,9 @@ class TrainConfig:
     time_budget_s: float = 0.0  # > 0: stop after the first step that ends past this wall-clock (for comparisons)
     chat_template: bool = False
     metrics_tensorboard: bool = True
+    # A resume refuses settings that differ from the checkpoint's run (mode, thresholds, loss, B, G, ...);
+    # True (or --allow_changed_settings) continues with the new ones, listing each difference.
+    allow_changed_settings: bool = False
 
     def __post_init__(self):
         if self.num_steps < 0:
@@ -102,8 +104,6 @@ class Run:
     manager: RolloutManager | None = None
     iterator: PromptIterator | None = None
     checkpointer: Checkpointer | None = None
-    switch_cfg: SwitchConfig | None = None
-    switch_state: SwitchState | None = None
     learner_cfg: learner_lib.LearnerConfig | None = None
     ref_params: object = None
     wall_offset: float = 0.0
@@ -168,7 +168,7 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     if not for_training:
         return run
 
-    learner_cfg = learner_lib.LearnerConfig()
+    learner_cfg = learner_lib.LearnerConfig().for_sampler(engine.sampling.logp_temperature)
     optimizer = learner_lib.make_optimizer()
     graphdef, _ = learner_lib.split_params(model)
     shardings = learner_lib.train_state_shardings(model, optimizer, mesh)
@@ -183,19 +183,14 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     run.iterator = PromptIterator(records, batch_size=1, seed=cfg.seed)
     scheduler = Scheduler(engine)
     run.manager = RolloutManager(rollout_cfg, scheduler, lambda: run.iterator.next_batch()[0], run.encode,
-                                 seed=cfg.seed)
-    run.switch_cfg = SwitchConfig()
-    run.switch_state = run.switch_cfg.init()
+                                 seed=cfg.seed, switch=SwitchConfig())
     run.checkpointer = Checkpointer(workdir, CheckpointConfig(), model_fingerprint=_fingerprint(model))
     latest = run.checkpointer.latest_step()
     if latest is not None:
         abstract = learner_lib.abstract_train_state(model, optimizer, mesh)
         _, run.train_state, extra = run.checkpointer.restore(latest, abstract_state=abstract)
-        run.iterator.set_state(extra["data"])
-        run.manager.load_state_dict(extra["rollout"])
-        run.switch_state = SwitchState.from_dict(extra["switch"])
-        run.wall_offset = float(extra["wall_time"])
-        run.step = int(extra["step"])
+        check_resume_settings(extra.get("settings", {}), run_settings(run), allow=cfg.allow_changed_settings)
+        load_run_state(run, extra)
     engine.update_params(run.train_state.params, version=run.step)
     return run
 
@@ -221,11 +216,21 @@ def _restore_params_only(run: Run, checkpoint: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# One training step
+# One training step: rollout phase -> score -> select -> learn -> end of cycle
 
 
-def _group_advantages(run: Run, groups) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(advantages [N], uniform [N]: the trajectory's group has all-equal rewards, metrics)."""
+@dataclasses.dataclass
+class Scored:
+    """A phase's training batch with its rewards and advantages."""
+
+    trajs: list  # [N] trajectories, group by group
+    advantages: np.ndarray  # [N]
+    uniform: np.ndarray  # bool[N]: the trajectory's group has all-equal rewards (zero advantage)
+    metrics: dict
+
+
+def score(run: Run, groups) -> Scored:
+    """Rewards of every trajectory, then group advantages (whatever versions sampled the members)."""
     trajs = flatten_groups(groups)
     texts = [run.decode(t.tokens) for t in trajs]
     answers = [g.record["answer"] for g in groups for _ in g.finished]
@@ -234,69 +239,102 @@ def _group_advantages(run: Run, groups) -> tuple[np.ndarray, np.ndarray, dict]:
     rewards = np.asarray(rewards, np.float64).reshape(-1, g)
     adv = np.asarray(adv_lib.compute_advantages(rewards, run.cfg.advantage)).reshape(-1)
     uniform = np.repeat((rewards == rewards[:, :1]).all(axis=1), g)  # [N]
-    return adv, uniform, {**metrics, "reward/mean": float(rewards.mean()),
-                          "reward/uniform_group_fraction": float(uniform.mean())}
+    return Scored(trajs, adv, uniform, {**metrics, "reward/mean": float(rewards.mean()),
+                                        "reward/uniform_group_fraction": float(uniform.mean())})
 
 
-def _loss_keep(run: Run, trajs, batch) -> tuple[np.ndarray, dict]:
-    """Filters of the partial-rollout baselines: which trajectories count in the loss."""
+def select(run: Run, scored: Scored) -> tuple[dict, dict]:
+    """The learner's batch, with the trajectories the filters drop masked out of the loss: the configured
+    filter of the registry, and DAPO's group filter when it is on. Adds the reference log-probs for the KL."""
     rc = run.manager.config
-    keep = np.ones(len(trajs), bool)
-    if rc.filter == "staleness":
-        keep = staleness_keep([t.versions for t in trajs], run.engine.version, rc.s_max)
-    elif rc.filter == "ops":
-        new = learner_lib.compute_logprobs(run.graphdef, run.train_state.params, batch["tokens"],
-                                           batch["attention_mask"], run.learner_cfg.temperature)
-        mask = batch["behavior_logp"] != 0
-        seq_ops = np.asarray(sequence_ops(new, batch["behavior_logp"], mask))
-        keep = ops_keep(seq_ops, rc.ops_threshold)
-    return keep, {"filter/kept_fraction": float(keep.mean())}
+    # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
+    # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
+    width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
+    batch = build_batch(scored.trajs, scored.advantages, np.ones(len(scored.trajs)), max_len=width)
+    inputs = FilterInputs(
+        versions=[t.versions for t in scored.trajs], current_version=run.engine.version,
+        behavior_logp=batch["behavior_logp"], response_mask=batch["loss_mask"] > 0,
+        current_logp=lambda: np.asarray(learner_lib.compute_logprobs(
+            run.graphdef, run.train_state.params, batch["tokens"], batch["attention_mask"],
+            run.learner_cfg.temperature)))
+    keep = apply_filter(rc.filter, inputs, rc.s_max, rc.ops_threshold)
+    if run.cfg.skip_uniform_groups:
+        keep &= ~scored.uniform
+    batch["loss_mask"] *= keep[:, None].astype(np.float32)
+    if run.ref_params is not None:
+        batch["ref_logp"] = np.asarray(learner_lib.compute_logprobs(
+            run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
+    return learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh), {"filter/kept_fraction": float(keep.mean())}
+
+
+def learn(run: Run, batch: dict) -> dict:
+    """One jitted, sharded update; the engine samples with the new params as the next policy version."""
+    run.train_state, metrics = run.train_step(run.train_state, batch)
+    run.step += 1
+    run.engine.update_params(run.train_state.params, version=run.step)
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
 def train_one_step(run: Run) -> dict:
     t0 = time.perf_counter()
-    phase = run.manager.run_phase()
-    trajs = flatten_groups(phase.groups)
-    adv, uniform, reward_metrics = _group_advantages(run, phase.groups)
-    # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
-    # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
-    width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
-    batch = build_batch(trajs, adv, np.ones(len(trajs)), max_len=width)
-    keep, filter_metrics = _loss_keep(run, trajs, batch)
-    if run.cfg.skip_uniform_groups:
-        keep = keep & ~uniform
-        filter_metrics["filter/kept_fraction"] = float(keep.mean())
-    if not keep.all():
-        batch["loss_mask"] *= keep[:, None].astype(np.float32)
-    if run.ref_params is not None:
-        batch["ref_logp"] = np.asarray(learner_lib.compute_logprobs(
-            run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
-    batch = learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh)
+    phase = run.manager.run_phase()  # rollout, with paused trajectories verified inside their resume prefill
+    scored = score(run, phase.groups)
+    batch, select_metrics = select(run, scored)
     t1 = time.perf_counter()
-    run.train_state, train_metrics = run.train_step(run.train_state, batch)
-    train_metrics = jax.device_get(train_metrics)
-    run.step += 1
-    version = run.step
-    run.engine.update_params(run.train_state.params, version=version)
+    train_metrics = learn(run, batch)
     t2 = time.perf_counter()
-    lengths = [t.num_tokens for t in trajs]
-    metrics = {**phase.metrics, **reward_metrics, **filter_metrics,
-               **{k: float(v) for k, v in train_metrics.items()},
-               "time/train": t2 - t1, "time/step": t2 - t0,
-               "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths))}
-    if run.manager.verifying and phase.metrics["verify/num_verified"] > 0:
-        run.switch_state = run.switch_cfg.update(run.switch_state, phase.metrics["verify/acceptance"], version)
-        if run.switch_state.on_policy:
-            run.manager.switch_to_on_policy()
-            metrics["mode/switch_step"] = run.switch_state.switch_step
-    metrics["verify/acceptance_window"] = window_mean(run.switch_state)
-    metrics["time/verify_fraction"] = phase.metrics["time/verify"] / max(t2 - t0, 1e-9)
-    return metrics
+    cycle_metrics = run.manager.end_cycle(run.step)
+    lengths = [t.num_tokens for t in scored.trajs]
+    return {**phase.metrics, **scored.metrics, **select_metrics, **train_metrics, **cycle_metrics,
+            "time/train": t2 - t1, "time/step": t2 - t0, "time/verify_fraction": phase.metrics["time/verify"] / max(
+                t2 - t0, 1e-9),
+            "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths))}
 
 
-def _checkpoint_extra(run: Run, wall: float) -> dict:
+def run_settings(run: Run) -> dict:
+    """The settings that define what a run trains (saved in every checkpoint, compared on resume)."""
+    rc, sw, lc = run.manager.config, run.manager.switch_cfg, run.learner_cfg
+    sampling = run.engine.sampling
+    return {
+        "rollout.mode": rc.mode, "rollout.batch_groups": rc.batch_groups, "rollout.group_size": rc.group_size,
+        "rollout.max_new_tokens": rc.max_new_tokens, "filter.name": rc.filter, "filter.s_max": rc.s_max,
+        "filter.ops_threshold": rc.ops_threshold, "verify.ds": rc.ds, "verify.dt": rc.dt,
+        "verify.verify_finished": rc.verify_finished, "switch.enabled": sw.enabled, "switch.window": sw.window,
+        "switch.threshold": sw.threshold, "loss.name": lc.loss_name,
+        **{f"loss.{k}": v for k, v in dataclasses.asdict(lc.loss).items()},
+        "advantage": run.cfg.advantage, "skip_uniform_groups": run.cfg.skip_uniform_groups,
+        "sampling.temperature": sampling.temperature, "sampling.top_p": sampling.top_p,
+        "sampling.top_k": sampling.top_k, "sampling.greedy": sampling.greedy,
+        "learner.temperature": lc.temperature, "policy_path": run.cfg.policy_path,
+        "param_dtype": run.cfg.param_dtype, "compute_dtype": run.cfg.compute_dtype,
+    }
+
+
+def check_resume_settings(saved: dict, current: dict, allow: bool) -> None:
+    """Refuses a resume whose run-defining settings differ from the checkpoint's, naming every difference."""
+    diffs = [f"  {k}: checkpoint {saved[k]!r}, now {current.get(k)!r}" for k in sorted(saved)
+             if json.dumps(saved[k]) != json.dumps(current.get(k))]
+    if not diffs:
+        return
+    listing = "\n".join(diffs)
+    if not allow:
+        raise ValueError(f"This workdir's checkpoint was trained with other settings:\n{listing}\nResume with the "
+                         "checkpoint's settings, use a new workdir, or pass --allow_changed_settings to continue "
+                         "with the new ones.")
+    print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)
+
+
+def run_state(run: Run, wall: float) -> dict:
+    """The host-side state of a run that a checkpoint holds beside the train state (params, optimizer, PRNG)."""
     return {"step": run.step, "data": run.iterator.get_state(), "rollout": run.manager.state_dict(),
-            "switch": run.switch_state.to_dict(), "wall_time": wall}
+            "wall_time": wall, "settings": run_settings(run)}
+
+
+def load_run_state(run: Run, extra: dict) -> None:
+    run.iterator.set_state(extra["data"])
+    run.manager.load_state_dict(extra["rollout"])
+    run.wall_offset = float(extra["wall_time"])
+    run.step = int(extra["step"])
 
 
 def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> Path:
@@ -335,7 +373,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)
-                run.checkpointer.save(step, run.train_state, _checkpoint_extra(run, metrics["time/wall"]), force=last)
+                run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]), force=last)
                 if last:
                     break
     finally:
@@ -354,7 +392,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="multi-host: call jax.distributed.initialize() (every host runs the same command)")
     ap.add_argument("--dry_run_devices", type=int, default=8, help="device count the dry run lays the mesh on")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
+    ap.add_argument("--allow_changed_settings", action="store_true",
+                    help="resume even though run-defining settings differ from the checkpoint's (listed)")
     args = ap.parse_args(argv)
+    if args.allow_changed_settings:
+        args.gin_param.append("TrainConfig.allow_changed_settings = True")
     run_cli(lambda: _main(args), args.traceback)
 
 

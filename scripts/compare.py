@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 from rollverify_jax.metrics import read_metrics  # noqa: E402
 
 LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
-          "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "RollVerify + GSPO",
-          "sapo": "RollVerify + SAPO", "vespo": "RollVerify + VESPO"}
+          "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "partial + GSPO",
+          "sapo": "partial + SAPO", "vespo": "partial + VESPO"}
 PLOTS = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"), ("ops/token_mean", "train-time OPS"),
          ("verify/acceptance", "acceptance (cycle)")]
 

@@ -219,3 +219,12 @@ def test_packed_step_sharded_equals_single_device(model, mesh1, batch_and_noise)
 def test_packing_off_leaves_the_batch_alone(mesh1, batch_and_noise):
     batch, _ = batch_and_noise
     assert learner.pack_for_learner(batch, learner.LearnerConfig(pack_sequences=False), mesh1) is batch
+
+
+def test_learner_scores_at_the_sampler_temperature():
+    LearnerConfig = learner.LearnerConfig
+    assert LearnerConfig().for_sampler(0.7).temperature == 0.7  # None follows the sampler
+    assert LearnerConfig().logit_temperature == 1.0  # used alone
+    assert LearnerConfig(temperature=0.7).for_sampler(0.7).temperature == 0.7
+    with pytest.raises(ValueError, match="differs from the sampler's log-prob temperature 1.0"):
+        LearnerConfig(temperature=0.7).for_sampler(1.0)

@@ -250,14 +250,6 @@ def test_vespo_phi_is_one_on_policy_and_vanishes_far_off():
     assert np.isfinite(float(loss)) and float(metrics["vespo/phi_mean"]) < 1e-6
 
 
-def test_sequence_ops_matches_numpy():
-    got = np.asarray(L.sequence_ops(NEW, BEH, MASK))
-    want = [sum(abs(math.exp(_lr(b, t)) - 1) for t in _tokens(b)) / len(_tokens(b)) for b in range(B)]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    empty = np.asarray(L.sequence_ops(NEW, BEH, np.zeros_like(MASK)))
-    np.testing.assert_array_equal(empty, np.zeros(B))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Gradients w.r.t. new_logp
 # ---------------------------------------------------------------------------------------------------------
@@ -820,7 +812,7 @@ def test_vespo_overflowing_kernel_gives_zero_weight():
 
 def test_bfloat16_masks_count_every_token():
     # bfloat16 cannot count past 256 (256 + 1 rounds to 256): masks are cast to float32 before counting, so a
-    # bfloat16 mask over 257 tokens gives the float32 results for the public helpers and for every loss.
+    # bfloat16 mask over 257 tokens gives the float32 results for masked_mean and for every loss.
     n = 257
     rng = np.random.default_rng(2)
     beh = rng.uniform(-2.0, -0.5, size=(2, n)).astype(np.float32)
@@ -830,13 +822,10 @@ def test_bfloat16_masks_count_every_token():
     mat = rng.uniform(-1.0, 1.0, size=(2, n)).astype(np.float32)
     half = jnp.asarray(mask, jnp.bfloat16)
     for got, want in [
-        (L.sequence_ops(new, beh, half), L.sequence_ops(new, beh, mask)),
         (L.masked_mean(mat, half), L.masked_mean(mat, mask)),
         (L.masked_mean(mat, half, axis=-1), L.masked_mean(mat, mask, axis=-1)),
     ]:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
-    want_ops = np.mean(np.abs(np.exp(new[0].astype(np.float64) - beh[0]) - 1))
-    np.testing.assert_allclose(float(L.sequence_ops(new, beh, mask)[0]), want_ops, rtol=1e-5)
     for aggregation in L.AGGREGATIONS:
         cfg = L.LossConfig(aggregation=aggregation)
         np.testing.assert_allclose(float(L.aggregate(mat, half, cfg)), float(L.aggregate(mat, mask, cfg)), rtol=1e-6)

@@ -74,11 +74,12 @@ def test_truncate_on_resume(tmp_path):
 def test_tensorboard_event_file(tmp_path):
     with MetricsWriter(tmp_path) as writer:
         writer.write(1, {"reward/mean": 0.5, "rollout/tokens_per_s": 1234.0})
-        writer.write(2, {"reward/mean": 0.75})
+        writer.write(2, {"reward/mean": 0.75, "verify/regen_equal_rate": float("nan")})
     files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert files and all(f.stat().st_size > 0 for f in files)
     scalars = read_event_scalars(tmp_path / "tensorboard")
     assert ("reward/mean", 2, 0.75) in scalars and ("rollout/tokens_per_s", 1, 1234.0) in scalars
+    assert not any(tag == "verify/regen_equal_rate" for tag, _, _ in scalars)  # undefined: no point, no warning
 
 
 def test_no_tensorboard_and_inactive(tmp_path):

@@ -149,10 +149,9 @@ def test_switch_drops_and_counts_every_cached_trajectory_and_survives_a_checkpoi
     mgr.run_phase()
     cached = len(mgr.cache.paused) + sum(len(g.finished) for g in mgr.cache.groups.values())
     assert cached
-    mgr.switch_to_on_policy()
-    assert mgr.dropped_at_switch == cached and not mgr.cache.groups
+    assert mgr.switch_to_on_policy() == cached and not mgr.cache.groups
     other = _manager(engine, mode="rollverify")
-    assert not other.on_policy and other.verifying and other.dropped_at_switch == 0
+    assert not other.on_policy and other.verifying
     other.load_state_dict(mgr.state_dict())
     assert other.on_policy and not other.verifying
 

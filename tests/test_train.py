@@ -141,7 +141,9 @@ def test_low_acceptance_switches_to_on_policy_for_good(policy, tmp_path):
         assert m["mode/on_policy"] == 1 and m["cache/size"] == 0 and m["verify/num_verified"] == 0
         assert m["staleness/max"] == 0
     _, _, extra = _final_state(tmp_path / "run", policy)
-    assert int(extra["switch"]["on_policy"]) == 1 and int(extra["switch"]["switch_step"]) == switch["step"]
+    assert switch["mode/dropped_at_switch"] >= switch["cache/size"] > 0  # paused + finished members waiting
+    saved = extra["rollout"]["switch"]
+    assert int(saved["on_policy"]) == 1 and int(saved["switch_step"]) == switch["step"]
     assert int(extra["rollout"]["on_policy"]) == 1 and not extra["rollout"]["cache"]["paused"]
 
 
@@ -175,7 +177,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
             train.train_one_step(run)
         cache = run.manager.cache
         assert len(cache.paused) > 0 and any(t.num_tokens for t in cache.paused)
-        run.checkpointer.save(run.step, run.train_state, train._checkpoint_extra(run, 1.0), force=True)
+        run.checkpointer.save(run.step, run.train_state, train.run_state(run, 1.0), force=True)
         run.close()
         back = train.build(cfg, workdir=tmp_path, for_training=True)
         assert back.step == 2 and back.engine.version == 2
@@ -185,7 +187,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
         for uid, t in before.items():
             u = after[uid]
             assert u.tokens == t.tokens and u.logps == t.logps and u.versions == t.versions
-        assert back.switch_state == run.switch_state
+        assert back.manager.switch_state == run.manager.switch_state
         assert back.iterator.get_state() == run.iterator.get_state()
         back.close()
     finally:
@@ -248,3 +250,44 @@ def test_evaluate_cli_reports_a_missing_checkpoint(policy, tmp_path, capsys):
         gin.clear_config()
     assert exit_info.value.code == 2 and "No checkpoint under" in capsys.readouterr().err
     assert not (tmp_path / "nothing").exists()
+
+
+@pytest.mark.parametrize("name, mode, loss", [
+    ("onpolicy", "on_policy", "grpo"), ("partial", "partial", "grpo"), ("staleness", "partial", "grpo"),
+    ("opsfilter", "partial", "grpo"), ("rollverify", "rollverify", "grpo"), ("gspo", "partial", "gspo"),
+    ("sapo", "partial", "sapo"), ("vespo", "partial", "vespo")])
+def test_shipped_tiny_configs_run_the_mode_their_name_says(name, mode, loss):
+    """The loss-reweighting baselines (GSPO / SAPO / VESPO) run on naive partial rollout, as the method compares
+    them; RollVerify is only ever the config that says so."""
+    from rollverify_jax.rl.learner import LearnerConfig
+    from rollverify_jax.rl.partial_rollout import RolloutConfig
+
+    gin.clear_config()
+    try:
+        train.parse_gin([f"configs/tiny_{name}.gin"], [])
+        assert (RolloutConfig().mode, LearnerConfig().loss_name) == (mode, loss)
+    finally:
+        gin.clear_config()
+
+
+def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, capsys):
+    """A RollVerify checkpoint resumed with mode = 'on_policy' and another ds is refused with both differences
+    named (exit 2, nothing trained); --allow_changed_settings continues, on-policy for real."""
+    workdir = tmp_path / "run"
+    _train(policy, workdir, "rollverify", 1)
+    changed = [f"--gin_param={p}" for p in _params(policy, "on_policy", 2, ("RolloutConfig.ds = 0.5",))]
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main([f"--workdir={workdir}", *changed])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "rollout.mode: checkpoint 'rollverify', now 'on_policy'" in err and "verify.ds: checkpoint 0.01" in err
+        assert "Traceback" not in err and [m["step"] for m in read_metrics(workdir)] == [0, 1]
+        gin.clear_config()
+        train.main([f"--workdir={workdir}", "--allow_changed_settings", *changed])
+    finally:
+        gin.clear_config()
+    assert "resuming with changed settings" in capsys.readouterr().out
+    last = read_metrics(workdir)[-1]
+    assert last["step"] == 2 and last["mode/on_policy"] == 1 and last["verify/num_verified"] == 0

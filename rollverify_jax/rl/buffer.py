@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from rollverify_jax.rollout.scheduler import Trajectory
+from rollverify_jax.verify.ops import trajectory_staleness
 
 
 @dataclasses.dataclass
@@ -68,7 +69,7 @@ class PausedCache:
     def staleness(self, current_version: int) -> np.ndarray:
         """current version - oldest token version, per cached trajectory holding tokens (paused + waiting)."""
         trajs = self.paused + [t for g in self.groups.values() for t in g.finished.values()]
-        return np.asarray([current_version - min(t.versions) for t in trajs if t.versions], np.int64)
+        return trajectory_staleness(current_version, [t.versions for t in trajs if t.versions])
 
     # ------------------------------------------------------------------------------------------------
     # Checkpointing: plain dicts of lists / arrays (float32 log-probs stay exact).

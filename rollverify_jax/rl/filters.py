@@ -1,26 +1,57 @@
-"""Trajectory filters of the partial-rollout baselines (METHOD.md section 7).
+"""Trajectory filters of the partial-rollout baselines (METHOD.md section 7), as a registry.
 
-A filtered trajectory is dropped from the loss only; it still counts in its group's advantage.
+`FILTERS[name](inputs, s_max, ops_threshold) -> keep: bool[N]`. A filtered trajectory leaves the loss only; it
+still counts in its group's advantage. The OPS and staleness math lives in `verify/ops.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
-FILTERS = ("none", "staleness", "ops")
+from rollverify_jax.verify.ops import sequence_ops, token_ops, trajectory_staleness
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterInputs:
+    """What a filter may look at, for the N trajectories of one training batch."""
+
+    versions: list[list[int]]  # per trajectory, v_t of each response token
+    current_version: int  # the version the batch trains (the policy version of this step)
+    behavior_logp: np.ndarray  # [N, T] log mu on response tokens (0 elsewhere)
+    response_mask: np.ndarray  # [N, T] bool, True on response tokens
+    current_logp: Callable[[], np.ndarray]  # [N, T] log pi of the policy being trained, computed on demand
 
 
 def staleness_keep(versions: list[list[int]], current_version: int, s_max: int) -> np.ndarray:
     """bool[N]: keep trajectories whose staleness (current - oldest token version) is <= s_max."""
-    stale = np.asarray([current_version - min(v) if v else 0 for v in versions])
-    return stale <= s_max
+    return trajectory_staleness(current_version, versions) <= s_max
 
 
-def ops_keep(sequence_ops: np.ndarray, threshold: float) -> np.ndarray:
-    """bool[N]: keep trajectories whose train-time sequence OPS is <= threshold."""
-    return np.asarray(sequence_ops) <= threshold
+def ops_keep(seq_ops: np.ndarray, threshold: float) -> np.ndarray:
+    """bool[N]: keep trajectories whose train-time sequence OPS is <= threshold (NaN is dropped)."""
+    return np.asarray(seq_ops) <= threshold
+
+
+def _keep_all(x: FilterInputs, s_max: int, ops_threshold: float) -> np.ndarray:
+    return np.ones(len(x.versions), bool)
+
+
+def _staleness(x: FilterInputs, s_max: int, ops_threshold: float) -> np.ndarray:
+    return staleness_keep(x.versions, x.current_version, s_max)
+
+
+def _ops(x: FilterInputs, s_max: int, ops_threshold: float) -> np.ndarray:
+    """Sequence OPS over the response tokens (the response mask, not `log mu != 0`: a token the behaviour
+    policy was sure of has log mu = 0.0 exactly and OPS near 0, and must count)."""
+    seq = sequence_ops(token_ops(x.current_logp(), x.behavior_logp), x.response_mask)
+    return ops_keep(np.asarray(seq), ops_threshold)
+
+
+FILTERS: dict[str, Callable[[FilterInputs, int, float], np.ndarray]] = {
+    "none": _keep_all, "staleness": _staleness, "ops": _ops}
 
 
 def check_filter(name: str, s_max: int, ops_threshold: float) -> None:
@@ -32,4 +63,7 @@ def check_filter(name: str, s_max: int, ops_threshold: float) -> None:
         raise ValueError(f"OPS filter needs a threshold > 0, got {ops_threshold}.")
 
 
-FilterFn = Callable[..., np.ndarray]
+def apply_filter(name: str, inputs: FilterInputs, s_max: int, ops_threshold: float) -> np.ndarray:
+    """bool[N] from the registered filter ``name``."""
+    check_filter(name, s_max, ops_threshold)
+    return np.asarray(FILTERS[name](inputs, s_max, ops_threshold), bool)

@@ -326,8 +326,10 @@ class LearnerConfig:
         bounds activation memory ([micro, T, V] logits) and does not change the result (exact accumulation).
     pack_sequences: run the model on packed rows (`packing`) instead of padded ones; same result, far fewer
         FLOPs on long-tailed batches. Applied by `pack_for_learner` on the host before the step.
-    temperature: divides the logits before the softmax; use the rollout's sampling temperature so pi and mu
-        are the same distribution at ratio 1.
+    temperature: divides the logits before the softmax. None (the default) means the rollout sampler's
+        temperature, which `for_sampler` fills in, so pi and mu are the same distribution at ratio 1 by
+        construction; an explicit value that differs from the sampler's is refused there. Used alone, the
+        learner takes 1.0.
     """
 
     loss_name: str = "grpo"
@@ -335,7 +337,7 @@ class LearnerConfig:
     num_minibatches: int = 1
     ppo_epochs: int = 1
     micro_batch_size: int | None = None
-    temperature: float = 1.0
+    temperature: float | None = None
     pack_sequences: bool = True
 
     def __post_init__(self) -> None:
@@ -348,8 +350,21 @@ class LearnerConfig:
             )
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"LearnerConfig.micro_batch_size must be >= 1 or None, got {self.micro_batch_size}.")
-        if self.temperature <= 0:
-            raise ValueError(f"LearnerConfig.temperature must be > 0, got {self.temperature}.")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"LearnerConfig.temperature must be > 0 (or None: the sampler's), got {self.temperature}.")
+
+    @property
+    def logit_temperature(self) -> float:
+        return 1.0 if self.temperature is None else self.temperature
+
+    def for_sampler(self, sampler_temperature: float) -> LearnerConfig:
+        """This config scoring at the sampler's temperature (the one its behaviour log-probs were taken at)."""
+        if self.temperature is not None and self.temperature != sampler_temperature:
+            raise ValueError(
+                f"LearnerConfig.temperature={self.temperature} differs from the sampler's log-prob temperature "
+                f"{sampler_temperature} (SamplingConfig.temperature, 1 when greedy): the importance ratio would not "
+                "be 1 on-policy. Remove the LearnerConfig.temperature binding (it follows the sampler).")
+        return dataclasses.replace(self, temperature=sampler_temperature)
 
 
 def _normaliser(mask: jax.Array, aggregation: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -429,10 +444,10 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 
     def micro_loss(params, mb: Batch, weight: jax.Array):
         if "unpack_index" in mb:
-            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.temperature)
+            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature)
         else:
             logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
-                                         cfg.temperature)
+                                         cfg.logit_temperature)
         mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
         loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
                                 ref_logp=mb.get("ref_logp"), entropy=entropy)

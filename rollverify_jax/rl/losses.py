@@ -26,7 +26,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-LOG_RATIO_CLIP = 20.0  # |log r| bound: exp(20) is large but finite in float32
+from rollverify_jax.verify.ops import LOG_RATIO_CLIP, log_ratio
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 Metrics = dict[str, jax.Array]
@@ -110,24 +111,10 @@ def _check_clip_range(low_name: str, high_name: str, low: float, high: float) ->
 # ---------------------------------------------------------------------------------------------------------
 
 
-def log_ratio(new_logp: jax.Array, behavior_logp: jax.Array) -> jax.Array:
-    """`clip(log pi - log mu, -20, 20)` (`[B, L]`): bounded so `exp` never overflows."""
-    return jnp.clip(new_logp - behavior_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-
-
 def masked_mean(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
     """Mean of `x` over `mask`; an empty mask gives 0 instead of NaN."""
     mask = jnp.asarray(mask, jnp.float32)
     return (x * mask).sum(axis=axis) / jnp.maximum(mask.sum(axis=axis), 1.0)
-
-
-def sequence_ops(new_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) -> jax.Array:
-    """Train-time sequence OPS `[B]`: masked mean of `|r_t - 1|` per sequence (0 for an empty sequence).
-
-    The OPS filter drops from the loss the trajectories whose value exceeds its threshold.
-    """
-    ops = jnp.abs(jnp.exp(log_ratio(new_logp, behavior_logp)) - 1.0)  # [B, L]
-    return masked_mean(ops, mask, axis=-1)
 
 
 def aggregate(loss_mat: jax.Array, mask: jax.Array, cfg: LossConfig) -> jax.Array:

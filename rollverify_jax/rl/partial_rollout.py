@@ -19,7 +19,8 @@ import numpy as np
 from rollverify_jax.rl.buffer import Group, PausedCache
 from rollverify_jax.rl.filters import FILTERS, check_filter
 from rollverify_jax.rollout.scheduler import Scheduler, Trajectory
-from rollverify_jax.verify import two_stage_verify, verify_stats
+from rollverify_jax.verify import SwitchConfig, SwitchState, trajectory_staleness, two_stage_verify, verify_stats
+from rollverify_jax.verify.switching import window_mean
 
 MODES = ("on_policy", "partial", "rollverify")
 
@@ -68,11 +69,15 @@ class PhaseResult:
 
 
 class RolloutManager:
-    """Drives the scheduler through rollout phases and owns the paused-trajectory cache."""
+    """Drives the scheduler through rollout phases, owns the paused-trajectory cache and, at the end of each
+    cycle, the acceptance window that switches RollVerify to on-policy rollout."""
 
     def __init__(self, config: RolloutConfig, scheduler: Scheduler, next_record: Callable[[], dict],
-                 encode_prompt: Callable[[dict], np.ndarray], seed: int = 0):
+                 encode_prompt: Callable[[dict], np.ndarray], seed: int = 0, switch: SwitchConfig | None = None):
         self.config = config
+        self.switch_cfg = switch or SwitchConfig()
+        self.switch_state: SwitchState = self.switch_cfg.init()
+        self._last_phase: dict = {}
         self.scheduler = scheduler
         self.next_record = next_record
         self.encode_prompt = encode_prompt
@@ -82,7 +87,6 @@ class RolloutManager:
         self.next_group_id = 0
         self.next_uid = 0
         self.verify_time = 0.0
-        self.dropped_at_switch = 0
 
     @property
     def verifying(self) -> bool:
@@ -113,11 +117,27 @@ class RolloutManager:
         self.verify_time += time.perf_counter() - t0
         return keep
 
-    def switch_to_on_policy(self) -> None:
-        """Conditional switching: synchronous rollout for the rest of the run; the cache is dropped."""
+    def switch_to_on_policy(self) -> int:
+        """Conditional switching: synchronous rollout for the rest of the run; the cache is dropped. Returns
+        how many cached trajectories were dropped."""
         self.on_policy = True
-        self.dropped_at_switch = len(self.cache.paused) + sum(len(g.finished) for g in self.cache.groups.values())
+        dropped = len(self.cache.paused) + sum(len(g.finished) for g in self.cache.groups.values())
         self.cache = PausedCache()
+        return dropped
+
+    def end_cycle(self, step: int) -> dict:
+        """After the update to version ``step``: push the last phase's acceptance into the window (cycles that
+        verified something only) and switch to on-policy rollout once the full window's mean is below the
+        threshold. Returns the cycle's switching metrics."""
+        m = self._last_phase
+        metrics = {}
+        if self.verifying and m.get("verify/num_verified", 0) > 0:
+            self.switch_state = self.switch_cfg.update(self.switch_state, m["verify/acceptance"], step)
+            if self.switch_state.on_policy:
+                metrics["mode/dropped_at_switch"] = self.switch_to_on_policy()
+                metrics["mode/switch_step"] = self.switch_state.switch_step
+        metrics["verify/acceptance_window"] = window_mean(self.switch_state)
+        return metrics
 
     def run_phase(self) -> PhaseResult:
         sched = self.scheduler
@@ -131,7 +151,8 @@ class RolloutManager:
         wall = time.perf_counter() - t0
         stats = sched.stats
         version = sched.engine.version
-        batch_stale = [version - min(t.versions) for g in groups for t in g.finished.values() if t.versions]
+        batch_stale = trajectory_staleness(version, [t.versions for g in groups for t in g.finished.values()
+                                                     if t.versions])
         cache_stale = self.cache.staleness(version)
         verified = verify_stats(np.asarray([k for k, _ in sched.verified], np.int64),
                                 np.asarray([n for _, n in sched.verified], np.int64))
@@ -143,8 +164,8 @@ class RolloutManager:
             "rollout/slot_utilization": stats.slot_utilization(sched.engine.config.num_slots),
             "rollout/prefill_tokens": stats.prefill_tokens,
             "rollout/host_time": stats.host_time,
-            "staleness/mean": float(np.mean(batch_stale)) if batch_stale else 0.0,
-            "staleness/max": int(max(batch_stale)) if batch_stale else 0,
+            "staleness/mean": float(batch_stale.mean()) if batch_stale.size else 0.0,
+            "staleness/max": int(batch_stale.max()) if batch_stale.size else 0,
             "cache/size": len(self.cache),
             "cache/staleness_mean": float(cache_stale.mean()) if cache_stale.size else 0.0,
             "verify/acceptance": verified["acceptance"],
@@ -156,6 +177,7 @@ class RolloutManager:
         }
         for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):
             metrics[f"cache/staleness_hist/{int(s)}"] = int(count)
+        self._last_phase = metrics
         return PhaseResult(groups=groups, metrics=metrics)
 
     def _collect_finished(self) -> None:
@@ -193,10 +215,13 @@ class RolloutManager:
 
     def state_dict(self) -> dict:
         return {"cache": self.cache.to_dict(), "on_policy": int(self.on_policy),
-                "next_group_id": self.next_group_id, "next_uid": self.next_uid}
+                "next_group_id": self.next_group_id, "next_uid": self.next_uid,
+                "switch": self.switch_state.to_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         self.cache = PausedCache.from_dict(d["cache"])
-        self.on_policy = bool(d["on_policy"])
+        # An on-policy config stays on-policy even on a cache saved in a partial mode (a changed-settings resume).
+        self.on_policy = bool(d["on_policy"]) or self.config.mode == "on_policy"
+        self.switch_state = SwitchState.from_dict(d["switch"])
         self.next_group_id = int(d["next_group_id"])
         self.next_uid = int(d["next_uid"])

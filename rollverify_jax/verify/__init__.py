@@ -11,6 +11,7 @@ from rollverify_jax.verify.ops import (
     sequence_ops,
     staleness,
     token_ops,
+    trajectory_staleness,
 )
 from rollverify_jax.verify.switching import (
     SwitchConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "sequence_ops",
     "staleness",
     "token_ops",
+    "trajectory_staleness",
     "two_stage_verify",
     "update_switch_state",
     "verify_stats",

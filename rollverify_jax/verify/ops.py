@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOG_RATIO_CLIP = 20.0  # |log pi - log mu| is clipped here so exp() stays finite in float32.
 
@@ -123,3 +124,8 @@ def staleness(current_version: jax.Array | int, versions: jax.Array, mask: jax.A
     current = jnp.asarray(current_version, jnp.int32)
     oldest = jnp.min(jnp.where(valid, versions, current), axis=-1)  # [N]; empty rows -> current
     return current - oldest
+
+
+def trajectory_staleness(current_version: int, versions: list[list[int]]) -> np.ndarray:
+    """Host-side `staleness` of ragged trajectories: `int64[N]`, `current - min(v)`, 0 for one without tokens."""
+    return np.asarray([current_version - min(v) if len(v) else 0 for v in versions], np.int64)
