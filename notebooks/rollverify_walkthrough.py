@@ -79,15 +79,12 @@ plt.show()
 # new policy their importance ratio `pi/mu` drifts from 1: that drift is the OPS, `|pi/mu - 1|` per token.
 
 # %%
-adv, _, reward_metrics = train._group_advantages(run, phase.groups)
-batch = build_batch(finished, adv, np.ones(len(finished)))
-run.train_state, m = run.train_step(run.train_state, batch)
-run.step = 1
-run.engine.update_params(run.train_state.params, version=1)
-print(f"reward {reward_metrics['reward/mean']:.3f}, loss {float(m['loss']):.4f}, "
-      f"train-time OPS {float(m['ops/token_mean']):.4f}")
+scored = train.score(run, phase.groups)  # rewards and group advantages
+batch, _ = train.select(run, scored)  # the filters (none in this config) and the learner's batch layout
+m = train.learn(run, batch)  # one update; the engine now samples with version 1
+print(f"reward {scored.metrics['reward/mean']:.3f}, loss {m['loss']:.4f}, train-time OPS {m['ops/token_mean']:.4f}")
 
-cached = build_batch(paused, np.zeros(len(paused)), np.ones(len(paused)))
+cached = build_batch(paused, np.zeros(len(paused)))
 new_logp = np.asarray(learner_lib.compute_logprobs(run.graphdef, run.train_state.params, cached["tokens"],
                                                    cached["attention_mask"], 1.0))
 starts = [len(t.prompt) for t in paused]

@@ -17,7 +17,8 @@ import numpy as np
 from rollverify_jax.cli import run_cli
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.rollout.engine import Engine
-from rollverify_jax.rollout.scheduler import Scheduler, Trajectory
+from rollverify_jax.rollout.scheduler import Scheduler
+from rollverify_jax.rollout.trajectory import Trajectory
 
 EVAL_SEED_OFFSET = 1_000_000_000
 

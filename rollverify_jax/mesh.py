@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import gin
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -130,7 +129,3 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
     placed = jax.tree.map(lambda v, s: v.replace(jax.device_put(v[...], s)), state, shardings, is_leaf=_is_var)
     nnx.update(model, placed)
     return model
-
-
-def mesh_summary(mesh: Mesh) -> str:
-    return " x ".join(f"{a}={n}" for a, n in mesh.shape.items()) + f" ({np.prod(list(mesh.shape.values()))} devices)"

@@ -8,7 +8,6 @@ Only process 0 writes (every host runs the same program and computes the same re
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -229,27 +228,3 @@ def save_operative_config(workdir: str | Path) -> tuple[Path, Path]:
         operative.write_text(gin.operative_config_str())
         parsed.write_text(gin.config_str())
     return operative, parsed
-
-
-def make_workdir(root: str | Path = "runs", name: str | None = None) -> Path:
-    """Creates and returns ``<root>/<name>``, or ``<root>/<YYYYmmdd-HHMMSS>`` for a new unnamed run.
-
-    A named workdir that exists is reused (that is how a run resumes). On multi-host the timestamp is taken on
-    process 0 and broadcast, so every host agrees on the directory.
-    """
-    root = Path(root)
-    if name is None:
-        stamp = int(datetime.datetime.now().timestamp())
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-        name = datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S")
-        base, n = name, 1
-        while (root / name).exists() and jax.process_count() == 1:  # two unnamed runs in the same second
-            name, n = f"{base}-{n}", n + 1
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"make_workdir: name {name!r} must be a single directory name.")
-    workdir = root / name
-    workdir.mkdir(parents=True, exist_ok=True)
-    return workdir

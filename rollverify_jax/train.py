@@ -250,7 +250,7 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
     # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
     # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
     width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
-    batch = build_batch(scored.trajs, scored.advantages, np.ones(len(scored.trajs)), max_len=width)
+    batch = build_batch(scored.trajs, scored.advantages, max_len=width)
     inputs = FilterInputs(
         versions=[t.versions for t in scored.trajs], current_version=run.engine.version,
         behavior_logp=batch["behavior_logp"], response_mask=batch["loss_mask"] > 0,

@@ -27,7 +27,7 @@ from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
 from rollverify_jax.rl import learner
 from rollverify_jax.rl.batch import build_batch
-from rollverify_jax.rollout.scheduler import Trajectory
+from rollverify_jax.rollout.trajectory import Trajectory
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 
@@ -42,7 +42,7 @@ def long_tailed_batch(tokenizer: Tokenizer, n: int, width: int | None) -> dict[s
         trajs.append(Trajectory(uid=i, group_id=i, prompt=prompt, seed=0, max_new_tokens=len(response),
                                 tokens=response, logps=[-0.1] * len(response)))
     advantages = np.random.default_rng(0).normal(size=n).astype(np.float32)
-    return build_batch(trajs, advantages, np.ones(n), max_len=width)
+    return build_batch(trajs, advantages, max_len=width)
 
 
 def time_step(step, state, batch, iters: int) -> tuple[float, object]:

@@ -70,15 +70,23 @@ def test_staleness_is_measured_from_the_oldest_token():
     assert empty.dtype == np.int64 and empty.shape == (0,)
 
 
-def test_complete_groups_are_never_resumed():
-    """Members of a complete group wait for the batch; only incomplete groups' finished members are resumed."""
-    cache = PausedCache()
-    cache.add_group(Group(0, 2, {}))
-    cache.add_group(Group(1, 2, {}))
-    for uid, gid in ((0, 0), (1, 0), (2, 1)):
-        cache.add_finished(_traj(uid, gid, 3, True))
-    cache.pause([_traj(3, 1, 2)])
-    assert sorted(t.uid for t in cache.take_for_resume(include_finished=True)) == [2, 3]
+def test_resume_takes_every_finished_member_when_verifying_and_none_otherwise():
+    """A complete group left in the cache (carried beyond B) trains one version later, so with re-verification
+    its members are resumed too, like an incomplete group's; paused trajectories come first, then groups by id."""
+    def cache_with_groups():
+        cache = PausedCache()
+        cache.add_group(Group(1, 2, {}))
+        cache.add_group(Group(0, 2, {}))
+        for uid, gid in ((2, 1), (0, 0), (1, 0)):
+            cache.add_finished(_traj(uid, gid, 3, True))
+        cache.pause([_traj(3, 1, 2)])
+        return cache
+
+    cache = cache_with_groups()
+    assert [t.uid for t in cache.take_for_resume(include_finished=True)] == [3, 0, 1, 2]
+    assert cache.num_complete() == 0 and not any(g.finished for g in cache.groups.values()) and len(cache) == 0
+    cache = cache_with_groups()
+    assert [t.uid for t in cache.take_for_resume(include_finished=False)] == [3]
     assert sorted(cache.groups[0].finished) == [0, 1] and cache.num_complete() == 1
     assert [g.group_id for g in cache.pop_complete()] == [0]
 

@@ -11,7 +11,7 @@ import pytest
 
 from rollverify_jax import metrics as metrics_lib
 from rollverify_jax.checkpoint import CheckpointConfig
-from rollverify_jax.metrics import MetricsWriter, ProgressBar, make_workdir, read_metrics, save_operative_config
+from rollverify_jax.metrics import MetricsWriter, ProgressBar, read_metrics, save_operative_config
 
 
 def read_event_scalars(tb_dir):
@@ -120,13 +120,3 @@ def test_save_operative_config(tmp_path):
         assert operative == tmp_path / "operative_config.gin" and parsed == tmp_path / "config.gin"
     finally:
         gin.clear_config()
-
-
-def test_make_workdir(tmp_path):
-    named = make_workdir(tmp_path, "exp1")
-    assert named == tmp_path / "exp1" and named.is_dir()
-    assert make_workdir(tmp_path, "exp1") == named  # resume into the same workdir
-    a, b = make_workdir(tmp_path / "runs"), make_workdir(tmp_path / "runs")
-    assert a != b and a.is_dir() and b.is_dir() and a.parent == b.parent == tmp_path / "runs"
-    with pytest.raises(ValueError, match="single directory name"):
-        make_workdir(tmp_path, "a/b")

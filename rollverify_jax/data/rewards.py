@@ -140,12 +140,6 @@ def register_reward(name: str, fn: RewardFn, isolated: bool = True) -> RewardFn:
     return fn
 
 
-def unregister_reward(name: str) -> None:
-    """Remove a registered reward (tests register temporary graders)."""
-    _REGISTRY.pop(name, None)
-    REWARDS.pop(name, None)
-
-
 def get_reward_spec(name: str) -> RewardSpec:
     """Registry lookup with the known names in the error."""
     if name not in _REGISTRY:

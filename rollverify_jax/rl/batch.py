@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from rollverify_jax.rl.buffer import Group
-from rollverify_jax.rollout.scheduler import Trajectory
+from rollverify_jax.rollout.trajectory import Trajectory
 
 
 def length_bucket(n: int, minimum: int = 64) -> int:
@@ -21,10 +21,9 @@ def flatten_groups(groups: list[Group]) -> list[Trajectory]:
     return [g.finished[uid] for g in groups for uid in sorted(g.finished)]
 
 
-def build_batch(trajs: list[Trajectory], advantages: np.ndarray, loss_keep: np.ndarray,
-                max_len: int | None = None) -> dict[str, np.ndarray]:
+def build_batch(trajs: list[Trajectory], advantages: np.ndarray, max_len: int | None = None) -> dict[str, np.ndarray]:
     """tokens = prompt + response (right padded); behavior_logp[t] = log mu(tokens[t]) on response tokens;
-    loss_mask = 1 on response tokens of trajectories kept by the filter."""
+    loss_mask = 1 on response tokens (the filters then zero the rows they drop)."""
     longest = max(len(t.prompt) + t.num_tokens for t in trajs)
     width = max_len or length_bucket(longest)
     n = len(trajs)
@@ -37,7 +36,7 @@ def build_batch(trajs: list[Trajectory], advantages: np.ndarray, loss_keep: np.n
         tokens[i, :p] = t.prompt
         tokens[i, p: p + r] = t.tokens
         behavior[i, p: p + r] = t.logps
-        mask[i, p: p + r] = float(loss_keep[i])
+        mask[i, p: p + r] = 1.0
         valid[i, : p + r] = True
     return {"tokens": tokens, "behavior_logp": behavior, "loss_mask": mask, "attention_mask": valid,
             "advantages": np.asarray(advantages, np.float32)}

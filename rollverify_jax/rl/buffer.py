@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from rollverify_jax.rollout.scheduler import Trajectory
+from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.verify.ops import trajectory_staleness
 
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from rollverify_jax.rl.buffer import Group, PausedCache
 from rollverify_jax.rl.filters import FILTERS, check_filter
-from rollverify_jax.rollout.scheduler import Scheduler, Trajectory
+from rollverify_jax.rollout.scheduler import Scheduler
+from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.verify import SwitchConfig, SwitchState, trajectory_staleness, two_stage_verify, verify_stats
 from rollverify_jax.verify.switching import window_mean
 
@@ -201,7 +202,7 @@ class RolloutManager:
         resumed = self.cache.take_for_resume(include_finished=self.verifying and cfg.verify_finished)
         sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
         while self.cache.num_complete() < cfg.batch_groups:
-            fresh_queued = sum(1 for p in sched.queue if p.keep_fn is None and p.traj.num_tokens == 0)
+            fresh_queued = sched.num_new_queued()
             while fresh_queued < self._queue_target() * cfg.group_size:
                 sched.submit(self._new_group())
                 fresh_queued += cfg.group_size

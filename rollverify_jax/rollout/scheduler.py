@@ -14,47 +14,10 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from rollverify_jax.rollout.engine import Engine
+from rollverify_jax.rollout.trajectory import Trajectory
 
 # keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]
 KeepFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-
-
-@dataclasses.dataclass
-class Trajectory:
-    """One sample of one prompt: its response so far and what verification needs per token."""
-
-    uid: int
-    group_id: int
-    prompt: np.ndarray  # int32[P]
-    seed: int
-    max_new_tokens: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logps: list[float] = dataclasses.field(default_factory=list)  # log mu(y_t)
-    versions: list[int] = dataclasses.field(default_factory=list)  # v_t
-    finished: bool = False
-    draws: int = 0  # verification cuts so far: each cut starts a fresh draw of the suffix
-    meta: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def sample_seed(self) -> int:
-        """The seed of the current draw. Token t is sampled with key (sample_seed, t), so a resume after
-        preemption (no cut) reproduces its samples, while a suffix regenerated after a cut is a fresh draw
-        from the current policy, not a replay of the removed tokens' randomness."""
-        if self.draws == 0:
-            return self.seed
-        return int(np.random.SeedSequence([self.seed, self.draws]).generate_state(1)[0])
-
-    def truncate(self, keep: int) -> None:
-        """Keeps y_1..y_keep (with their original log mu and versions); a cut trajectory is unfinished and
-        regenerates its suffix with a new draw."""
-        if keep < len(self.tokens):
-            del self.tokens[keep:], self.logps[keep:], self.versions[keep:]
-            self.finished = False
-            self.draws += 1
 
 
 def validate_request(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -> None:
@@ -136,6 +99,10 @@ class Scheduler:
     @property
     def free_slots(self) -> list[int]:
         return [s for s in range(self.engine.config.num_slots) if s not in self.slots]
+
+    def num_new_queued(self) -> int:
+        """Queued requests that have not started: new prompts (not resumed, no tokens yet)."""
+        return sum(1 for p in self.queue if p.keep_fn is None and p.traj.num_tokens == 0)
 
     @property
     def idle(self) -> bool:
