@@ -16,9 +16,11 @@ import numpy as np
 
 from rollverify_jax.cli import run_cli
 from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
+from rollverify_jax.setup import Run, TrainConfig, build, parse_gin
 
 EVAL_SEED_OFFSET = 1_000_000_000
 
@@ -48,6 +50,12 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
             "time/eval": time.perf_counter() - t0}
 
 
+def evaluate_run(run: Run) -> dict:
+    """Held-out evaluation of a built run's current policy (its gin settings: eval set, k, response length)."""
+    return evaluate_policy(run.engine, run.eval_records, run.encode, run.decode, run.scorer, run.cfg.eval_samples,
+                           RolloutConfig().max_new_tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gin_file", action="append", default=[])
@@ -61,21 +69,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args: argparse.Namespace) -> None:
-    from rollverify_jax import train
-
-    train.parse_gin(args.gin_file, args.gin_param)
-    cfg = train.TrainConfig()
+    parse_gin(args.gin_file, args.gin_param)
+    cfg = TrainConfig()
     if args.k:
         cfg = dataclasses.replace(cfg, eval_samples=args.k)
     if args.num_problems:
         cfg = dataclasses.replace(cfg, eval_size=args.num_problems)
-    setup = train.build(cfg, checkpoint=Path(args.checkpoint))
+    run = build(cfg, checkpoint=Path(args.checkpoint))
     try:
-        result = setup.evaluate()
+        result = evaluate_run(run)
     finally:
-        setup.close()
+        run.close()
     k = cfg.eval_samples
-    print(f"{args.checkpoint}: {len(setup.eval_records)} problems x {k} samples: "
+    print(f"{args.checkpoint}: {len(run.eval_records)} problems x {k} samples: "
           f"avg@{k} = {result[f'eval/avg@{k}']:.4f}  pass@{k} = {result[f'eval/pass@{k}']:.4f}  "
           f"mean length {result['eval/response_length']:.1f}")
 

@@ -73,7 +73,7 @@ BUGS = [
         ("tests/test_buffer.py", "tests/test_partial_rollout.py")),
     Bug("regeneration after a cut replays the removed tokens' keys", "rollverify_jax/rollout/scheduler.py",
         "[t.sample_seed for t in gt]", "[t.seed for t in gt]", ("tests/test_scheduler.py",)),
-    Bug("resume discards the restored train state", "rollverify_jax/train.py",
+    Bug("resume discards the restored train state", "rollverify_jax/setup.py",
         "_, run.train_state, extra = run.checkpointer.restore(", "_, _, extra = run.checkpointer.restore(",
         (T + "test_resumed_run_equals_uninterrupted_run",)),
     Bug("the switch to on-policy never happens", "rollverify_jax/rl/partial_rollout.py",

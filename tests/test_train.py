@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from rollverify_jax import evaluate, train
+from rollverify_jax import evaluate, setup, train
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.data.synthetic import char_vocabulary
 from rollverify_jax.metrics import read_metrics
@@ -97,7 +97,7 @@ LENGTH_REWARD = ("RewardScorer.overlong_buffer = 20", "RewardScorer.max_response
 
 
 def _final_state(workdir, policy):
-    fingerprint = train._fingerprint(load_pretrained(policy))
+    fingerprint = setup.model_fingerprint(load_pretrained(policy))
     with Checkpointer(workdir, CheckpointConfig(async_save=False), model_fingerprint=fingerprint) as ckpt:
         step, state, extra = ckpt.restore()
     return step, jax.tree.leaves(state), extra
@@ -177,7 +177,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
             train.train_one_step(run)
         cache = run.manager.cache
         assert len(cache.paused) > 0 and any(t.num_tokens for t in cache.paused)
-        run.checkpointer.save(run.step, run.train_state, train.run_state(run, 1.0), force=True)
+        run.checkpointer.save(run.step, run.train_state, setup.run_state(run, 1.0), force=True)
         run.close()
         back = train.build(cfg, workdir=tmp_path, for_training=True)
         assert back.step == 2 and back.engine.version == 2
