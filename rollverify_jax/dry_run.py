@@ -24,6 +24,7 @@ from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.rollout.sampling import SamplingConfig
+from rollverify_jax.setup import check_run_shapes
 from rollverify_jax.verify import SwitchConfig
 
 
@@ -41,9 +42,6 @@ def dry_run(train_cfg, num_devices: int) -> dict:
     else:
         dtype = train_cfg.param_dtype or "float32"
         cfg = model_config(param_dtype=dtype, dtype=train_cfg.compute_dtype or dtype)
-    if rollout.max_new_tokens >= engine.max_seq_len:
-        raise ValueError(f"RolloutConfig.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
-                         f"EngineConfig.max_seq_len={engine.max_seq_len}.")
     shape = list(gin.query_parameter("make_mesh.shape")) if _bound("make_mesh.shape") else [1, -1, 1]
     if -1 in shape:
         shape[shape.index(-1)] = num_devices // math.prod(s for s in shape if s != -1)
@@ -58,12 +56,8 @@ def dry_run(train_cfg, num_devices: int) -> dict:
         v = params[path]
         split = math.prod(mesh.shape[a] for s in spec if s for a in ((s,) if isinstance(s, str) else s))
         per_device += math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize // split
+    check_run_shapes(rollout, engine, learner_cfg, dict(mesh.shape))
     rows = rollout.batch_groups * rollout.group_size
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    if rows % batch_devices:
-        raise ValueError(f"batch_groups x group_size = {rows} rows do not divide over data x fsdp = {batch_devices}.")
-    if rows % learner_cfg.num_minibatches:
-        raise ValueError(f"{rows} rows do not split into LearnerConfig.num_minibatches={learner_cfg.num_minibatches}.")
     kv_per_seq = kv_bytes_per_page(cfg, engine.page_size, engine.kv_dtype) * math.ceil(engine.max_seq_len /
                                                                                       engine.page_size)
     return {"params": cfg.num_params(), "param_bytes_per_device": per_device, "mesh": dict(mesh.shape),

@@ -113,6 +113,20 @@ class Run:
             self.checkpointer.close()
 
 
+def check_run_shapes(rollout: RolloutConfig, engine: EngineConfig, learner_cfg: learner_lib.LearnerConfig,
+                     mesh_shape: dict[str, int]) -> None:
+    """Cross-checks of settings that live in different configurables; run at every start and by --dry_run."""
+    if rollout.max_new_tokens >= engine.max_seq_len:
+        raise ValueError(f"RolloutConfig.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
+                         f"EngineConfig.max_seq_len={engine.max_seq_len}.")
+    rows = rollout.batch_groups * rollout.group_size
+    batch_devices = mesh_shape["data"] * mesh_shape["fsdp"]
+    if rows % batch_devices:
+        raise ValueError(f"batch_groups x group_size = {rows} rows do not divide over data x fsdp = {batch_devices}.")
+    if rows % learner_cfg.num_minibatches:
+        raise ValueError(f"{rows} rows do not split into LearnerConfig.num_minibatches={learner_cfg.num_minibatches}.")
+
+
 def load_policy(cfg: TrainConfig, mesh):
     if cfg.policy_path is None:
         return init_model(model_config(), seed=cfg.seed)
@@ -156,6 +170,7 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
         return run
 
     learner_cfg = learner_lib.LearnerConfig().for_sampler(engine.sampling.logp_temperature)
+    check_run_shapes(rollout_cfg, engine.config, learner_cfg, dict(mesh.shape))
     optimizer = learner_lib.make_optimizer()
     graphdef, _ = learner_lib.split_params(model)
     shardings = learner_lib.train_state_shardings(model, optimizer, mesh)

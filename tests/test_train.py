@@ -291,3 +291,15 @@ def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, ca
     assert "resuming with changed settings" in capsys.readouterr().out
     last = read_metrics(workdir)[-1]
     assert last["step"] == 2 and last["mode/on_policy"] == 1 and last["verify/num_verified"] == 0
+
+
+def test_cross_checks_run_at_every_start_not_only_in_the_dry_run(policy, tmp_path, capsys):
+    gin.clear_config()
+    try:
+        with pytest.raises(SystemExit) as exit_info:  # 2 groups x 4 = 8 rows cannot make 3 minibatches
+            params = _params(policy, "rollverify", 1, ("LearnerConfig.num_minibatches = 3",))
+            train.main([f"--workdir={tmp_path / 'run'}", *[f"--gin_param={p}" for p in params]])
+    finally:
+        gin.clear_config()
+    assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
+    assert "8 rows do not split into LearnerConfig.num_minibatches=3" in capsys.readouterr().err
