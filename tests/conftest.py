@@ -5,3 +5,14 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402  (after the environment above, which must precede JAX's import)
+
+from rollverify_jax.models import init_model, model_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The random tiny Qwen3 (seed 0) shared by the rollout tests. Treat it as read-only: a test that needs other
+    weights builds them (``nnx.split`` + new state), it never updates this module in place."""
+    return init_model(model_config("tiny"), seed=0)

@@ -7,15 +7,9 @@ import pytest
 from flax import nnx
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 
 CFG = EngineConfig(num_slots=4, page_size=8, max_seq_len=64, steps_per_dispatch=4)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return init_model(model_config("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")

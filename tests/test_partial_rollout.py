@@ -8,16 +8,10 @@ import pytest
 from flax import nnx
 from test_verifier import reference_keep
 
-from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler
 
 ENGINE = EngineConfig(num_slots=8, page_size=8, max_seq_len=64, steps_per_dispatch=4)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return init_model(model_config("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 
 CFG = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3)
 PAGE_BYTES = 2 * 4 * 2 * 8 * 32 * 4  # K+V, 4 layers, 2 kv heads, 8 tokens, head_dim 32, float32
-
-
-@pytest.fixture(scope="module")
-def model():
-    return init_model(model_config("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
