@@ -55,6 +55,9 @@ def summarize(rows: list[dict]) -> dict:
         return float(np.mean(vals)) if vals else float("nan")
     switch = [r["mode/switch_step"] for r in train if r.get("mode/switch_step") is not None]
     regen = [(r["verify/regen_tokens"], r["verify/regen_equal_rate"]) for r in train if r.get("verify/regen_tokens")]
+    accepted = [r["verify/acceptance"] for r in train if r.get("verify/num_verified")]  # cycles that verified
+    partial_ops = [r["ops/token_mean"] for r in train if r.get("mode/on_policy") == 0 and r.get("ops/token_mean")
+                   is not None]
     return {
         "steps": train[-1]["step"] if train else 0,
         "acc0": evals[0]["eval/accuracy"] if evals else float("nan"),
@@ -63,8 +66,10 @@ def summarize(rows: list[dict]) -> dict:
         "wall": train[-1]["time/wall"] if train else 0.0,
         "rollout": sum(r["time/rollout"] for r in train), "train": sum(r["time/train"] for r in train),
         "verify": sum(r["time/verify"] for r in train), "util": mean("rollout/slot_utilization"),
-        "ops": mean("ops/token_mean"), "acceptance": mean("verify/acceptance") if any(
-            r.get("verify/num_verified") for r in train) else float("nan"),
+        "ops": mean("ops/token_mean"),
+        # Before a switch: the train-time OPS of batches that partial rollout built (on-policy batches have ~0).
+        "ops_partial": float(np.mean(partial_ops)) if partial_ops else float("nan"),
+        "acceptance": float(np.mean(accepted)) if accepted else float("nan"),
         "switch": float(switch[0]) if switch else float("nan"), "entropy": mean("policy/entropy"),
         "regen_equal": sum(n * x for n, x in regen) / sum(n for n, _ in regen) if regen else float("nan"),
     }
@@ -153,13 +158,18 @@ def main() -> None:
              "".join(f" --gin_param \"{p}\"" for p in args.gin_param) + "`", "",
              f"Same seeds, data order and budget for every mode; each run in its own process on this machine, at "
              f"commit {_commit()}. {len(args.seeds)} seed(s): mean ± standard error over seeds; the switch step is "
-             "averaged over the runs that switched (their count in brackets).", "",
+             "averaged over the runs that switched (their count in brackets). Mean OPS: train-time token OPS of every "
+             "batch; OPS before switch: of the batches partial rollout built. Acceptance: mean over the cycles that "
+             "verified something. Regen = cut: how often a token sampled where a verification cut removed one "
+             "equals the removed token.", "",
              "| mode | steps | held-out acc (start) | held-out acc (end) | reward (last 5) | wall (s) | rollout (s) | "
-             "train (s) | verify (s) | slot util | mean OPS | acceptance | regen = cut | entropy | switch step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "train (s) | verify (s) | slot util | mean OPS | OPS before switch | acceptance | regen = cut | entropy | "
+             "switch step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     columns = [("steps", ".0f"), ("acc0", ".3f"), ("acc", ".3f"), ("reward", ".3f"), ("wall", ".0f"),
-               ("rollout", ".0f"), ("train", ".0f"), ("verify", ".2f"), ("util", ".3f"), ("ops", ".4f"),
-               ("acceptance", ".3f"), ("regen_equal", ".3f"), ("entropy", ".3f"), ("switch", ".1f")]
+               ("rollout", ".0f"), ("train", ".0f"), ("verify", ".2f"), ("util", ".3f"), ("ops", ".5f"),
+               ("ops_partial", ".5f"), ("acceptance", ".3f"), ("regen_equal", ".3f"), ("entropy", ".3f"),
+               ("switch", ".1f")]
     for m, per_seed in summary.items():
         cells = [_cell([s[key] for s in per_seed], fmt) for key, fmt in columns]
         lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
