@@ -38,13 +38,13 @@ from rollverify_jax.data.rewards import exact_reward
 from rollverify_jax.data.synthetic import ANSWER_PREFIX, SyntheticTask, char_vocabulary
 from rollverify_jax.models.hf import param_count, save_pretrained
 from rollverify_jax.models.qwen3 import (
-    Qwen3Config,
     Qwen3ForCausalLM,
     dot_product_attention,
     init_model,
     model_config,
 )
 from rollverify_jax.models.tokenizer import Tokenizer, build_char_tokenizer
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 
 EOS = "<|endoftext|>"
 PAD = "<pad>"
@@ -180,111 +180,50 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sampling (KV cache, fixed shapes)
+# Sampling: the package's engine and scheduler (continuous batching over a paged KV cache)
 
 
-@dataclasses.dataclass
-class CacheAttention:
-    """Writes this call's keys/values into per-layer caches at ``index`` and attends over the cache.
+class Sampler:
+    """Greedy and temperature-1 responses from the current params, one engine per mode (compiled once)."""
 
-    ``key_valid``: bool[B, S] (False for left padding); a query at cache slot ``index + t`` sees slots
-    ``<= index + t``. The updated caches stay on the object for the caller to carry on.
-    """
+    def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer, prompt_len: int, max_new: int, slots: int):
+        page = 16
+        config = EngineConfig(num_slots=slots, page_size=page, max_seq_len=round_up(prompt_len + max_new, page),
+                              steps_per_dispatch=8)
+        eos = (tokenizer.token_id(EOS),)
+        self.engines = {greedy: Engine(model, config, SamplingConfig(greedy=greedy), eos_ids=eos)
+                        for greedy in (True, False)}
+        self.tokenizer, self.max_new, self.version = tokenizer, max_new, 0
 
-    k: list[jax.Array]
-    v: list[jax.Array]
-    index: jax.Array
-    key_valid: jax.Array
+    def set_params(self, params) -> None:
+        self.version += 1
+        for engine in self.engines.values():
+            engine.update_params(params, version=self.version)
 
-    def __call__(self, layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        self.k[layer_idx] = jax.lax.dynamic_update_slice_in_dim(self.k[layer_idx], k, self.index, axis=1)
-        self.v[layer_idx] = jax.lax.dynamic_update_slice_in_dim(self.v[layer_idx], v, self.index, axis=1)
-        s, t = self.key_valid.shape[1], q.shape[1]
-        causal = jnp.arange(s)[None, :] <= (self.index + jnp.arange(t))[:, None]
-        mask = self.key_valid[:, None, :] & causal[None]
-        return dot_product_attention(q, self.k[layer_idx], self.v[layer_idx], mask)
-
-
-def make_sampler(graphdef: nnx.GraphDef, cfg: Qwen3Config, max_new: int, eos_id: int, pad_id: int):
-    """Jitted (params, prompts int32[B, P] left-padded, valid bool[B, P], key, greedy) -> int32[B, max_new].
-
-    Full-softmax sampling at temperature 1 (or argmax); the loop stops once every row has emitted EOS.
-    """
-
-    @jax.jit
-    def sample(params, prompts, valid, key, greedy):
-        model: Qwen3ForCausalLM = nnx.merge(graphdef, params)
-        b, p = prompts.shape
-        s = p + max_new
-        shape = (b, s, cfg.num_key_value_heads, cfg.head_dim)
-        dtype = jnp.dtype(cfg.dtype)
-        key_valid = jnp.concatenate([valid, jnp.ones((b, max_new), bool)], axis=1)
-        lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
-        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
-        attn = CacheAttention([jnp.zeros(shape, dtype)] * cfg.num_hidden_layers,
-                              [jnp.zeros(shape, dtype)] * cfg.num_hidden_layers, jnp.int32(0), key_valid)
-        logits = model(prompts, positions, attn)[:, -1]
-        out = jnp.full((b, max_new), pad_id, jnp.int32)
-        carry = (jnp.int32(0), attn.k, attn.v, logits, out, jnp.zeros((b,), bool), key)
-
-        def cond(c):
-            t, *_, done, _ = c
-            return (t < max_new) & ~jnp.all(done)
-
-        def body(c):
-            t, ks, vs, logits, out, done, key = c
-            key, sub = jax.random.split(key)
-            drawn = jnp.where(greedy, jnp.argmax(logits, -1), jax.random.categorical(sub, logits, axis=-1))
-            token = jnp.where(done, pad_id, drawn).astype(jnp.int32)
-            out = out.at[:, t].set(token)
-            done = done | (token == eos_id)
-            a = CacheAttention(list(ks), list(vs), p + t, key_valid)
-            logits = model(token[:, None], (lengths + t)[:, None], a)[:, -1]
-            return t + 1, a.k, a.v, logits, out, done, key
-
-        return jax.lax.while_loop(cond, body, carry)[4]
-
-    return sample
+    def generate(self, prompts: Sequence[str], seed: int, greedy: bool) -> list[list[int]]:
+        """Responses (token ids up to and including EOS) for ``prompts``; request i samples with seed + i."""
+        sched = Scheduler(self.engines[greedy])
+        sched.submit([Trajectory(uid=i, group_id=i, prompt=np.asarray(ids, np.int32), seed=seed + i,
+                                 max_new_tokens=self.max_new)
+                      for i, ids in enumerate(self.tokenizer.encode_batch(list(prompts)))])
+        sched.run()
+        return [t.tokens for t in sorted(sched.take_finished(), key=lambda t: t.uid)]
 
 
-def generate(sampler, params, tokenizer: Tokenizer, prompts: Sequence[str], prompt_len: int, batch: int,
-             key: jax.Array, greedy: bool) -> list[list[int]]:
-    """Responses (token ids up to and including EOS) for ``prompts``, in fixed-size left-padded batches."""
-    ids = tokenizer.encode_batch(list(prompts))
-    order = np.argsort([len(x) for x in ids], kind="stable")  # similar lengths together: earlier stops
-    pad = tokenizer.pad_id
-    eos = tokenizer.token_id(EOS)
-    results: list[list[int]] = [[] for _ in ids]
-    for start in range(0, len(ids), batch):
-        chunk = order[start:start + batch]
-        toks = np.full((batch, prompt_len), pad, np.int32)
-        valid = np.zeros((batch, prompt_len), bool)
-        for r, i in enumerate(chunk):
-            toks[r, prompt_len - len(ids[i]):] = ids[i]
-            valid[r, prompt_len - len(ids[i]):] = True
-        valid[len(chunk):, -1] = True  # filler rows: one valid token keeps their softmax well-defined
-        out = np.asarray(sampler(params, toks, valid, jax.random.fold_in(key, start), greedy))
-        for r, i in enumerate(chunk):
-            row = out[r].tolist()
-            results[i] = row[: row.index(eos) + 1] if eos in row else row
-    return results
-
-
-def evaluate(sampler, params, tokenizer: Tokenizer, problems: list[dict], prompt_len: int, batch: int,
-             key: jax.Array, num_samples: int) -> dict:
+def evaluate(sampler: Sampler, params, problems: list[dict], seed: int, num_samples: int) -> dict:
     """Greedy and temperature-1 (avg@num_samples) exact-answer accuracy, overall and by chain length."""
+    sampler.set_params(params)
     prompts = [p["prompt"] for p in problems]
     answers = [p["answer"] for p in problems]
 
     def score(responses: list[list[int]]) -> np.ndarray:
-        texts = tokenizer.decode_batch(responses, skip_special_tokens=True)
+        texts = sampler.tokenizer.decode_batch(responses, skip_special_tokens=True)
         return np.array([exact_reward(t, a) for t, a in zip(texts, answers, strict=True)])
 
-    greedy = score(generate(sampler, params, tokenizer, prompts, prompt_len, batch, key, greedy=True))
+    greedy = score(sampler.generate(prompts, seed, greedy=True))
     sampled, lengths = [], []
     for i in range(num_samples):
-        responses = generate(sampler, params, tokenizer, prompts, prompt_len, batch, jax.random.fold_in(key, i + 1),
-                             greedy=False)
+        responses = sampler.generate(prompts, seed + (i + 1) * len(prompts), greedy=False)
         sampled.append(score(responses))
         lengths.extend(len(r) for r in responses)
     sampled = np.stack(sampled, axis=1)  # [N, num_samples]
@@ -375,7 +314,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--eval-problems", type=int, default=400, help="held-out (test split) problems")
     ap.add_argument("--num-samples", type=int, default=4, help="T=1 samples per held-out problem")
-    ap.add_argument("--eval-batch", type=int, default=200, help="rows per sampler call")
+    ap.add_argument("--eval-batch", type=int, default=64, help="decode slots of the evaluation engine")
     ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
     ap.add_argument("--model", type=json.loads, default=None, help="JSON overrides of the model config")
     ap.add_argument("--task", type=json.loads, default=None, help="JSON overrides of the task kwargs")
@@ -409,12 +348,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     eval_seed = args.seed + 1000
     problems = [SyntheticTask(seed=eval_seed, split="test", **task_kwargs).sample(i)
                 for i in range(args.eval_problems)]
-    prompt_len = round_up(max(len(p["prompt"]) for p in problems), 8)
-    sampler = make_sampler(graphdef, cfg, solution_max, tokenizer.token_id(EOS), tokenizer.pad_id)
-    eval_key = jax.random.key(eval_seed)
+    prompt_len = max(len(ids) for ids in tokenizer.encode_batch([p["prompt"] for p in problems]))
+    sampler = Sampler(model, tokenizer, prompt_len, solution_max, args.eval_batch)
 
     def run_eval(p) -> dict:
-        return evaluate(sampler, p, tokenizer, problems, prompt_len, args.eval_batch, eval_key, args.num_samples)
+        return evaluate(sampler, p, problems, eval_seed, args.num_samples)
 
     print(f"model: {n_params:,} params, {cfg}", flush=True)
     print(f"task: {task_kwargs}; packed rows {args.batch_rows} x {row_length}", flush=True)

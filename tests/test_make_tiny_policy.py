@@ -78,41 +78,30 @@ def test_max_lengths_bound_the_task():
     assert all(script.num_ops(s["prompt"]) == s["solution"].count("=") for s in samples)
 
 
-def test_cached_greedy_matches_full_recompute():
-    """The script's KV-cache sampler must decode what the teacher-forced model would, despite left padding."""
-    import jax
+def test_evaluation_samples_with_the_package_engine():
+    """The script evaluates with the package's engine and scheduler (no sampler of its own): greedy responses
+    equal a teacher-forced argmax decode of the same model, and stop at EOS."""
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
-    from rollverify_jax.models.qwen3 import CausalAttention, init_model, model_config
+    from rollverify_jax.models.qwen3 import init_model, model_config
 
     script = _load_script()
-    cfg = model_config("tiny", vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    model = init_model(cfg, seed=3)
-    graphdef, params = nnx.split(model)
-    max_new = 6
-    sampler = script.make_sampler(graphdef, cfg, max_new, eos_id=15, pad_id=0)
-    prompts = [[3, 4, 5, 6, 7], [8, 9]]
-    width = 5
-    toks = np.zeros((2, width), np.int32)
-    valid = np.zeros((2, width), bool)
-    for r, p in enumerate(prompts):
-        toks[r, width - len(p):], valid[r, width - len(p):] = p, True
-    out = np.asarray(sampler(params, toks, valid, jax.random.key(0), True))
-    full = jax.jit(lambda x: model(x, attention=CausalAttention()))  # right padding: causal mask suffices
-    for r, p in enumerate(prompts):
-        seq = list(p)
-        for _ in range(max_new):
-            padded = np.zeros((1, width + max_new), np.int32)
-            padded[0, : len(seq)] = seq
-            nxt = int(jnp.argmax(full(padded)[0, len(seq) - 1]))
-            seq.append(nxt)
-            if nxt == 15:
+    tokenizer = Tokenizer.from_dir(ASSET)
+    model = init_model(model_config("tiny", vocab_size=-(-tokenizer.vocab_size // 8) * 8, num_hidden_layers=2), seed=3)
+    sampler = script.Sampler(model, tokenizer, prompt_len=16, max_new=6, slots=4)
+    prompts = ["Start 3. +4. Compute.", "Start 9. *2 -1. Compute."]
+    got = sampler.generate(prompts, seed=0, greedy=True)
+    eos = tokenizer.token_id(EOS)
+    for prompt, response in zip(prompts, got, strict=True):
+        seq = tokenizer.encode(prompt)
+        want = []
+        for _ in range(6):
+            nxt = int(jnp.argmax(model(np.asarray([seq + want], np.int32))[0, -1]))
+            want.append(nxt)
+            if nxt == eos:
                 break
-        generated = seq[len(p):]
-        assert out[r, : len(generated)].tolist() == generated
+        assert response == want
 
 
 def test_committed_tiny_policy():
