@@ -19,18 +19,19 @@ from rollverify_jax.data.rewards import get_reward_spec
 from rollverify_jax.models import Qwen3ForCausalLM, model_config
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.losses import get_loss_fn
 from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.setup import check_run_shapes
-from rollverify_jax.verify import SwitchConfig
+from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 
 def dry_run(train_cfg, num_devices: int) -> dict:
     rollout, engine = RolloutConfig(), EngineConfig()
-    SamplingConfig(), SwitchConfig(), CheckpointConfig()
+    SamplingConfig(), SwitchConfig(), VerifyConfig(), CheckpointConfig()
     learner_cfg = learner_lib.LearnerConfig().for_sampler(SamplingConfig().logp_temperature)
     get_loss_fn(learner_cfg.loss_name)
     learner_lib.make_optimizer()
@@ -56,7 +57,7 @@ def dry_run(train_cfg, num_devices: int) -> dict:
         v = params[path]
         split = math.prod(mesh.shape[a] for s in spec if s for a in ((s,) if isinstance(s, str) else s))
         per_device += math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize // split
-    check_run_shapes(rollout, engine, learner_cfg, dict(mesh.shape))
+    check_run_shapes(rollout, engine, learner_cfg, dict(mesh.shape), FilterConfig())
     rows = rollout.batch_groups * rollout.group_size
     kv_per_seq = kv_bytes_per_page(cfg, engine.page_size, engine.kv_dtype) * math.ceil(engine.max_seq_len /
                                                                                       engine.page_size)

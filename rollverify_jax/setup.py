@@ -22,11 +22,12 @@ from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_
 from rollverify_jax.models.hf import config_to_hf
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
 from rollverify_jax.rollout.engine import Engine, EngineConfig
 from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.rollout.scheduler import Scheduler
-from rollverify_jax.verify import SwitchConfig
+from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 
 @gin.configurable
@@ -97,6 +98,7 @@ class Run:
     iterator: PromptIterator | None = None
     checkpointer: Checkpointer | None = None
     learner_cfg: learner_lib.LearnerConfig | None = None
+    filter_cfg: FilterConfig | None = None
     ref_params: object = None
     wall_offset: float = 0.0
     step: int = 0  # completed training steps = the policy version the engine samples with
@@ -114,8 +116,11 @@ class Run:
 
 
 def check_run_shapes(rollout: RolloutConfig, engine: EngineConfig, learner_cfg: learner_lib.LearnerConfig,
-                     mesh_shape: dict[str, int]) -> None:
+                     mesh_shape: dict[str, int], filter_cfg: FilterConfig) -> None:
     """Cross-checks of settings that live in different configurables; run at every start and by --dry_run."""
+    if filter_cfg.name != "none" and rollout.mode == "on_policy":
+        raise ValueError(f"FilterConfig.name={filter_cfg.name!r} needs partial rollout: set RolloutConfig.mode = "
+                         "'partial' (or 'rollverify'), or FilterConfig.name = 'none'.")
     if rollout.max_new_tokens >= engine.max_seq_len:
         raise ValueError(f"RolloutConfig.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
                          f"EngineConfig.max_seq_len={engine.max_seq_len}.")
@@ -170,7 +175,8 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
         return run
 
     learner_cfg = learner_lib.LearnerConfig().for_sampler(engine.sampling.logp_temperature)
-    check_run_shapes(rollout_cfg, engine.config, learner_cfg, dict(mesh.shape))
+    run.filter_cfg = FilterConfig()
+    check_run_shapes(rollout_cfg, engine.config, learner_cfg, dict(mesh.shape), run.filter_cfg)
     optimizer = learner_lib.make_optimizer()
     graphdef, _ = learner_lib.split_params(model)
     shardings = learner_lib.train_state_shardings(model, optimizer, mesh)
@@ -185,7 +191,7 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     run.iterator = PromptIterator(records, batch_size=1, seed=cfg.seed)
     scheduler = Scheduler(engine)
     run.manager = RolloutManager(rollout_cfg, scheduler, lambda: run.iterator.next_batch()[0], run.encode,
-                                 seed=cfg.seed, switch=SwitchConfig())
+                                 seed=cfg.seed, switch=SwitchConfig(), verify=VerifyConfig())
     run.checkpointer = Checkpointer(workdir, CheckpointConfig(), model_fingerprint=model_fingerprint(model))
     latest = run.checkpointer.latest_step()
     if latest is not None:
@@ -220,12 +226,13 @@ def _restore_params_only(run: Run, checkpoint: Path) -> None:
 def run_settings(run: Run) -> dict:
     """The settings that define what a run trains (saved in every checkpoint, compared on resume)."""
     rc, sw, lc = run.manager.config, run.manager.switch_cfg, run.learner_cfg
+    vc, fc = run.manager.verify_cfg, run.filter_cfg
     sampling = run.engine.sampling
     return {
         "rollout.mode": rc.mode, "rollout.batch_groups": rc.batch_groups, "rollout.group_size": rc.group_size,
-        "rollout.max_new_tokens": rc.max_new_tokens, "filter.name": rc.filter, "filter.s_max": rc.s_max,
-        "filter.ops_threshold": rc.ops_threshold, "verify.ds": rc.ds, "verify.dt": rc.dt,
-        "verify.verify_finished": rc.verify_finished, "switch.enabled": sw.enabled, "switch.window": sw.window,
+        "rollout.max_new_tokens": rc.max_new_tokens, "filter.name": fc.name, "filter.s_max": fc.s_max,
+        "filter.ops_threshold": fc.ops_threshold, "verify.ds": vc.ds, "verify.dt": vc.dt,
+        "verify.verify_finished": vc.verify_finished, "switch.enabled": sw.enabled, "switch.window": sw.window,
         "switch.threshold": sw.threshold, "loss.name": lc.loss_name,
         **{f"loss.{k}": v for k, v in dataclasses.asdict(lc.loss).items()},
         "advantage": run.cfg.advantage, "skip_uniform_groups": run.cfg.skip_uniform_groups,

@@ -59,7 +59,6 @@ def score(run: Run, groups) -> Scored:
 def select(run: Run, scored: Scored) -> tuple[dict, dict]:
     """The learner's batch, with the trajectories the filters drop masked out of the loss: the configured
     filter of the registry, and DAPO's group filter when it is on. Adds the reference log-probs for the KL."""
-    rc = run.manager.config
     # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
     # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
     width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
@@ -70,7 +69,7 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
         current_logp=lambda: np.asarray(learner_lib.compute_logprobs(
             run.graphdef, run.train_state.params, batch["tokens"], batch["attention_mask"],
             run.learner_cfg.temperature)))
-    keep = apply_filter(rc.filter, inputs, rc.s_max, rc.ops_threshold)
+    keep = apply_filter(run.filter_cfg, inputs)
     if run.cfg.skip_uniform_groups:
         keep &= ~scored.uniform
     batch["loss_mask"] *= keep[:, None].astype(np.float32)

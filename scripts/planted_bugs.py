@@ -65,7 +65,7 @@ BUGS = [
     Bug("OPS filter masks tokens by log mu != 0", "rollverify_jax/rl/filters.py",
         "x.behavior_logp), x.response_mask)", "x.behavior_logp), x.behavior_logp != 0)", ("tests/test_filters.py",)),
     Bug("finished members of unfinished groups never re-verified", "rollverify_jax/rl/partial_rollout.py",
-        "include_finished=self.verifying and cfg.verify_finished", "include_finished=False",
+        "include_finished=self.verifying and self.verify_cfg.verify_finished", "include_finished=False",
         ("tests/test_partial_rollout.py",)),
     Bug("complete groups carried beyond B train unverified", "rollverify_jax/rl/buffer.py",
         "            for gid in sorted(self.groups):\n",

@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from rollverify_jax.rl.filters import FILTERS, FilterInputs, apply_filter, check_filter, ops_keep, staleness_keep
+from rollverify_jax.rl.filters import (
+    FILTERS,
+    FilterConfig,
+    FilterInputs,
+    apply_filter,
+    check_filter,
+    ops_keep,
+    staleness_keep,
+)
 
 
 def test_staleness_counts_from_the_oldest_token():
@@ -57,20 +65,20 @@ def test_ops_filter_counts_tokens_the_behaviour_policy_was_sure_of():
     current = [[0.0, 0.0, -0.8, 0.0], [5.0, -1.9, 0.0, 0.0]]
     mask = [[True, True, True, False], [False, True, False, False]]
     x, calls = _inputs(current, behavior, mask)
-    keep = apply_filter("ops", x, s_max=0, ops_threshold=0.1)
+    keep = apply_filter(FilterConfig("ops", 0, 0.1), x)
     np.testing.assert_array_equal(keep, [True, False])
     assert calls == [1]  # the current policy's log-probs are computed once, and only for this filter
-    np.testing.assert_array_equal(apply_filter("ops", x, s_max=0, ops_threshold=0.11), [True, True])
-    np.testing.assert_array_equal(apply_filter("ops", x, s_max=0, ops_threshold=0.07), [False, False])
+    np.testing.assert_array_equal(apply_filter(FilterConfig("ops", 0, 0.11), x), [True, True])
+    np.testing.assert_array_equal(apply_filter(FilterConfig("ops", 0, 0.07), x), [False, False])
 
 
 def test_filter_registry_staleness_and_none():
     x, calls = _inputs(np.zeros((3, 2)), np.zeros((3, 2)), np.ones((3, 2)),
                        versions=[[5, 6], [3, 6], [6]], current_version=6)  # staleness 1, 3, 0
-    np.testing.assert_array_equal(apply_filter("staleness", x, s_max=1, ops_threshold=0.0), [True, False, True])
-    np.testing.assert_array_equal(apply_filter("staleness", x, s_max=3, ops_threshold=0.0), [True] * 3)
-    np.testing.assert_array_equal(apply_filter("none", x, s_max=-1, ops_threshold=0.0), [True] * 3)
+    np.testing.assert_array_equal(apply_filter(FilterConfig("staleness", 1, 0.0), x), [True, False, True])
+    np.testing.assert_array_equal(apply_filter(FilterConfig("staleness", 3, 0.0), x), [True] * 3)
+    np.testing.assert_array_equal(apply_filter(FilterConfig("none", -1, 0.0), x), [True] * 3)
     assert calls == []  # neither needs a forward pass
     assert set(FILTERS) == {"none", "staleness", "ops"}
     with pytest.raises(ValueError, match="Unknown filter 'stale'"):
-        apply_filter("stale", x, s_max=1, ops_threshold=0.1)
+        apply_filter(FilterConfig("stale", 1, 0.1), x)

@@ -8,8 +8,10 @@ import pytest
 from flax import nnx
 from test_verifier import reference_keep
 
+from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler
+from rollverify_jax.verify import VerifyConfig
 
 ENGINE = EngineConfig(num_slots=8, page_size=8, max_seq_len=64, steps_per_dispatch=4)
 
@@ -21,9 +23,10 @@ def engine(model):
 
 def _manager(engine, **kw):
     rng = np.random.default_rng(0)
+    verify = VerifyConfig(**{k: kw.pop(k) for k in ("ds", "dt", "verify_finished") if k in kw})
     cfg = RolloutConfig(**{"batch_groups": 2, "group_size": 2, "max_new_tokens": 40, **kw})
     return RolloutManager(cfg, Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
-                          lambda rec: rng.integers(4, 60, size=5), seed=1)
+                          lambda rec: rng.integers(4, 60, size=5), seed=1, verify=verify)
 
 
 def test_on_policy_phase_waits_for_exactly_b_groups(engine):
@@ -150,27 +153,27 @@ def test_switch_drops_and_counts_every_cached_trajectory_and_survives_a_checkpoi
     assert other.on_policy and not other.verifying
 
 
-@pytest.mark.parametrize("kw", [dict(mode="rollverify", ds=0.0), dict(mode="partial", filter="staleness", s_max=0),
-                                dict(mode="partial", filter="ops", ops_threshold=1e-9), dict(max_new_tokens=1)])
-def test_good_config_boundaries(kw):
-    RolloutConfig(**kw)
+@pytest.mark.parametrize("cls, kw", [(VerifyConfig, dict(ds=0.0)), (FilterConfig, dict(name="staleness", s_max=0)),
+                                     (FilterConfig, dict(name="ops", ops_threshold=1e-9)),
+                                     (RolloutConfig, dict(max_new_tokens=1))])
+def test_good_config_boundaries(cls, kw):
+    cls(**kw)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(mode="async"), r"Unknown rollout mode 'async'.*on_policy"),
-    (dict(batch_groups=0), "batch_groups=0 must be >= 1"),
-    (dict(group_size=0), "group_size=0 must be >= 1"),
-    (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
-    (dict(mode="partial", filter="staleness", s_max=-1), "s_max >= 0"),
-    (dict(mode="partial", filter="ops", ops_threshold=0.0), "threshold > 0"),
-    (dict(filter="staleness"), "needs partial rollout"),
-    (dict(mode="partial", filter="magic"), "Unknown filter"),
-    (dict(mode="rollverify", ds=-0.1), "ds=-0.1"),
-    (dict(mode="rollverify", dt=0.0), "dt=0.0"),
+@pytest.mark.parametrize("cls, kw, match", [
+    (RolloutConfig, dict(mode="async"), r"Unknown rollout mode 'async'.*on_policy"),
+    (RolloutConfig, dict(batch_groups=0), "batch_groups=0 must be >= 1"),
+    (RolloutConfig, dict(group_size=0), "group_size=0 must be >= 1"),
+    (RolloutConfig, dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+    (FilterConfig, dict(name="staleness", s_max=-1), "s_max >= 0"),
+    (FilterConfig, dict(name="ops", ops_threshold=0.0), "threshold > 0"),
+    (FilterConfig, dict(name="magic"), "Unknown filter"),
+    (VerifyConfig, dict(ds=-0.1), "ds .*must be >= 0, got -0.1"),
+    (VerifyConfig, dict(dt=0.0), "dt .*must be > 0, got 0.0"),
 ])
-def test_bad_config(kw, match):
+def test_bad_config(cls, kw, match):
     with pytest.raises(ValueError, match=match):
-        RolloutConfig(**kw)
+        cls(**kw)
 
 
 def _cached(mgr):
@@ -216,7 +219,7 @@ def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine)
         if carried:
             break
     assert carried, "a phase should complete more than B groups with 8 slots and G = 1"
-    mgr.config = dataclasses.replace(mgr.config, ds=0.0)
+    mgr.verify_cfg = dataclasses.replace(mgr.verify_cfg, ds=0.0)
     engine.set_version(1)
     try:
         phase = mgr.run_phase()
@@ -276,7 +279,7 @@ def test_rollverify_with_new_weights_cuts_some_tokens_and_regenerates_from_the_v
         if any(len(set(v)) > 1 for _, _, v in before.values()):
             break
     assert any(len(set(v)) > 1 for _, _, v in before.values())
-    mgr.config = dataclasses.replace(mgr.config, ds=DS, dt=DT)
+    mgr.verify_cfg = dataclasses.replace(mgr.verify_cfg, ds=DS, dt=DT)
     new_state, new_model = _perturbed(model, 0.003, seed=7)
     new_version = version + 1
     engine.update_params(new_state, version=new_version)

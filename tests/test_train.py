@@ -151,7 +151,7 @@ def test_staleness_filter_drops_exactly_the_stale_trajectories(policy, tmp_path)
     """s_max = 0: a batch holding any resumed (stale) trajectory trains on less than all of it, a fresh batch on
     all of it."""
     metrics = _train(policy, tmp_path / "run", "partial", 4,
-                     (*LENGTH_REWARD, "RolloutConfig.filter = 'staleness'", "RolloutConfig.s_max = 0"))[1:]
+                     (*LENGTH_REWARD, "FilterConfig.name = 'staleness'", "FilterConfig.s_max = 0"))[1:]
     assert any(m["staleness/max"] > 0 for m in metrics)
     for m in metrics:
         assert (m["filter/kept_fraction"] < 1.0) == (m["staleness/max"] > 0), m["step"]
@@ -160,7 +160,7 @@ def test_staleness_filter_drops_exactly_the_stale_trajectories(policy, tmp_path)
 
 def test_ops_filter_keeps_fresh_trajectories_and_drops_shifted_ones(policy, tmp_path):
     metrics = _train(policy, tmp_path / "run", "partial", 4,
-                     (*LENGTH_REWARD, "RolloutConfig.filter = 'ops'", "RolloutConfig.ops_threshold = 0.05"))[1:]
+                     (*LENGTH_REWARD, "FilterConfig.name = 'ops'", "FilterConfig.ops_threshold = 0.05"))[1:]
     for m in metrics:
         if m["staleness/max"] == 0:  # sampled by the current policy: train-time OPS is rounding noise
             assert m["filter/kept_fraction"] == 1.0, m["step"]
@@ -275,7 +275,7 @@ def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, ca
     named (exit 2, nothing trained); --allow_changed_settings continues, on-policy for real."""
     workdir = tmp_path / "run"
     _train(policy, workdir, "rollverify", 1)
-    changed = [f"--gin_param={p}" for p in _params(policy, "on_policy", 2, ("RolloutConfig.ds = 0.5",))]
+    changed = [f"--gin_param={p}" for p in _params(policy, "on_policy", 2, ("VerifyConfig.ds = 0.5",))]
     gin.clear_config()
     try:
         with pytest.raises(SystemExit) as exit_info:
@@ -293,13 +293,17 @@ def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, ca
     assert last["step"] == 2 and last["mode/on_policy"] == 1 and last["verify/num_verified"] == 0
 
 
-def test_cross_checks_run_at_every_start_not_only_in_the_dry_run(policy, tmp_path, capsys):
+@pytest.mark.parametrize("mode, binding, message", [
+    ("rollverify", "LearnerConfig.num_minibatches = 3", "8 rows do not split into LearnerConfig.num_minibatches=3"),
+    ("on_policy", "FilterConfig.name = 'staleness'", "FilterConfig.name='staleness' needs partial rollout"),
+])
+def test_cross_checks_run_at_every_start_not_only_in_the_dry_run(policy, tmp_path, capsys, mode, binding, message):
     gin.clear_config()
     try:
-        with pytest.raises(SystemExit) as exit_info:  # 2 groups x 4 = 8 rows cannot make 3 minibatches
-            params = _params(policy, "rollverify", 1, ("LearnerConfig.num_minibatches = 3",))
+        with pytest.raises(SystemExit) as exit_info:
+            params = _params(policy, mode, 1, (binding,))
             train.main([f"--workdir={tmp_path / 'run'}", *[f"--gin_param={p}" for p in params]])
     finally:
         gin.clear_config()
     assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
-    assert "8 rows do not split into LearnerConfig.num_minibatches=3" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

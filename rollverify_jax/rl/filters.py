@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import gin
 import numpy as np
 
 from rollverify_jax.verify.ops import sequence_ops, token_ops, trajectory_staleness
@@ -63,7 +64,20 @@ def check_filter(name: str, s_max: int, ops_threshold: float) -> None:
         raise ValueError(f"OPS filter needs a threshold > 0, got {ops_threshold}.")
 
 
-def apply_filter(name: str, inputs: FilterInputs, s_max: int, ops_threshold: float) -> np.ndarray:
-    """bool[N] from the registered filter ``name``."""
-    check_filter(name, s_max, ops_threshold)
-    return np.asarray(FILTERS[name](inputs, s_max, ops_threshold), bool)
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+    """The partial-rollout baselines' filter. name: none | staleness | ops; s_max: the staleness filter's bound;
+    ops_threshold: the OPS filter's bound on train-time sequence OPS."""
+
+    name: str = "none"
+    s_max: int = 1
+    ops_threshold: float = 0.1
+
+    def __post_init__(self):
+        check_filter(self.name, self.s_max, self.ops_threshold)
+
+
+def apply_filter(cfg: FilterConfig, inputs: FilterInputs) -> np.ndarray:
+    """bool[N] from the registered filter ``cfg.name``."""
+    return np.asarray(FILTERS[cfg.name](inputs, cfg.s_max, cfg.ops_threshold), bool)

@@ -17,10 +17,16 @@ import gin
 import numpy as np
 
 from rollverify_jax.rl.buffer import Group, PausedCache
-from rollverify_jax.rl.filters import FILTERS, check_filter
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
-from rollverify_jax.verify import SwitchConfig, SwitchState, trajectory_staleness, two_stage_verify, verify_stats
+from rollverify_jax.verify import (
+    SwitchConfig,
+    SwitchState,
+    VerifyConfig,
+    trajectory_staleness,
+    two_stage_verify,
+    verify_stats,
+)
 from rollverify_jax.verify.switching import window_mean
 
 MODES = ("on_policy", "partial", "rollverify")
@@ -29,35 +35,18 @@ MODES = ("on_policy", "partial", "rollverify")
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """mode: on_policy | partial | rollverify; filter (partial modes only): none | staleness | ops."""
+    """What a rollout phase produces. mode: on_policy | partial | rollverify (verification settings:
+    `VerifyConfig`, switching: `SwitchConfig`, the baselines' filters: `FilterConfig`)."""
 
     mode: str = "on_policy"
     batch_groups: int = 8  # B: complete groups per training batch
     group_size: int = 8  # G: samples per prompt
     max_new_tokens: int = 256
-    filter: str = "none"
-    s_max: int = 1
-    ops_threshold: float = 0.1
-    ds: float = 0.01
-    dt: float = 2.0
-    verify_finished: bool = True  # re-verify finished members of unfinished groups
     queue_groups: int = 0  # new groups kept queued ahead of free slots (0: enough to fill every slot)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"Unknown rollout mode {self.mode!r}; known modes: {list(MODES)}.")
-        if self.filter not in FILTERS:
-            raise ValueError(f"Unknown filter {self.filter!r}; known filters: {list(FILTERS)}.")
-        if self.filter != "none" and self.mode == "on_policy":
-            raise ValueError(
-                f"RolloutConfig.filter={self.filter!r} needs partial rollout: set RolloutConfig.mode = 'partial' "
-                "(or 'rollverify'), or filter = 'none'."
-            )
-        check_filter(self.filter, self.s_max, self.ops_threshold)
-        if self.ds < 0:
-            raise ValueError(f"RolloutConfig.ds={self.ds} must be >= 0.")
-        if not self.dt > 0:
-            raise ValueError(f"RolloutConfig.dt={self.dt} must be > 0.")
         for name in ("batch_groups", "group_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name}={getattr(self, name)} must be >= 1.")
@@ -74,8 +63,10 @@ class RolloutManager:
     cycle, the acceptance window that switches RollVerify to on-policy rollout."""
 
     def __init__(self, config: RolloutConfig, scheduler: Scheduler, next_record: Callable[[], dict],
-                 encode_prompt: Callable[[dict], np.ndarray], seed: int = 0, switch: SwitchConfig | None = None):
+                 encode_prompt: Callable[[dict], np.ndarray], seed: int = 0, switch: SwitchConfig | None = None,
+                 verify: VerifyConfig | None = None):
         self.config = config
+        self.verify_cfg = verify or VerifyConfig()
         self.switch_cfg = switch or SwitchConfig()
         self.switch_state: SwitchState = self.switch_cfg.init()
         self._last_phase: dict = {}
@@ -113,8 +104,8 @@ class RolloutManager:
     def _keep_fn(self, new_logp, behavior_logp, versions, lengths):
         """Two-stage verification on the resume prefill's log-probs (timed as verification)."""
         t0 = time.perf_counter()
-        keep = np.asarray(two_stage_verify(new_logp, behavior_logp, versions, lengths, self.config.ds,
-                                           self.config.dt))
+        keep = np.asarray(two_stage_verify(new_logp, behavior_logp, versions, lengths, self.verify_cfg.ds,
+                                           self.verify_cfg.dt))
         self.verify_time += time.perf_counter() - t0
         return keep
 
@@ -199,7 +190,7 @@ class RolloutManager:
 
     def _partial_phase(self) -> list[Group]:
         sched, cfg = self.scheduler, self.config
-        resumed = self.cache.take_for_resume(include_finished=self.verifying and cfg.verify_finished)
+        resumed = self.cache.take_for_resume(include_finished=self.verifying and self.verify_cfg.verify_finished)
         sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
         while self.cache.num_complete() < cfg.batch_groups:
             fresh_queued = sched.num_new_queued()

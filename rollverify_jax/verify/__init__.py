@@ -20,11 +20,12 @@ from rollverify_jax.verify.switching import (
     update_switch_state,
     window_mean,
 )
-from rollverify_jax.verify.verifier import two_stage_verify, verify_stats
+from rollverify_jax.verify.verifier import VerifyConfig, two_stage_verify, verify_stats
 
 __all__ = [
     "SwitchConfig",
     "SwitchState",
+    "VerifyConfig",
     "init_switch_state",
     "log_ratio",
     "response_mask",

@@ -12,8 +12,10 @@ thresholds are traced arguments so changing them never recompiles.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,21 @@ from rollverify_jax.verify.ops import response_mask, segment_mean_ops, segment_s
 
 DEFAULT_DS = 0.01  # segment-stage threshold on mean OPS
 DEFAULT_DT = 2.0  # token-stage threshold on OPS
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """RollVerify's verification settings. ds: segment threshold on mean OPS; dt: token threshold on OPS;
+    verify_finished: also re-verify finished trajectories still in the cache (members waiting for their group,
+    and complete groups carried to a later batch). The acceptance window is `SwitchConfig`."""
+
+    ds: float = DEFAULT_DS
+    dt: float = DEFAULT_DT
+    verify_finished: bool = True
+
+    def __post_init__(self):
+        _check_thresholds(self.ds, self.dt)
 
 
 def _check_thresholds(ds, dt) -> None:
