@@ -1,0 +1,49 @@
+"""Puts comparisons run at different commits side by side: one table row and one plot colour per comparison.
+
+Usage: python scripts/merge_comparisons.py --name rollverify_fixes --runs rollverify_before rollverify_after
+Reads runs/compare_<run>/<mode>_s<seed>/metrics.jsonl (as scripts/compare.py left them); writes
+docs/results/<name>_vs_{step,wall}.png and prints the markdown table (mean ± standard error over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from compare import _cell, plot, summarize  # noqa: E402
+
+from rollverify_jax.metrics import read_metrics  # noqa: E402
+
+COLUMNS = [("acc0", ".3f"), ("acc", ".3f"), ("reward", ".3f"), ("wall", ".0f"), ("verify", ".2f"), ("util", ".3f"),
+           ("ops_partial", ".5f"), ("acceptance", ".3f"), ("regen_equal", ".3f"), ("entropy", ".3f"),
+           ("switch", ".1f")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--runs", nargs="+", required=True, help="comparison names (runs/compare_<name>)")
+    ap.add_argument("--mode", default="rollverify")
+    args = ap.parse_args()
+    results = {}
+    for run in args.runs:
+        dirs = sorted((ROOT / "runs" / f"compare_{run}").glob(f"{args.mode}_s*"))
+        if not dirs:
+            raise SystemExit(f"no runs/compare_{run}/{args.mode}_s* directories; run scripts/compare.py first")
+        results[run] = [read_metrics(d / "metrics.jsonl") for d in dirs]
+    plot(results, ROOT / "docs" / "results", args.name)
+    print("| run | held-out acc (start) | held-out acc (end) | reward (last 5) | wall (s) | verify (s) | slot util | "
+          "OPS before switch | acceptance | regen = cut | entropy | switch step |")
+    print("| --- " * 12 + "|")
+    for run, per_seed in results.items():
+        s = [summarize(r) for r in per_seed]
+        print(f"| {run} ({len(s)} seeds) | " + " | ".join(_cell([x[k] for x in s], f) for k, f in COLUMNS) + " |")
+
+
+if __name__ == "__main__":
+    main()
