@@ -165,11 +165,6 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, params
 
 
-def params_to_model(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.Module:
-    """A model from its graphdef and (e.g. freshly trained) params; arrays are shared, not copied."""
-    return nnx.merge(graphdef, params)
-
-
 def _state_sharding(tree: Any, mesh: Mesh) -> Any:
     """NamedSharding per leaf: Variables by their logical axes, every other leaf (counts, scalars) replicated."""
     def one(x):
@@ -219,7 +214,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     """The train state placed on `mesh`: params by their logical axes, moments alike, scalars replicated.
 
     Params are copied (never aliased to the model's arrays), because the train step donates the state: the
-    model stays valid; refresh it after each step with `nnx.update(model, state.params)` or `params_to_model`.
+    model stays valid; refresh it after each step with `nnx.update(model, state.params)`.
     """
     shardings = train_state_shardings(model, optimizer, mesh)
     params = nnx.state(model, nnx.Param)
