@@ -899,3 +899,16 @@ def test_vespo_sequence_log_weight_is_clipped_to_20():
     phi = [math.exp(1e-9 - 1e-9 * math.exp(20.0)), math.exp(2.0 - 2.0 - 2.0 * math.exp(-20.0))]
     np.testing.assert_allclose(float(metrics["vespo/phi_mean"]), sum(phi) / 2, rtol=1e-5)
     np.testing.assert_allclose(grad[:, :2], [[-phi[0] / 4] * 2, [phi[1] / 4] * 2], rtol=1e-5)
+
+
+def test_vespo_gives_no_gradient_to_a_sequence_whose_weight_is_undefined():
+    """A NaN behaviour log-prob on a response token leaves W undefined: phi is 0 and that sequence adds no
+    gradient, while a clean sequence (W = 1, phi = 1) keeps its full gradient."""
+    new = np.full((2, 3), -1.0, np.float32)
+    behavior = new.copy()
+    behavior[0, 1] = np.nan
+    adv, mask = np.ones(2, np.float32), np.ones((2, 3), np.float32)
+    cfg = L.LossConfig()
+    grad = np.asarray(jax.grad(lambda n: L.vespo_loss(n, behavior, adv, mask, cfg)[0])(jnp.asarray(new)))
+    np.testing.assert_array_equal(grad[0], np.zeros(3))
+    assert np.all(np.isfinite(grad[1])) and np.all(grad[1] < 0)
