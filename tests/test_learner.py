@@ -233,3 +233,22 @@ def test_learner_scores_at_the_sampler_temperature():
     assert LearnerConfig(temperature=0.7).for_sampler(0.7).temperature == 0.7
     with pytest.raises(ValueError, match="differs from the sampler's log-prob temperature 1.0"):
         LearnerConfig(temperature=0.7).for_sampler(1.0)
+
+
+def test_bfloat16_params_train_with_float32_moments(mesh1, batch_and_noise):
+    """Mixed precision: bf16 params and compute train (the update loop used to fail to trace, bf16 moments in
+    and float32 moments out of the minibatch scan); moments are float32, params stay bf16 and move, and the
+    checkpoint restore target describes exactly that state."""
+    batch, _ = batch_and_noise
+    bf16 = init_model(MODEL_CFG.replace(param_dtype="bfloat16", dtype="bfloat16"), seed=0)
+    state, history = _train(bf16, mesh1, learner.LearnerConfig(num_minibatches=2), batch, steps=2)
+    params = jax.tree.leaves(state.params)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim >= 1]
+    assert {x.dtype for x in params} == {jax.numpy.dtype("bfloat16")}
+    assert moments and {x.dtype for x in moments} == {jax.numpy.dtype("float32")}
+    assert all(np.isfinite(h["loss"]) and np.isfinite(h["grad_norm"]) for h in history)
+    start = _flat(learner.split_params(bf16)[1]).astype(np.float32)
+    assert np.abs(_flat(state.params).astype(np.float32) - start).max() > 0
+    abstract = learner.abstract_train_state(bf16, OPT, mesh1)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), jax.tree.leaves(abstract)) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), jax.tree.leaves(state))

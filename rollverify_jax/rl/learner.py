@@ -126,7 +126,7 @@ def make_optimizer(cfg: OptimizerConfig | None = None) -> optax.GradientTransfor
     """`chain(clip_by_global_norm, adamw)`; hyper-parameters live in the optimizer state (inject_hyperparams)
     so the train step can report the learning rate it used and checkpoints carry the schedule position."""
     cfg = cfg if cfg is not None else OptimizerConfig()  # built at call time, so gin bindings apply
-    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
         learning_rate=make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
         mask=_decay_mask,
     )
@@ -165,6 +165,14 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, params
 
 
+def _init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State) -> Any:
+    """Optimizer state with float32 moments whatever the params' dtype: bfloat16 moments lose the small updates
+    of the second moment, and the update loop carries one type (gradients accumulate in float32)."""
+    def f32(x):
+        return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return optimizer.init(jax.tree.map(f32, params))
+
+
 def _state_sharding(tree: Any, mesh: Mesh) -> Any:
     """NamedSharding per leaf: Variables by their logical axes, every other leaf (counts, scalars) replicated."""
     def one(x):
@@ -183,7 +191,7 @@ def train_state_shardings(model: nnx.Module, optimizer: optax.GradientTransforma
     so they get the params' shardings; optimizer counters and hyper-parameters are replicated.
     """
     params = nnx.state(model, nnx.Param)
-    abstract_opt = jax.eval_shape(optimizer.init, params)
+    abstract_opt = jax.eval_shape(lambda p: _init_opt_state(optimizer, p), params)
     rep = mesh_lib.replicated(mesh)
     return TrainState(params=_state_sharding(params, mesh), opt_state=_state_sharding(abstract_opt, mesh),
                       step=rep, rng=rep)
@@ -205,7 +213,7 @@ def _map_with_shardings(fn: Callable[[Any, NamedSharding], Any], tree: Any, shar
 
 def _raw_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
     params = nnx.state(model, nnx.Param)
-    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+    return TrainState(params=params, opt_state=_init_opt_state(optimizer, params), step=jnp.zeros((), jnp.int32),
                       rng=jax.random.key_data(jax.random.key(seed)))
 
 
@@ -219,7 +227,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     shardings = train_state_shardings(model, optimizer, mesh)
     params = nnx.state(model, nnx.Param)
     params = _map_with_shardings(jax.device_put, params, shardings.params)  # may alias the model's buffers
-    fresh = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), optimizer.init(p)),
+    fresh = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), _init_opt_state(optimizer, p)),
                     out_shardings=(shardings.params, shardings.opt_state))
     params, opt_state = fresh(params)  # jit outputs never alias its non-donated inputs
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
