@@ -200,7 +200,8 @@ def train_state_shardings(model: nnx.Module, optimizer: optax.GradientTransforma
 def abstract_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
     """`jax.ShapeDtypeStruct`s with shardings: the restore target for a checkpoint of the train state."""
     shardings = train_state_shardings(model, optimizer, mesh)
-    abstract = jax.eval_shape(lambda: _raw_state(model, optimizer, 0))
+    # The params go in as arguments, so an abstract model (`nnx.eval_shape`, ShapeDtypeStruct leaves) works too.
+    abstract = jax.eval_shape(lambda p: _raw_state(p, optimizer, 0), nnx.state(model, nnx.Param))
     return _map_with_shardings(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
@@ -211,8 +212,7 @@ def _map_with_shardings(fn: Callable[[Any, NamedSharding], Any], tree: Any, shar
     return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _raw_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    params = nnx.state(model, nnx.Param)
+def _raw_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
     return TrainState(params=params, opt_state=_init_opt_state(optimizer, params), step=jnp.zeros((), jnp.int32),
                       rng=jax.random.key_data(jax.random.key(seed)))
 
