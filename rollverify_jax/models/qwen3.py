@@ -363,15 +363,23 @@ class Qwen3ForCausalLM(nnx.Module):
                 router_logits.append(rl)
         return self.norm(x), router_logits
 
+    def output_weights(self) -> Array:
+        """The [H, V] matrix that turns final hidden states into logits (tied to the embedding or not)."""
+        return self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
     def logits_from_hidden(self, h: Array) -> Array:
-        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jnp.einsum("...h,hv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return logits_from_hidden(h, self.output_weights())
 
     def __call__(self, tokens: Array, positions: Array | None = None, attention: AttentionFn | None = None,
                  return_router_logits: bool = False):
         h, router_logits = self.hidden_states(tokens, positions, attention)
         logits = self.logits_from_hidden(h)
         return (logits, router_logits) if return_router_logits else logits
+
+
+def logits_from_hidden(h: Array, w: Array) -> Array:
+    """h [..., H] @ w [H, V] -> float32 logits [..., V] (accumulated in float32 whatever the compute dtype)."""
+    return jnp.einsum("...h,hv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 def init_model(cfg: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:

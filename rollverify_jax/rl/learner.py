@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.qwen3 import CausalAttention
+from rollverify_jax.models.qwen3 import CausalAttention, logits_from_hidden
 from rollverify_jax.rl import losses, packing
 
 Batch = dict[str, jax.Array]
@@ -240,40 +240,80 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
-    """logits float32[B, T, V], tokens int32[B, T] -> (logp [B, T], entropy [B, T]), aligned to tokens.
+def _score(z: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """z float32[..., V] (logits / T), targets int32[...] -> (log-prob of each target, entropy of pi) [...].
 
-    Entry t scores tokens[t] with the logits at t - 1 (entry 0 is 0). The entropy of pi (at the same
-    temperature) is a metric only, so it is computed on stop-gradient'ed logits and adds no backward cost.
+    The entropy is a metric only, so it is computed on stop-gradient'ed logits and adds no backward cost.
     """
-    z = logits[:, :-1].astype(jnp.float32) / temperature  # [B, T-1, V]
-    lse = jax.nn.logsumexp(z, axis=-1)  # [B, T-1]
+    lse = jax.nn.logsumexp(z, axis=-1)
     # A masked sum rather than a gather: it partitions cleanly over a sharded vocab axis, and, unlike a one-hot
     # matmul, stays exact float32 on TPU (no bf16 matmul passes).
-    hit = tokens[:, 1:, None] == jnp.arange(z.shape[-1], dtype=tokens.dtype)  # [B, T-1, V]
+    hit = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
     logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
     zs, lses = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
     entropy = lses - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
-    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return logp, entropy
+
+
+def _shifted(logp: jax.Array, entropy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Entries for tokens 1..T-1 -> [B, T] aligned to tokens (entry 0, which nothing predicts, is 0)."""
+    pad = jnp.zeros((logp.shape[0], 1), jnp.float32)
     return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
 
 
+def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """logits float32[B, T, V], tokens int32[B, T] -> (logp [B, T], entropy [B, T]), aligned to tokens.
+
+    Entry t scores tokens[t] with the logits at t - 1 (entry 0 is 0).
+    """
+    return _shifted(*_score(logits[:, :-1].astype(jnp.float32) / temperature, tokens[:, 1:]))
+
+
+def _chunked_logp_and_entropy(hidden: jax.Array, w: jax.Array, tokens: jax.Array, temperature: float,
+                              chunk: int) -> tuple[jax.Array, jax.Array]:
+    """`_logp_and_entropy` from final hidden states [B, T, H] and output weights [H, V], `chunk` positions at
+    a time: each chunk's [B, chunk, V] logits are rematerialised in the backward pass, so no [B, T, V] array
+    is ever live (at real vocabularies and lengths it would not fit)."""
+    b, t, _ = hidden.shape
+    n = t - 1
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))  # [B, n_chunks * chunk, H]
+    y = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
+    h = h.reshape(b, n_chunks, chunk, -1).swapaxes(0, 1)  # [n_chunks, B, chunk, H]
+    y = y.reshape(b, n_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(xs):
+        hc, yc = xs
+        return _score(logits_from_hidden(hc, w) / temperature, yc)
+
+    logp, entropy = jax.lax.map(one, (h, y))  # [n_chunks, B, chunk]
+    logp, entropy = (x.swapaxes(0, 1).reshape(b, -1)[:, :n] for x in (logp, entropy))
+    return _shifted(logp, entropy)
+
+
+def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention, temperature: float,
+                chunk: int | None) -> tuple[jax.Array, jax.Array]:
+    if chunk is None:
+        return _logp_and_entropy(model(tokens, positions=positions, attention=attention), tokens, temperature)
+    hidden, _ = model.hidden_states(tokens, positions, attention)
+    return _chunked_logp_and_entropy(hidden, model.output_weights(), tokens, temperature, chunk)
+
+
 def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, attention_mask: jax.Array | None,
-                 temperature: float) -> tuple[jax.Array, jax.Array]:
+                 temperature: float, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, params)
     valid = None if attention_mask is None else attention_mask.astype(bool)
-    logits = model(tokens, attention=CausalAttention(valid=valid))
-    return _logp_and_entropy(logits, tokens, temperature)
+    return _model_logp(model, tokens, None, CausalAttention(valid=valid), temperature, chunk)
 
 
-def _packed_policy_logp(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch,
-                       temperature: float) -> tuple[jax.Array, jax.Array]:
+def _packed_policy_logp(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, temperature: float,
+                        chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(logp, entropy) [rows, T] of a micro-batch computed on its packed rows [p, T] and gathered back."""
     model = nnx.merge(graphdef, params)
-    segments = mb["packed_segments"]
-    logits = model(mb["packed_tokens"], positions=mb["packed_positions"],
-                   attention=CausalAttention(segments=segments))
-    logp, entropy = _logp_and_entropy(logits, mb["packed_tokens"], temperature)  # [p, T]
+    attention = CausalAttention(segments=mb["packed_segments"])
+    logp, entropy = _model_logp(model, mb["packed_tokens"], mb["packed_positions"], attention, temperature, chunk)
     index = mb["unpack_index"]
     return logp.reshape(-1)[index], entropy.reshape(-1)[index]
 
@@ -329,6 +369,9 @@ class LearnerConfig:
         bounds activation memory ([micro, T, V] logits) and does not change the result (exact accumulation).
     pack_sequences: run the model on packed rows (`packing`) instead of padded ones; same result, far fewer
         FLOPs on long-tailed batches. Applied by `pack_for_learner` on the host before the step.
+    logits_chunk: score log-probs and entropy this many positions at a time, rematerialising each chunk's
+        logits in the backward pass (None: all positions at once). Same result; bounds the [rows, T, V]
+        logits, which at a real vocabulary and length do not fit.
     temperature: divides the logits before the softmax. None (the default) means the rollout sampler's
         temperature, which `for_sampler` fills in, so pi and mu are the same distribution at ratio 1 by
         construction; an explicit value that differs from the sampler's is refused there. Used alone, the
@@ -342,6 +385,7 @@ class LearnerConfig:
     micro_batch_size: int | None = None
     temperature: float | None = None
     pack_sequences: bool = True
+    logits_chunk: int | None = None
 
     def __post_init__(self) -> None:
         """A bad name or count fails at construction, where the gin binding lands."""
@@ -351,6 +395,8 @@ class LearnerConfig:
                 f"LearnerConfig.num_minibatches and ppo_epochs must be >= 1, got {self.num_minibatches}, "
                 f"{self.ppo_epochs}."
             )
+        if self.logits_chunk is not None and self.logits_chunk < 1:
+            raise ValueError(f"LearnerConfig.logits_chunk must be >= 1 or None, got {self.logits_chunk}.")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"LearnerConfig.micro_batch_size must be >= 1 or None, got {self.micro_batch_size}.")
         if self.temperature is not None and not self.temperature > 0:
@@ -447,10 +493,10 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 
     def micro_loss(params, mb: Batch, weight: jax.Array):
         if "unpack_index" in mb:
-            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature)
+            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature, cfg.logits_chunk)
         else:
             logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
-                                         cfg.logit_temperature)
+                                         cfg.logit_temperature, cfg.logits_chunk)
         mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
         loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
                                 ref_logp=mb.get("ref_logp"), entropy=entropy)
