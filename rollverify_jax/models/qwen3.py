@@ -347,9 +347,14 @@ class Qwen3ForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
 
-    def hidden_states(self, tokens: Array, positions: Array | None = None,
-                      attention: AttentionFn | None = None) -> tuple[Array, list[Array]]:
-        """tokens: int32[B, T] -> (final-normed hidden [B, T, H], router logits of the MoE layers)."""
+    def hidden_states(self, tokens: Array, positions: Array | None = None, attention: AttentionFn | None = None,
+                      remat: str = "none") -> tuple[Array, list[Array]]:
+        """tokens: int32[B, T] -> (final-normed hidden [B, T, H], router logits of the MoE layers).
+
+        remat: what each decoder layer keeps for the backward pass (`REMAT_POLICIES`): 'none' keeps every
+        activation; 'full' keeps only the layer's input and recomputes the rest; 'dots' keeps the matmul
+        outputs that have no batch dimension. Values and gradients are the same; memory and FLOPs are not.
+        """
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -357,8 +362,16 @@ class Qwen3ForCausalLM(nnx.Module):
         x = self.embed_tokens[...][tokens].astype(resolve_dtype(cfg.dtype))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         router_logits = []
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat policy {remat!r}; known: {list(REMAT_POLICIES)}.")
+
+        def run_layer(layer, x):
+            return layer(x, cos, sin, attention)
+
+        if remat != "none":
+            run_layer = nnx.remat(run_layer, policy=REMAT_POLICIES[remat])
         for layer in self.layers:
-            x, rl = layer(x, cos, sin, attention)
+            x, rl = run_layer(layer, x)
             if rl is not None:
                 router_logits.append(rl)
         return self.norm(x), router_logits
@@ -371,10 +384,14 @@ class Qwen3ForCausalLM(nnx.Module):
         return logits_from_hidden(h, self.output_weights())
 
     def __call__(self, tokens: Array, positions: Array | None = None, attention: AttentionFn | None = None,
-                 return_router_logits: bool = False):
-        h, router_logits = self.hidden_states(tokens, positions, attention)
+                 return_router_logits: bool = False, remat: str = "none"):
+        h, router_logits = self.hidden_states(tokens, positions, attention, remat)
         logits = self.logits_from_hidden(h)
         return (logits, router_logits) if return_router_logits else logits
+
+
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def logits_from_hidden(h: Array, w: Array) -> Array:

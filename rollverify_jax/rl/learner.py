@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.qwen3 import CausalAttention, logits_from_hidden
+from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, logits_from_hidden
 from rollverify_jax.rl import losses, packing
 
 Batch = dict[str, jax.Array]
@@ -294,26 +294,28 @@ def _chunked_logp_and_entropy(hidden: jax.Array, w: jax.Array, tokens: jax.Array
 
 
 def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention, temperature: float,
-                chunk: int | None) -> tuple[jax.Array, jax.Array]:
+                chunk: int | None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
     if chunk is None:
-        return _logp_and_entropy(model(tokens, positions=positions, attention=attention), tokens, temperature)
-    hidden, _ = model.hidden_states(tokens, positions, attention)
+        logits = model(tokens, positions=positions, attention=attention, remat=remat)
+        return _logp_and_entropy(logits, tokens, temperature)
+    hidden, _ = model.hidden_states(tokens, positions, attention, remat)
     return _chunked_logp_and_entropy(hidden, model.output_weights(), tokens, temperature, chunk)
 
 
 def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, attention_mask: jax.Array | None,
-                 temperature: float, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 temperature: float, chunk: int | None = None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, params)
     valid = None if attention_mask is None else attention_mask.astype(bool)
-    return _model_logp(model, tokens, None, CausalAttention(valid=valid), temperature, chunk)
+    return _model_logp(model, tokens, None, CausalAttention(valid=valid), temperature, chunk, remat)
 
 
 def _packed_policy_logp(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, temperature: float,
-                        chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
+                        chunk: int | None = None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
     """(logp, entropy) [rows, T] of a micro-batch computed on its packed rows [p, T] and gathered back."""
     model = nnx.merge(graphdef, params)
     attention = CausalAttention(segments=mb["packed_segments"])
-    logp, entropy = _model_logp(model, mb["packed_tokens"], mb["packed_positions"], attention, temperature, chunk)
+    logp, entropy = _model_logp(model, mb["packed_tokens"], mb["packed_positions"], attention, temperature, chunk,
+                                remat)
     index = mb["unpack_index"]
     return logp.reshape(-1)[index], entropy.reshape(-1)[index]
 
@@ -372,6 +374,8 @@ class LearnerConfig:
     logits_chunk: score log-probs and entropy this many positions at a time, rematerialising each chunk's
         logits in the backward pass (None: all positions at once). Same result; bounds the [rows, T, V]
         logits, which at a real vocabulary and length do not fit.
+    remat: what each decoder layer keeps for the backward pass: 'none', 'full' (recompute the layer), 'dots'
+        (keep matmul outputs without a batch dimension). Same result; less activation memory, more FLOPs.
     temperature: divides the logits before the softmax. None (the default) means the rollout sampler's
         temperature, which `for_sampler` fills in, so pi and mu are the same distribution at ratio 1 by
         construction; an explicit value that differs from the sampler's is refused there. Used alone, the
@@ -386,6 +390,7 @@ class LearnerConfig:
     temperature: float | None = None
     pack_sequences: bool = True
     logits_chunk: int | None = None
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         """A bad name or count fails at construction, where the gin binding lands."""
@@ -395,6 +400,8 @@ class LearnerConfig:
                 f"LearnerConfig.num_minibatches and ppo_epochs must be >= 1, got {self.num_minibatches}, "
                 f"{self.ppo_epochs}."
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"LearnerConfig.remat={self.remat!r}: use one of {list(REMAT_POLICIES)}.")
         if self.logits_chunk is not None and self.logits_chunk < 1:
             raise ValueError(f"LearnerConfig.logits_chunk must be >= 1 or None, got {self.logits_chunk}.")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -493,10 +500,11 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 
     def micro_loss(params, mb: Batch, weight: jax.Array):
         if "unpack_index" in mb:
-            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature, cfg.logits_chunk)
+            logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature, cfg.logits_chunk,
+                                                cfg.remat)
         else:
             logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
-                                         cfg.logit_temperature, cfg.logits_chunk)
+                                         cfg.logit_temperature, cfg.logits_chunk, cfg.remat)
         mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
         loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
                                 ref_logp=mb.get("ref_logp"), entropy=entropy)
