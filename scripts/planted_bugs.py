@@ -45,7 +45,7 @@ BUGS = [
         ("tests/test_losses.py",)),
     Bug("checkpoint restore ignores the commit marker", "rollverify_jax/checkpoint.py",
         "if (self.directory / str(s) / COMMIT_FILE).exists())", ")", ("tests/test_checkpoint.py",)),
-    Bug("`Trajectory.truncate` leaves a cut trajectory finished", "rollverify_jax/rollout/scheduler.py",
+    Bug("`Trajectory.truncate` leaves a cut trajectory finished", "rollverify_jax/rollout/trajectory.py",
         "            self.finished = False\n", "            pass\n", ("tests/test_scheduler.py",)),
     Bug("scheduler ignores a verifier cut of a finished group member", "rollverify_jax/rollout/scheduler.py",
         "if t.finished and k >= t.num_tokens:", "if t.finished:", ("tests/test_scheduler.py",)),
