@@ -49,12 +49,14 @@ def test_round_trip_is_exact():
     cache.add_group(Group(7, 3, {"prompt": "p", "answer": "4"}))
     cache.add_finished(_traj(10, 7, 5, True, version=3))
     cache.pause([_traj(11, 7, 6, version=2), _traj(12, 7, 0)])
+    cache.paused[0].draws = 2  # cut twice: its next suffix is the third draw, after a restart too
     back = PausedCache.from_dict(cache.to_dict())
+    assert [t.draws for t in back.paused] == [2, 0] and back.paused[0].sample_seed == cache.paused[0].sample_seed
     assert back.groups[7].record == {"prompt": "p", "answer": "4"} and back.groups[7].size == 3
     for a, b in zip(cache.paused + list(cache.groups[7].finished.values()),
                     back.paused + list(back.groups[7].finished.values()), strict=True):
-        assert (a.uid, a.group_id, a.seed, a.max_new_tokens, a.finished, a.meta) == \
-            (b.uid, b.group_id, b.seed, b.max_new_tokens, b.finished, b.meta)
+        assert (a.uid, a.group_id, a.seed, a.max_new_tokens, a.finished, a.draws, a.meta) == \
+            (b.uid, b.group_id, b.seed, b.max_new_tokens, b.finished, b.draws, b.meta)
         assert a.tokens == b.tokens and a.logps == b.logps and a.versions == b.versions
         np.testing.assert_array_equal(a.prompt, b.prompt)
 
@@ -117,3 +119,14 @@ def test_checkpoint_layout_uses_compact_dtypes():
     assert back.paused[0].meta == {} and back.paused[0].versions == [2, 2, 2] and len(back) == 1
     assert all(isinstance(x, int) for x in back.paused[0].tokens)
     assert all(isinstance(x, float) for x in back.paused[0].logps)
+
+
+def test_a_cache_saved_before_draw_counts_loads_with_no_cuts():
+    """Checkpoints written before trajectories counted their cuts hold no "draws": they load as 0 (the first
+    draw, whose seed is the trajectory seed), so their samples continue as they would have."""
+    cache = PausedCache()
+    cache.pause([_traj(3, 0, 4)])
+    saved = cache.to_dict()
+    del saved["paused"][0]["draws"]
+    back = PausedCache.from_dict(saved)
+    assert back.paused[0].draws == 0 and back.paused[0].sample_seed == back.paused[0].seed == 3
