@@ -10,8 +10,8 @@ from test_verifier import reference_keep
 
 from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
-from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler
-from rollverify_jax.verify import VerifyConfig
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 ENGINE = EngineConfig(num_slots=8, page_size=8, max_seq_len=64, steps_per_dispatch=4)
 
@@ -386,3 +386,31 @@ def test_partial_phase_decodes_until_b_groups_complete_and_queues_a_bounded_numb
         mgr.scheduler.pause_all()
     assert at_step and max(c for c, _ in at_step) < 1
     assert min(f for _, f in at_step) >= target * 3  # resumed requests with tokens do not count as queued work
+
+
+def test_end_cycle_pushes_verifying_cycles_only_and_switches_for_good(engine):
+    """The window takes the acceptance of cycles that verified something; once full and below the threshold,
+    the run switches at this step, drops the cache (counted) and stops pushing."""
+    mgr = _manager(engine, mode="rollverify")
+    mgr.switch_cfg = SwitchConfig(window=2, threshold=0.5)
+    mgr.switch_state = mgr.switch_cfg.init()
+    mgr._last_phase = {"verify/num_verified": 0, "verify/acceptance": 1.0}  # nothing verified: not a cycle
+    assert mgr.end_cycle(1) == {"verify/acceptance_window": 1.0} and mgr.switch_state.count == 0
+    mgr._last_phase = {"verify/num_verified": 3, "verify/acceptance": 0.6}
+    assert mgr.end_cycle(2) == {"verify/acceptance_window": pytest.approx(0.6)} and not mgr.on_policy
+    mgr.cache.pause([Trajectory(uid=0, group_id=0, prompt=np.ones(2, np.int32), seed=0, max_new_tokens=4)])
+    mgr._last_phase = {"verify/num_verified": 1, "verify/acceptance": 0.2}
+    m = mgr.end_cycle(3)  # window mean (0.6 + 0.2) / 2 = 0.4 < 0.5
+    assert m == {"mode/dropped_at_switch": 1, "mode/switch_step": 3, "verify/acceptance_window": pytest.approx(0.4)}
+    assert mgr.on_policy and not mgr.verifying and len(mgr.cache) == 0
+    assert mgr.end_cycle(4) == {"verify/acceptance_window": pytest.approx(0.4)}  # nothing after the switch
+    partial = _manager(engine, mode="partial")
+    partial._last_phase = {"verify/num_verified": 5, "verify/acceptance": 0.0}
+    assert partial.end_cycle(1) == {"verify/acceptance_window": 1.0} and not partial.on_policy
+
+
+def test_trajectory_seeds_stay_in_int31_for_any_run_seed(engine):
+    mgr = RolloutManager(RolloutConfig(group_size=3), Scheduler(engine), lambda: {"prompt": "x"},
+                         lambda rec: np.ones(2, np.int32), seed=10**6)
+    seeds = [t.seed for t in mgr._new_group()]
+    assert seeds == [(10**6 * 1_000_003 + uid) % (2**31 - 1) for uid in range(3)]
