@@ -98,8 +98,8 @@ def train_one_step(run: Run) -> dict:
     cycle_metrics = run.manager.end_cycle(run.step)
     lengths = [t.num_tokens for t in scored.trajs]
     return {**phase.metrics, **scored.metrics, **select_metrics, **train_metrics, **cycle_metrics,
-            "time/train": t2 - t1, "time/step": t2 - t0, "time/verify_fraction": phase.metrics["time/verify"] / max(
-                t2 - t0, 1e-9),
+            "time/train": t2 - t1, "time/step": t2 - t0,
+            "time/verify_fraction": phase.metrics["time/verify"] / max(t2 - t0, 1e-9),
             "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths))}
 
 
