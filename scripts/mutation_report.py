@@ -60,6 +60,8 @@ def diff(name: str, path: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "docs" / "mutation.md"))
+    ap.add_argument("--source_commit", default=None,
+                    help="the commit whose source mutmut mutated, when it is not HEAD (e.g. a long run on a copy)")
     args = ap.parse_args()
     os.chdir(ROOT)  # mutmut reads its configuration from pyproject.toml in the working directory
     results, equivalents = load_results(), load_equivalents()
@@ -80,7 +82,8 @@ def main() -> None:
             (equivalent_rows if name in equivalents else survivors).append((path, name, status))
     lines = [
         "# Mutation testing", "",
-        f"`make mutants` (mutmut 3.8.1 over the modules where the method lives), reported at commit `{commit}`.",
+        f"`make mutants` (mutmut 3.8.1 over the modules where the method lives), reported at commit `{commit}`"
+        + (f" for the source of commit `{args.source_commit}`." if args.source_commit else "."),
         "Score = mutants detected (killed, or timed out) / (mutants generated - equivalent ones). Target: "
         f"{TARGET:.0%} in every module.", "",
         "| module | mutants | detected | survived | no tests | equivalent | not run | score |",
