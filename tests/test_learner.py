@@ -258,7 +258,7 @@ def test_bfloat16_params_train_with_float32_moments(mesh1, batch_and_noise):
         assert [(a.shape, a.dtype) for a in jax.tree.leaves(learner.abstract_train_state(source, OPT, mesh1))] == want
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])  # 5 does not divide T - 1 = 15; 64 is one padded chunk
+@pytest.mark.parametrize("chunk", [4, 64])  # 4 does not divide T - 1 = 15; 64 is one padded chunk
 def test_chunked_logprobs_equal_the_full_logits(model, chunk):
     """Log-probs, entropy and their gradient, computed `chunk` positions at a time from the hidden states,
     equal those of the full [B, T, V] logits."""
