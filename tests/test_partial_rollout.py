@@ -99,16 +99,27 @@ def test_rollverify_cuts_everything_with_zero_thresholds_after_a_version_change(
     mgr = _manager(engine, mode="rollverify", ds=0.0)
     mgr.run_phase()
     phase = _phase_that_verifies(mgr)
-    assert phase.metrics["verify/tokens_total"] > 0 and phase.metrics["verify/acceptance"] == 0.0
+    m = phase.metrics
+    assert m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 0.0
+    # Cut tokens were sampled again: the diagnostic is a rate over them.
+    assert m["verify/regen_tokens"] > 0 and 0.0 <= m["verify/regen_equal_rate"] <= 1.0
+    assert mgr.end_cycle(1)["verify/acceptance_window"] == 0.0  # end_cycle reads the phase just run
+    assert mgr.switch_state.count == 1
+    mgr.scheduler.pause_all()
 
 
 def test_state_dict_round_trip(engine):
     mgr = _manager(engine, mode="partial")
     mgr.run_phase()
+    mgr.switch_state = mgr.switch_cfg.update(mgr.switch_state, 0.75, 1)
     other = _manager(engine, mode="partial")
     other.load_state_dict(mgr.state_dict())
     assert other.next_uid == mgr.next_uid and other.next_group_id == mgr.next_group_id
     assert [t.tokens for t in other.cache.paused] == [t.tokens for t in mgr.cache.paused]
+    assert other.switch_state == mgr.switch_state and not other.on_policy
+    on_policy = _manager(engine, mode="on_policy")  # a changed-settings resume to on-policy really is on-policy
+    on_policy.load_state_dict(mgr.state_dict())
+    assert on_policy.on_policy
     mgr.scheduler.pause_all()
 
 
