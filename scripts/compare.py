@@ -83,13 +83,30 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
 
 
-def _cell(values: list[float], fmt: str) -> str:
+def cell(values: list[float], fmt: str) -> str:
     m, se = mean_se(values)
     if not np.isfinite(m):
         return "-"
     n = sum(np.isfinite(values))
     text = f"{m:{fmt}}" + (f" ± {se:{fmt}}" if len(values) > 1 else "")
     return text + (f" ({n}/{len(values)})" if n < len(values) else "")
+
+
+# (summary key, column header, format) of the report table
+COLUMNS = [("steps", "steps", ".0f"), ("acc0", "held-out acc (start)", ".3f"), ("acc", "held-out acc (end)", ".3f"),
+           ("reward", "reward (last 5)", ".3f"), ("wall", "wall (s)", ".0f"), ("rollout", "rollout (s)", ".0f"),
+           ("train", "train (s)", ".0f"), ("verify", "verify (s)", ".2f"), ("util", "slot util", ".3f"),
+           ("ops", "mean OPS", ".5f"), ("ops_partial", "OPS before switch", ".5f"),
+           ("acceptance", "acceptance", ".3f"), ("regen_equal", "regen = cut", ".3f"), ("entropy", "entropy", ".3f"),
+           ("switch", "switch step", ".1f")]
+
+
+def table(summaries: dict[str, list[dict]], first: str) -> list[str]:
+    """Markdown rows, one per label, each cell the mean ± standard error over that label's runs."""
+    lines = [f"| {first} | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "| --- " * (len(COLUMNS) + 1) + "|"]
+    for label, runs in summaries.items():
+        lines.append(f"| {label} | " + " | ".join(cell([r[k] for r in runs], fmt) for k, _, fmt in COLUMNS) + " |")
+    return lines
 
 
 def _commit() -> str:
@@ -151,28 +168,22 @@ def main() -> None:
             results[mode].append(read_metrics(workdir / "metrics.jsonl"))
     summary = {m: [summarize(r) for r in per_seed] for m, per_seed in results.items()}
     (runs / "summary.json").write_text(json.dumps(summary, indent=1))
+    commit_file = runs / "commit.txt"  # the commit the runs ran at (a --skip_runs re-read keeps it)
+    if not args.skip_runs:
+        commit_file.write_text(_commit() + "\n")
+    commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     files = plot(results, out, args.name)
     lines = [f"# Comparison: {args.name}", "",
              f"Command: `python scripts/compare.py --name {args.name} --modes {' '.join(args.modes)} --steps "
              f"{args.steps} --seeds {' '.join(map(str, args.seeds))} --time_budget_s {args.time_budget_s}" +
              "".join(f" --gin_param \"{p}\"" for p in args.gin_param) + "`", "",
              f"Same seeds, data order and budget for every mode; each run in its own process on this machine, at "
-             f"commit {_commit()}. {len(args.seeds)} seed(s): mean ± standard error over seeds; the switch step is "
+             f"commit {commit}. {len(args.seeds)} seed(s): mean ± standard error over seeds; the switch step is "
              "averaged over the runs that switched (their count in brackets). Mean OPS: train-time token OPS of every "
              "batch; OPS before switch: of the batches partial rollout built. Acceptance: mean over the cycles that "
              "verified something. Regen = cut: how often a token sampled where a verification cut removed one "
              "equals the removed token.", "",
-             "| mode | steps | held-out acc (start) | held-out acc (end) | reward (last 5) | wall (s) | rollout (s) | "
-             "train (s) | verify (s) | slot util | mean OPS | OPS before switch | acceptance | regen = cut | entropy | "
-             "switch step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    columns = [("steps", ".0f"), ("acc0", ".3f"), ("acc", ".3f"), ("reward", ".3f"), ("wall", ".0f"),
-               ("rollout", ".0f"), ("train", ".0f"), ("verify", ".2f"), ("util", ".3f"), ("ops", ".5f"),
-               ("ops_partial", ".5f"), ("acceptance", ".3f"), ("regen_equal", ".3f"), ("entropy", ".3f"),
-               ("switch", ".1f")]
-    for m, per_seed in summary.items():
-        cells = [_cell([s[key] for s in per_seed], fmt) for key, fmt in columns]
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+             *table({LABELS.get(m, m): per_seed for m, per_seed in summary.items()}, "mode")]
     lines += ["", *[f"![{f}]({f})" for f in files], ""]
     report = out / f"{args.name}.md"
     existing = report.read_text() if report.exists() else ""

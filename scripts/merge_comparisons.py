@@ -15,13 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from compare import _cell, plot, summarize  # noqa: E402
+from compare import plot, summarize, table  # noqa: E402
 
 from rollverify_jax.metrics import read_metrics  # noqa: E402
-
-COLUMNS = [("acc0", ".3f"), ("acc", ".3f"), ("reward", ".3f"), ("wall", ".0f"), ("verify", ".2f"), ("util", ".3f"),
-           ("ops_partial", ".5f"), ("acceptance", ".3f"), ("regen_equal", ".3f"), ("entropy", ".3f"),
-           ("switch", ".1f")]
 
 
 def main() -> None:
@@ -37,13 +33,8 @@ def main() -> None:
             raise SystemExit(f"no runs/compare_{run}/{args.mode}_s* directories; run scripts/compare.py first")
         results[run] = [read_metrics(d / "metrics.jsonl") for d in dirs]
     plot(results, ROOT / "docs" / "results", args.name)
-    print("| run | held-out acc (start) | held-out acc (end) | reward (last 5) | wall (s) | verify (s) | slot util | "
-          "OPS before switch | acceptance | regen = cut | entropy | switch step |")
-    print("| --- " * 12 + "|")
-    for run, per_seed in results.items():
-        s = [summarize(r) for r in per_seed]
-        print(f"| {run} ({len(s)} seeds) | " + " | ".join(_cell([x[k] for x in s], f) for k, f in COLUMNS) + " |")
-
+    print("\n".join(table({f"{run} ({len(rs)} seeds)": [summarize(r) for r in rs] for run, rs in results.items()},
+                           "run")))
 
 if __name__ == "__main__":
     main()
