@@ -25,7 +25,7 @@ from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.rollout.sampling import SamplingConfig
-from rollverify_jax.setup import check_run_shapes
+from rollverify_jax.setup import cross_check_settings
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 
@@ -57,7 +57,7 @@ def dry_run(train_cfg, num_devices: int) -> dict:
         v = params[path]
         split = math.prod(mesh.shape[a] for s in spec if s for a in ((s,) if isinstance(s, str) else s))
         per_device += math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize // split
-    check_run_shapes(rollout, engine, learner_cfg, dict(mesh.shape), FilterConfig())
+    cross_check_settings(rollout, engine, learner_cfg, dict(mesh.shape), FilterConfig())
     rows = rollout.batch_groups * rollout.group_size
     kv_per_seq = kv_bytes_per_page(cfg, engine.page_size, engine.kv_dtype) * math.ceil(engine.max_seq_len /
                                                                                       engine.page_size)

@@ -115,7 +115,7 @@ class Run:
             self.checkpointer.close()
 
 
-def check_run_shapes(rollout: RolloutConfig, engine: EngineConfig, learner_cfg: learner_lib.LearnerConfig,
+def cross_check_settings(rollout: RolloutConfig, engine: EngineConfig, learner_cfg: learner_lib.LearnerConfig,
                      mesh_shape: dict[str, int], filter_cfg: FilterConfig) -> None:
     """Cross-checks of settings that live in different configurables; run at every start and by --dry_run."""
     if filter_cfg.name != "none" and rollout.mode == "on_policy":
@@ -176,7 +176,7 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
 
     learner_cfg = learner_lib.LearnerConfig().for_sampler(engine.sampling.logp_temperature)
     run.filter_cfg = FilterConfig()
-    check_run_shapes(rollout_cfg, engine.config, learner_cfg, dict(mesh.shape), run.filter_cfg)
+    cross_check_settings(rollout_cfg, engine.config, learner_cfg, dict(mesh.shape), run.filter_cfg)
     optimizer = learner_lib.make_optimizer()
     graphdef, _ = learner_lib.split_params(model)
     shardings = learner_lib.train_state_shardings(model, optimizer, mesh)

@@ -95,7 +95,7 @@ def train_one_step(run: Run) -> dict:
     t1 = time.perf_counter()
     train_metrics = learn(run, batch)
     t2 = time.perf_counter()
-    cycle_metrics = run.manager.end_cycle(run.step)
+    cycle_metrics = run.manager.end_cycle(run.step, phase.metrics)
     lengths = [t.num_tokens for t in scored.trajs]
     return {**phase.metrics, **scored.metrics, **select_metrics, **train_metrics, **cycle_metrics,
             "time/train": t2 - t1, "time/step": t2 - t0,

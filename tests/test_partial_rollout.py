@@ -103,7 +103,7 @@ def test_rollverify_cuts_everything_with_zero_thresholds_after_a_version_change(
     assert m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 0.0
     # Cut tokens were sampled again: the diagnostic is a rate over them.
     assert m["verify/regen_tokens"] > 0 and 0.0 <= m["verify/regen_equal_rate"] <= 1.0
-    assert mgr.end_cycle(1)["verify/acceptance_window"] == 0.0  # end_cycle reads the phase just run
+    assert mgr.end_cycle(1, m)["verify/acceptance_window"] == 0.0
     assert mgr.switch_state.count == 1
     mgr.scheduler.pause_all()
 
@@ -405,19 +405,19 @@ def test_end_cycle_pushes_verifying_cycles_only_and_switches_for_good(engine):
     mgr = _manager(engine, mode="rollverify")
     mgr.switch_cfg = SwitchConfig(window=2, threshold=0.5)
     mgr.switch_state = mgr.switch_cfg.init()
-    mgr._last_phase = {"verify/num_verified": 0, "verify/acceptance": 1.0}  # nothing verified: not a cycle
-    assert mgr.end_cycle(1) == {"verify/acceptance_window": 1.0} and mgr.switch_state.count == 0
-    mgr._last_phase = {"verify/num_verified": 3, "verify/acceptance": 0.6}
-    assert mgr.end_cycle(2) == {"verify/acceptance_window": pytest.approx(0.6)} and not mgr.on_policy
+    nothing = {"verify/num_verified": 0, "verify/acceptance": 1.0}  # nothing verified: not a cycle
+    assert mgr.end_cycle(1, nothing) == {"verify/acceptance_window": 1.0} and mgr.switch_state.count == 0
+    m = mgr.end_cycle(2, {"verify/num_verified": 3, "verify/acceptance": 0.6})
+    assert m == {"verify/acceptance_window": pytest.approx(0.6)} and not mgr.on_policy
     mgr.cache.pause([Trajectory(uid=0, group_id=0, prompt=np.ones(2, np.int32), seed=0, max_new_tokens=4)])
-    mgr._last_phase = {"verify/num_verified": 1, "verify/acceptance": 0.2}
-    m = mgr.end_cycle(3)  # window mean (0.6 + 0.2) / 2 = 0.4 < 0.5
+    m = mgr.end_cycle(3, {"verify/num_verified": 1, "verify/acceptance": 0.2})  # window (0.6 + 0.2) / 2 < 0.5
     assert m == {"mode/dropped_at_switch": 1, "mode/switch_step": 3, "verify/acceptance_window": pytest.approx(0.4)}
     assert mgr.on_policy and not mgr.verifying and len(mgr.cache) == 0
-    assert mgr.end_cycle(4) == {"verify/acceptance_window": pytest.approx(0.4)}  # nothing after the switch
+    m = mgr.end_cycle(4, {"verify/num_verified": 2, "verify/acceptance": 0.0})
+    assert m == {"verify/acceptance_window": pytest.approx(0.4)}  # nothing after the switch
     partial = _manager(engine, mode="partial")
-    partial._last_phase = {"verify/num_verified": 5, "verify/acceptance": 0.0}
-    assert partial.end_cycle(1) == {"verify/acceptance_window": 1.0} and not partial.on_policy
+    m = partial.end_cycle(1, {"verify/num_verified": 5, "verify/acceptance": 0.0})
+    assert m == {"verify/acceptance_window": 1.0} and not partial.on_policy
 
 
 def test_trajectory_seeds_stay_in_int31_for_any_run_seed(engine):

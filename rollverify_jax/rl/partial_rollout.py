@@ -26,8 +26,8 @@ from rollverify_jax.verify import (
     trajectory_staleness,
     two_stage_verify,
     verify_stats,
+    window_mean,
 )
-from rollverify_jax.verify.switching import window_mean
 
 MODES = ("on_policy", "partial", "rollverify")
 
@@ -69,7 +69,6 @@ class RolloutManager:
         self.verify_cfg = verify or VerifyConfig()
         self.switch_cfg = switch or SwitchConfig()
         self.switch_state: SwitchState = self.switch_cfg.init()
-        self._last_phase: dict = {}
         self.scheduler = scheduler
         self.next_record = next_record
         self.encode_prompt = encode_prompt
@@ -117,11 +116,11 @@ class RolloutManager:
         self.cache = PausedCache()
         return dropped
 
-    def end_cycle(self, step: int) -> dict:
-        """After the update to version ``step``: push the last phase's acceptance into the window (cycles that
-        verified something only) and switch to on-policy rollout once the full window's mean is below the
-        threshold. Returns the cycle's switching metrics."""
-        m = self._last_phase
+    def end_cycle(self, step: int, phase_metrics: dict) -> dict:
+        """After the update to version ``step``: push the cycle's acceptance (``phase_metrics`` of its rollout
+        phase) into the window, for cycles that verified something only, and switch to on-policy rollout once
+        the full window's mean is below the threshold. Returns the cycle's switching metrics."""
+        m = phase_metrics
         metrics = {}
         if self.verifying and m.get("verify/num_verified", 0) > 0:
             self.switch_state = self.switch_cfg.update(self.switch_state, m["verify/acceptance"], step)
@@ -169,7 +168,6 @@ class RolloutManager:
         }
         for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):
             metrics[f"cache/staleness_hist/{int(s)}"] = int(count)
-        self._last_phase = metrics
         return PhaseResult(groups=groups, metrics=metrics)
 
     def _collect_finished(self) -> None:

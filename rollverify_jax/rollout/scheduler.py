@@ -212,7 +212,7 @@ class Scheduler:
         return keeps
 
     def _append(self, t: Trajectory, token: int, logp: float, version: int) -> None:
-        cut = self._cut_suffix.get(t.uid)
+        cut = self._cut_suffix.get(t.uid) if self._cut_suffix else None  # per token: skip the lookup when no cut
         if cut is not None:
             offset = t.num_tokens - cut[0]
             if offset < len(cut[1]):
@@ -228,6 +228,7 @@ class Scheduler:
         return t.num_tokens >= t.max_new_tokens or t.tokens[-1] in self._eos
 
     def _finish(self, slot: int, t: Trajectory) -> None:
+        self._cut_suffix.pop(t.uid, None)  # finished before regenerating the whole cut suffix
         t.finished = True
         self.slots.pop(slot, None)
         self.engine.allocator.release(slot)
