@@ -93,11 +93,15 @@ def test_version_is_recorded_per_token(greedy_engine):
 def test_sharded_engine_gives_same_tokens(model, sampling_engine):
     mesh = mesh_lib.make_mesh((2, 2, 2))
     sharded = Engine(model, CFG, SamplingConfig(temperature=0.8, top_p=0.95, top_k=40), eos_ids=(3,), mesh=mesh)
-    assert sharded.state.pages.k[0].sharding.spec == jax.sharding.PartitionSpec("tensor")
+    # The page pool is split: pages over the 4 (data x fsdp) devices with the slots, KV heads over 'tensor'.
+    pool = sharded.state.pages.k[0]
+    assert pool.sharding.spec == jax.sharding.PartitionSpec("tensor", ("data", "fsdp"), None, None)
+    assert pool.addressable_shards[0].data.shape == (1, pool.shape[1] // 4, *pool.shape[2:])
+    assert sharded.allocator.num_shards == 4
     assert len(sharded.params["layers"][0]["mlp"]["gate_proj"][...].sharding.device_set) == 8
     a = _run(sampling_engine, _requests(5, seed=4))
     b = _run(sharded, _requests(5, seed=4))
-    assert [t.tokens for t in a] == [t.tokens for t in b]
+    assert [t.tokens for t in a] == [t.tokens for t in b] and sum(len(t.tokens) for t in b) > 40
     np.testing.assert_allclose(np.concatenate([t.logps for t in a]), np.concatenate([t.logps for t in b]), atol=1e-4)
 
 

@@ -22,15 +22,48 @@ def test_allocate_release_and_admission():
     alloc.release(1)
     assert alloc.num_free == alloc.capacity
     assert (alloc.table == paged_cache.SCRATCH_PAGE).all()
-    assert paged_cache.SCRATCH_PAGE not in alloc.free
+    assert paged_cache.SCRATCH_PAGE not in alloc.free[0]
     with pytest.raises(ValueError, match="exceeds the context of 16"):
         alloc.check_admissible(17)
 
 
 def test_pool_that_can_never_fit_is_rejected():
     alloc = paged_cache.PageAllocator(num_pages=3, page_size=4, num_slots=2, max_seq_len=64)
-    with pytest.raises(ValueError, match="needs 4 pages but the pool has 2"):
+    with pytest.raises(ValueError, match="needs 4 pages but the pool has 2 per shard"):
         alloc.check_admissible(16)
+
+
+def test_sharded_pool_keeps_each_slot_on_its_own_shard():
+    """Two shards of 5 pages (scratch pages 0 and 5) and 2 slots each: a slot takes pages only from its
+    shard, admission looks for a shard with room, and a release returns pages to the shard they came from."""
+    alloc = paged_cache.PageAllocator(num_pages=11, page_size=4, num_slots=4, max_seq_len=16, num_shards=2)
+    assert alloc.num_pages == 10 and alloc.capacity == 8 and alloc.shard_capacity == 4
+    assert list(alloc.table[:, 0]) == [0, 0, 5, 5]
+    alloc.allocate(0, 12)  # shard 0: pages 1, 2, 3
+    alloc.allocate(2, 5)  # shard 1: pages 6, 7
+    assert list(alloc.table[0, :3]) == [1, 2, 3] and list(alloc.table[2, :2]) == [6, 7]
+    assert not alloc.can_allocate(8, slot=1) and alloc.can_allocate(8, slot=3)
+    # slot 1 (shard 0) has no room for 8 tokens; slot 3 (shard 1) has, even with 1 page of headroom per busy slot
+    assert alloc.slot_with_room([1, 3], 8, busy_slots=[0, 2], headroom_tokens=0) == 3
+    assert alloc.slot_with_room([1, 3], 8, busy_slots=[0, 2], headroom_tokens=4) is None
+    assert alloc.grow(2, 16) and list(alloc.table[2]) == [6, 7, 8, 9]
+    alloc.release(2)
+    assert list(alloc.table[2]) == [5] * 4 and sorted(alloc.free[1]) == [6, 7, 8, 9]
+    long = paged_cache.PageAllocator(num_pages=10, page_size=4, num_slots=4, max_seq_len=32, num_shards=2)
+    with pytest.raises(ValueError, match="needs 5 pages but the pool has 4 per shard"):
+        long.check_admissible(20)
+    with pytest.raises(ValueError, match="must divide evenly"):
+        paged_cache.PageAllocator(num_pages=11, page_size=4, num_slots=3, max_seq_len=16, num_shards=2)
+
+
+def test_write_kv_into_one_shard_drops_the_other_shards_tokens():
+    pages = jnp.zeros((1, 3, 2, 1))  # this device holds global pages 3, 4, 5
+    new = jnp.arange(1, 5, dtype=jnp.float32).reshape(1, 4, 1, 1)
+    table = jnp.asarray([[4, 1]], jnp.int32)  # tokens 0-1 on page 4 (held), tokens 2-3 on page 1 (elsewhere)
+    out = np.asarray(paged_cache.write_kv(pages, new, jnp.arange(4)[None], table, jnp.ones((1, 4), bool),
+                                          page_offset=3))
+    np.testing.assert_array_equal(out[0, 1, :, 0], [1, 2])
+    assert out[0, 0].sum() == 0 and out[0, 2].sum() == 0
 
 
 def test_budget_to_pages():

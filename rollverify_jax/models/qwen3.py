@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rollverify_jax.models import flash_attention
+
 Array = jax.Array
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -192,37 +194,37 @@ class AttentionFn(Protocol):
     def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array: ...
 
 
-def dot_product_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Grouped-query attention. q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; mask: bool[B, Tq, Tk]."""
-    b, tq, hq, d = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, tq, hkv, hq // hkv, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
-    return out.reshape(b, tq, hq, d)
-
-
 @dataclasses.dataclass
 class CausalAttention:
-    """Dense causal attention over the call's own tokens.
+    """Dense causal attention over the call's own tokens (training, prefill, teacher-forced scoring).
 
     ``valid``: bool[B, T] masks padding keys. ``segments``: int32[B, T] for packed rows (several sequences
-    per row, ids 1, 2, ..., 0 on padding): a query attends only to keys of its own segment.
+    per row, ids 1, 2, ..., 0 on padding): a query attends only to keys of its own segment. ``impl`` picks the
+    implementation (`flash_attention.IMPLS`: the jnp reference, Pallas splash on TPU, cuDNN on GPU); the
+    kernels run per device on ``mesh``. Every implementation gives the same outputs at real positions.
     """
 
     valid: Array | None = None
     segments: Array | None = None
+    impl: str = "reference"
+    flash: flash_attention.FlashConfig | None = None
+    mesh: Any = None
 
     def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array:
         t = q.shape[1]
-        mask = jnp.tril(jnp.ones((t, t), bool))[None]
-        if self.valid is not None:
-            mask = mask & self.valid[:, None, :]
-        if self.segments is not None:
-            mask = mask & (self.segments[:, :, None] == self.segments[:, None, :])
-        return dot_product_attention(q, k, v, mask)
+        if self.impl == "reference":
+            mask = flash_attention.causal_mask(t, self.segments)
+            if self.valid is not None:
+                mask = mask & self.valid[:, None, :]
+            return dot_product_attention(q, k, v, mask)
+        segments = self.segments
+        if self.valid is not None:  # padding keys become a segment of their own, which real queries never see
+            base = jnp.ones(q.shape[:2], jnp.int32) if segments is None else segments
+            segments = jnp.where(self.valid, base, -2)
+        return flash_attention.causal_attention(q, k, v, segments, self.impl, self.flash, self.mesh)
+
+
+dot_product_attention = flash_attention.reference_attention
 
 
 class Attention(nnx.Module):
@@ -408,3 +410,37 @@ def token_logprobs(logits: Array, targets: Array, temperature: float = 1.0) -> A
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
+
+
+def score_tokens(z: Array, targets: Array) -> tuple[Array, Array]:
+    """z float32[..., V] (logits / T), targets int32[...] -> (log-prob of each target, entropy of pi) [...].
+
+    The entropy is a metric only, so it is computed on stop-gradient'ed logits and adds no backward cost.
+    """
+    lse = jax.nn.logsumexp(z, axis=-1)
+    # A masked sum rather than a gather: it partitions cleanly over a sharded vocab axis, and, unlike a one-hot
+    # matmul, stays exact float32 on TPU (no bf16 matmul passes).
+    hit = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
+    logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
+    zs, lses = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
+    entropy = lses - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
+    return logp, entropy
+
+
+def chunked_scores(hidden: Array, w: Array, targets: Array, temperature: float, chunk: int) -> tuple[Array, Array]:
+    """`score_tokens` of the logits ``hidden`` [B, N, H] @ ``w`` [H, V] for ``targets`` [B, N], ``chunk``
+    positions at a time: each chunk's [B, chunk, V] logits are rematerialised in the backward pass, so no
+    [B, N, V] array is ever live (at real vocabularies and lengths it would not fit). -> ([B, N], [B, N])."""
+    b, n, _ = hidden.shape
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, -1).swapaxes(0, 1)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(xs):
+        hc, yc = xs
+        return score_tokens(logits_from_hidden(hc, w) / temperature, yc)
+
+    logp, entropy = jax.lax.map(one, (h, y))  # [n_chunks, B, chunk]
+    return tuple(x.swapaxes(0, 1).reshape(b, -1)[:, :n] for x in (logp, entropy))

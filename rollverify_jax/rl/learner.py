@@ -40,7 +40,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, logits_from_hidden
+from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, chunked_scores, score_tokens
 from rollverify_jax.rl import losses, packing
 
 Batch = dict[str, jax.Array]
@@ -240,21 +241,6 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _score(z: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """z float32[..., V] (logits / T), targets int32[...] -> (log-prob of each target, entropy of pi) [...].
-
-    The entropy is a metric only, so it is computed on stop-gradient'ed logits and adds no backward cost.
-    """
-    lse = jax.nn.logsumexp(z, axis=-1)
-    # A masked sum rather than a gather: it partitions cleanly over a sharded vocab axis, and, unlike a one-hot
-    # matmul, stays exact float32 on TPU (no bf16 matmul passes).
-    hit = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
-    logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
-    zs, lses = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
-    entropy = lses - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
-    return logp, entropy
-
-
 def _shifted(logp: jax.Array, entropy: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Entries for tokens 1..T-1 -> [B, T] aligned to tokens (entry 0, which nothing predicts, is 0)."""
     pad = jnp.zeros((logp.shape[0], 1), jnp.float32)
@@ -266,31 +252,7 @@ def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) 
 
     Entry t scores tokens[t] with the logits at t - 1 (entry 0 is 0).
     """
-    return _shifted(*_score(logits[:, :-1].astype(jnp.float32) / temperature, tokens[:, 1:]))
-
-
-def _chunked_logp_and_entropy(hidden: jax.Array, w: jax.Array, tokens: jax.Array, temperature: float,
-                              chunk: int) -> tuple[jax.Array, jax.Array]:
-    """`_logp_and_entropy` from final hidden states [B, T, H] and output weights [H, V], `chunk` positions at
-    a time: each chunk's [B, chunk, V] logits are rematerialised in the backward pass, so no [B, T, V] array
-    is ever live (at real vocabularies and lengths it would not fit)."""
-    b, t, _ = hidden.shape
-    n = t - 1
-    n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
-    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))  # [B, n_chunks * chunk, H]
-    y = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad)))
-    h = h.reshape(b, n_chunks, chunk, -1).swapaxes(0, 1)  # [n_chunks, B, chunk, H]
-    y = y.reshape(b, n_chunks, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one(xs):
-        hc, yc = xs
-        return _score(logits_from_hidden(hc, w) / temperature, yc)
-
-    logp, entropy = jax.lax.map(one, (h, y))  # [n_chunks, B, chunk]
-    logp, entropy = (x.swapaxes(0, 1).reshape(b, -1)[:, :n] for x in (logp, entropy))
-    return _shifted(logp, entropy)
+    return _shifted(*score_tokens(logits[:, :-1].astype(jnp.float32) / temperature, tokens[:, 1:]))
 
 
 def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention, temperature: float,
@@ -299,21 +261,25 @@ def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention
         logits = model(tokens, positions=positions, attention=attention, remat=remat)
         return _logp_and_entropy(logits, tokens, temperature)
     hidden, _ = model.hidden_states(tokens, positions, attention, remat)
-    return _chunked_logp_and_entropy(hidden, model.output_weights(), tokens, temperature, chunk)
+    return _shifted(*chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature, chunk))
 
 
 def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, attention_mask: jax.Array | None,
-                 temperature: float, chunk: int | None = None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
+                 temperature: float, chunk: int | None = None, remat: str = "none",
+                 kernel: dict | None = None) -> tuple[jax.Array, jax.Array]:
+    """``kernel``: CausalAttention's impl / flash / mesh (default: the jnp reference)."""
     model = nnx.merge(graphdef, params)
     valid = None if attention_mask is None else attention_mask.astype(bool)
-    return _model_logp(model, tokens, None, CausalAttention(valid=valid), temperature, chunk, remat)
+    return _model_logp(model, tokens, None, CausalAttention(valid=valid, **(kernel or {})), temperature, chunk,
+                       remat)
 
 
 def _packed_policy_logp(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, temperature: float,
-                        chunk: int | None = None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
+                        chunk: int | None = None, remat: str = "none",
+                        kernel: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """(logp, entropy) [rows, T] of a micro-batch computed on its packed rows [p, T] and gathered back."""
     model = nnx.merge(graphdef, params)
-    attention = CausalAttention(segments=mb["packed_segments"])
+    attention = CausalAttention(segments=mb["packed_segments"], **(kernel or {}))
     logp, entropy = _model_logp(model, mb["packed_tokens"], mb["packed_positions"], attention, temperature, chunk,
                                 remat)
     index = mb["unpack_index"]
@@ -486,25 +452,28 @@ def _learning_rate(opt_state: Any) -> jax.Array:
 
 
 def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimizer: optax.GradientTransformation,
-                    mesh: Mesh, state_shardings: TrainState) -> TrainStep:
+                    mesh: Mesh, state_shardings: TrainState, flash: FlashConfig | None = None) -> TrainStep:
     """`train_step(state, batch) -> (state, metrics)`, jitted on `mesh` with the state donated.
 
     Metrics (replicated float32 scalars): `loss`, `policy/*` and `grad_norm` averaged over the updates;
     `ops/token_mean` of the first minibatch of the first epoch (the train-time OPS, before any update of this
     step moved the policy); `learning_rate` of the last update; `train/num_updates`; `train/loss_tokens`.
-    Shapes fix the compilation: calls with the same batch shapes reuse one executable.
+    Shapes fix the compilation: calls with the same batch shapes reuse one executable. `flash` picks the
+    attention implementation (`FlashConfig`: splash on TPU, cuDNN on GPU, the jnp reference on CPU).
     """
     cfg = learner_cfg
     loss_fn = losses.get_loss_fn(cfg.loss_name)
     agg = cfg.loss.aggregation
+    flash = flash or FlashConfig()  # built here, so gin bindings apply
+    kernel = {"impl": flash.resolved_impl(), "flash": flash, "mesh": mesh}
 
     def micro_loss(params, mb: Batch, weight: jax.Array):
         if "unpack_index" in mb:
             logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature, cfg.logits_chunk,
-                                                cfg.remat)
+                                                cfg.remat, kernel)
         else:
             logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
-                                         cfg.logit_temperature, cfg.logits_chunk, cfg.remat)
+                                         cfg.logit_temperature, cfg.logits_chunk, cfg.remat, kernel)
         mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
         loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
                                 ref_logp=mb.get("ref_logp"), entropy=entropy)

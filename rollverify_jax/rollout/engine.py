@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import gin
 import jax
@@ -18,7 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM
+from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
 from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
 from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
@@ -38,6 +40,7 @@ class EngineConfig:
     kv_dtype: str = "float32"
     min_prefill_len: int = 32
     page_reservation: str = "incremental"  # 'incremental': pages as sequences grow; 'full': prompt + max new
+    logits_chunk: int | None = None  # resume prefill scores log-probs this many positions at a time (None: all)
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
@@ -72,36 +75,105 @@ class Prefix:
     response_logp: jax.Array  # float32[n, T]: log pi of token prompt_len + j (at the sampling temperature)
 
 
-class _PrefillAttention:
-    """Dense causal attention that also writes each layer's K/V into the sequence's pages."""
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Where the decode state lives on the mesh. The KV page pool is split over ``pool_axes`` (the mesh's batch
+    axes, when the slots divide over them) along its page axis, and the slots with it: each device holds its
+    slots' pages, so decode attention runs per device (``shard_map``; the Pallas kernels cannot be partitioned
+    automatically). KV heads go over 'tensor' when they divide. Nothing is replicated that need not be."""
 
-    def __init__(self, pages: paged_cache.KVPages, page_table, valid):
+    mesh: Mesh
+    pool_axes: tuple[str, ...] = ()
+    heads_axis: str | None = None
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh, num_slots: int, num_kv_heads: int, num_q_heads: int) -> PoolLayout:
+        axes = tuple(a for a in mesh_lib.BATCH_AXES if mesh.shape[a] > 1)
+        if num_slots % max(1, math.prod(mesh.shape[a] for a in axes)):
+            axes = ()
+        tensor = mesh.shape["tensor"]
+        heads = "tensor" if tensor > 1 and num_kv_heads % tensor == 0 and num_q_heads % tensor == 0 else None
+        return cls(mesh, axes, heads)
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.pool_axes)
+
+    @property
+    def _slots(self):
+        return self.pool_axes or None
+
+    def pages_spec(self) -> PartitionSpec:  # [Hkv, P, page, D]
+        return PartitionSpec(self.heads_axis, self._slots, None, None)
+
+    def slots_spec(self, ndim: int = 1) -> PartitionSpec:  # [S, ...]
+        return PartitionSpec(self._slots, *([None] * (ndim - 1)))
+
+    def heads_spec(self, slots: bool) -> PartitionSpec:  # [S or n, T, H, D]
+        return PartitionSpec(self._slots if slots else None, None, self.heads_axis, None)
+
+    def shard_offset(self, pages_per_device: int) -> jax.Array:
+        """Global id of this device's first page (inside ``shard_map``)."""
+        if not self.pool_axes:
+            return jnp.zeros((), jnp.int32)
+        return jax.lax.axis_index(self.pool_axes).astype(jnp.int32) * pages_per_device
+
+    def shard_map(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+class _PrefillAttention:
+    """Dense causal attention that also writes each layer's K/V into the sequences' pages (each device
+    writes the tokens whose pages it holds)."""
+
+    def __init__(self, pages: paged_cache.KVPages, page_table, valid, kernel: dict, layout: PoolLayout):
         self.k, self.v = list(pages.k), list(pages.v)
-        self.page_table, self.valid = page_table, valid
-        self.dense = CausalAttention(valid=valid)
+        self.page_table, self.valid, self.layout = page_table, valid, layout
+        self.dense = CausalAttention(valid=valid, **kernel)
 
     def __call__(self, layer_idx, q, k, v):
-        positions = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
-        self.k[layer_idx] = paged_cache.write_kv(self.k[layer_idx], k, positions, self.page_table, self.valid)
-        self.v[layer_idx] = paged_cache.write_kv(self.v[layer_idx], v, positions, self.page_table, self.valid)
+        lay = self.layout
+
+        def write(kp, vp, k, v, table, valid):
+            positions = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
+            offset = lay.shard_offset(kp.shape[1])
+            return (paged_cache.write_kv(kp, k, positions, table, valid, offset),
+                    paged_cache.write_kv(vp, v, positions, table, valid, offset))
+
+        rows = lay.heads_spec(slots=False)
+        write = lay.shard_map(write, (lay.pages_spec(), lay.pages_spec(), rows, rows, PartitionSpec(),
+                                      PartitionSpec()), (lay.pages_spec(), lay.pages_spec()))
+        self.k[layer_idx], self.v[layer_idx] = write(self.k[layer_idx], self.v[layer_idx], k, v, self.page_table,
+                                                     self.valid)
         return self.dense(layer_idx, q, k, v)
 
 
 class _DecodeAttention:
-    """One new token per slot: write its K/V at ``lengths``, then paged attention over lengths + 1."""
+    """One new token per slot: write its K/V at ``lengths``, then paged attention over lengths + 1, per device
+    over the slots and pages it holds."""
 
-    def __init__(self, pages: paged_cache.KVPages, page_table, lengths, active):
+    def __init__(self, pages: paged_cache.KVPages, page_table, lengths, active, layout: PoolLayout):
         self.k, self.v = list(pages.k), list(pages.v)
-        self.page_table, self.lengths, self.active = page_table, lengths, active
+        self.page_table, self.lengths, self.active, self.layout = page_table, lengths, active, layout
 
     def __call__(self, layer_idx, q, k, v):
-        pos, valid = self.lengths[:, None], self.active[:, None]
-        self.k[layer_idx] = paged_cache.write_kv(self.k[layer_idx], k, pos, self.page_table, valid)
-        self.v[layer_idx] = paged_cache.write_kv(self.v[layer_idx], v, pos, self.page_table, valid)
+        lay = self.layout
         scale = q.shape[-1] ** -0.5
-        out = paged_attention(q[:, 0] * scale, self.k[layer_idx], self.v[layer_idx], self.lengths + 1,
-                              self.page_table)
-        return out[:, None].astype(q.dtype)
+
+        def local(q, k, v, kp, vp, table, lengths, active):
+            offset = lay.shard_offset(kp.shape[1])
+            pos, valid = lengths[:, None], active[:, None]
+            kp = paged_cache.write_kv(kp, k, pos, table, valid, offset)
+            vp = paged_cache.write_kv(vp, v, pos, table, valid, offset)
+            out = paged_attention(q[:, 0] * scale, kp, vp, lengths + 1, table - offset)
+            return out[:, None].astype(q.dtype), kp, vp
+
+        rows = lay.heads_spec(slots=True)
+        local = lay.shard_map(local, (rows, rows, rows, lay.pages_spec(), lay.pages_spec(), lay.slots_spec(2),
+                                      lay.slots_spec(), lay.slots_spec()), (rows, lay.pages_spec(), lay.pages_spec()))
+        out, self.k[layer_idx], self.v[layer_idx] = local(q, k, v, self.k[layer_idx], self.v[layer_idx],
+                                                          self.page_table, self.lengths, self.active)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +183,14 @@ class _Static:
     graphdef: nnx.GraphDef
     sampling: SamplingConfig
     eos_ids: tuple[int, ...]
+    layout: PoolLayout
+    logits_chunk: int | None = None
+    flash: FlashConfig | None = None
+
+    def kernel(self) -> dict:
+        """CausalAttention's implementation for prefill (splash on TPU, cuDNN on GPU, the reference on CPU)."""
+        flash = self.flash or FlashConfig()
+        return {"impl": flash.resolved_impl(), "flash": flash, "mesh": self.layout.mesh}
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -125,14 +205,19 @@ def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, pa
                 with_logp: bool):
     model = nnx.merge(static.graphdef, params)
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    attn = _PrefillAttention(state.pages, page_rows, valid)
+    attn = _PrefillAttention(state.pages, page_rows, valid, static.kernel(), static.layout)
     hidden, _ = model.hidden_states(tokens, attention=attn)
     state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
     if not with_logp:  # new prompts: only the last position's logits are needed, and insert computes them
         return state, Prefix(hidden=hidden, response_logp=jnp.zeros(tokens.shape, jnp.float32))
-    logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
-    logp_all = jax.nn.log_softmax(logits / static.sampling.logp_temperature, axis=-1)
-    token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
+    temperature = static.sampling.logp_temperature
+    if static.logits_chunk is None:
+        logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
+        logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
+        token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
+    else:  # never the whole [n, T, V] logits: at a real vocabulary and length they do not fit
+        token_logp = chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature,
+                                    static.logits_chunk)[0]
     token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token
     idx = jnp.clip(prompt_lens[:, None] + jnp.arange(tokens.shape[1])[None], 0, tokens.shape[1] - 1)
     response_logp = jnp.take_along_axis(token_logp, idx, axis=1)
@@ -161,7 +246,7 @@ def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
     model = nnx.merge(static.graphdef, params)
 
     def step(state: DecodeState, _):
-        attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active)
+        attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active, static.layout)
         hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None],
                                         attention=attn)
         logits = model.logits_from_hidden(hidden[:, 0])
@@ -195,6 +280,35 @@ def _deactivate_fn(state: DecodeState, mask: jax.Array) -> DecodeState:
     return dataclasses.replace(state, active=state.active & ~mask)
 
 
+def pool_pages(model_cfg, config: EngineConfig, num_shards: int = 1) -> int:
+    """Pages in the KV pool: the budget's worth (``kv_memory_bytes``, the whole mesh's), or enough for every
+    slot at ``max_seq_len`` plus each shard's scratch page."""
+    if config.kv_memory_bytes is None:
+        per_seq = -(-config.max_seq_len // config.page_size)
+        return config.num_slots * per_seq + num_shards
+    return paged_cache.num_pages_for_budget(model_cfg, config.page_size, config.kv_memory_bytes, config.kv_dtype)
+
+
+def abstract_decode_state(model_cfg, config: EngineConfig, layout: PoolLayout, num_pages: int) -> DecodeState:
+    """The decode state as ``jax.ShapeDtypeStruct``s with their shardings (the engine allocates exactly this;
+    the AOT compile lowers against it without allocating)."""
+    s, pps = config.num_slots, -(-config.max_seq_len // config.page_size)
+    pool_shape = (model_cfg.num_key_value_heads, num_pages, config.page_size, model_cfg.head_dim)
+    pool = jax.ShapeDtypeStruct(pool_shape, resolve_dtype(config.kv_dtype),
+                                sharding=NamedSharding(layout.mesh, layout.pages_spec()))
+
+    def slots(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(layout.mesh, layout.slots_spec(len(shape))))
+    layers = model_cfg.num_hidden_layers
+    return DecodeState(
+        pages=paged_cache.KVPages(k=[pool] * layers, v=[pool] * layers),
+        page_table=slots((s, pps), jnp.int32), tokens=slots((s,), jnp.int32), lengths=slots((s,), jnp.int32),
+        generated=slots((s,), jnp.int32), max_new=slots((s,), jnp.int32), seeds=slots((s,), jnp.uint32),
+        active=slots((s,), bool),
+        version=jax.ShapeDtypeStruct((), jnp.int32, sharding=mesh_lib.replicated(layout.mesh)),
+    )
+
+
 class Engine:
     """Owns the compiled prefill/insert/generate functions and the decode state of ``num_slots`` slots."""
 
@@ -208,39 +322,20 @@ class Engine:
         self.mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
         self.params = self._place_params(params)
         self.eos_ids = tuple(sorted(set(eos_ids))) or (-1,)
-        budget = config.kv_memory_bytes
-        if budget is None:
-            per_seq = -(-config.max_seq_len // config.page_size)
-            num_pages = config.num_slots * per_seq + 1
-        else:
-            num_pages = paged_cache.num_pages_for_budget(model.cfg, config.page_size, budget, config.kv_dtype)
+        self.layout = PoolLayout.for_mesh(self.mesh, config.num_slots, model.cfg.num_key_value_heads,
+                                          model.cfg.num_attention_heads)
+        num_pages = pool_pages(model.cfg, config, self.layout.num_shards)
         self.allocator = paged_cache.PageAllocator(num_pages, config.page_size, config.num_slots,
-                                                   config.max_seq_len)
-        self.state = self._init_state(num_pages)
+                                                   config.max_seq_len, self.layout.num_shards)
+        self.state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
+                                  abstract_decode_state(model.cfg, config, self.layout, self.allocator.num_pages))
+        self.sync_page_table()  # every slot starts on its own shard's scratch page
 
     # ------------------------------------------------------------------------------------------------
     # Placement
 
     def _place_params(self, params):
         return jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-
-    def _kv_sharding(self) -> NamedSharding:
-        kv = self.model_config.num_key_value_heads
-        tensor = self.mesh.shape["tensor"]
-        spec = PartitionSpec("tensor") if tensor > 1 and kv % tensor == 0 else PartitionSpec()
-        return NamedSharding(self.mesh, spec)
-
-    def _init_state(self, num_pages: int) -> DecodeState:
-        c, s = self.config, self.config.num_slots
-        rep = mesh_lib.replicated(self.mesh)
-        pages = paged_cache.init_pages(self.model_config, num_pages, c.page_size, c.kv_dtype, self._kv_sharding())
-        z = functools.partial(jnp.zeros, device=rep)
-        return DecodeState(
-            pages=pages, page_table=z((s, self.allocator.pages_per_seq), jnp.int32),
-            tokens=z((s,), jnp.int32), lengths=z((s,), jnp.int32), generated=z((s,), jnp.int32),
-            max_new=z((s,), jnp.int32), seeds=z((s,), jnp.uint32), active=z((s,), bool),
-            version=z((), jnp.int32),
-        )
 
     def update_params(self, params: nnx.State, version: int) -> None:
         """New policy weights (e.g. after a train step) and their version number."""
@@ -251,7 +346,7 @@ class Engine:
         self.state = dataclasses.replace(self.state, version=jnp.asarray(version, jnp.int32))
 
     def _static(self) -> _Static:
-        return _Static(self.graphdef, self.sampling, self.eos_ids)
+        return _Static(self.graphdef, self.sampling, self.eos_ids, self.layout, self.config.logits_chunk, FlashConfig())
 
     @property
     def version(self) -> int:

@@ -7,6 +7,7 @@ so a masked write never lands on a live sequence.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -55,50 +56,69 @@ def num_pages_for_budget(cfg: Qwen3Config, page_size: int, memory_bytes: int = 6
     return int(n)
 
 
-def init_pages(cfg: Qwen3Config, num_pages: int, page_size: int, dtype, sharding=None) -> KVPages:
-    shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
-    dt = resolve_dtype(dtype)
-
-    def zeros():
-        return jnp.zeros(shape, dt, device=sharding)
-    return KVPages(k=[zeros() for _ in range(cfg.num_hidden_layers)],
-                   v=[zeros() for _ in range(cfg.num_hidden_layers)])
-
-
 def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, page_table: jax.Array,
-             valid: jax.Array) -> jax.Array:
+             valid: jax.Array, page_offset: jax.Array | int = 0) -> jax.Array:
     """Scatters ``new`` [B, T, Hkv, D] at token ``positions`` [B, T] into ``pages`` [Hkv, P, S, D].
 
-    ``page_table`` [B, pages_per_seq] maps a sequence's page slots to pool pages; invalid tokens go to the
-    scratch page.
+    ``page_table`` [B, pages_per_seq] maps a sequence's page slots to global pool pages; ``pages`` holds the
+    pool's pages ``[page_offset, page_offset + P)`` (the whole pool, or one device's shard of it). Invalid
+    tokens, and tokens whose page is held elsewhere, are dropped.
     """
-    size = pages.shape[2]
+    size, held = pages.shape[2], pages.shape[1]
     page = jnp.take_along_axis(page_table, jnp.clip(positions // size, 0, page_table.shape[1] - 1), axis=1)
-    page = jnp.where(valid, page, SCRATCH_PAGE)
-    offset = jnp.where(valid, positions % size, 0)
+    local = page - page_offset
+    keep = valid & (local >= 0) & (local < held)
+    local = jnp.where(keep, local, held)  # out of range: the scatter drops it
     vals = jnp.moveaxis(new, 2, 0).astype(pages.dtype)  # [Hkv, B, T, D]
-    return pages.at[:, page, offset].set(vals)
+    return pages.at[:, local, positions % size].set(vals, mode="drop")
 
 
 class PageAllocator:
-    """Host-side free list and page table. Pages are granted per slot as its sequence grows (``grow``);
-    ``release`` returns them all when the sequence finishes, pauses or is preempted."""
+    """Host-side free lists and page table. Pages are granted per slot as its sequence grows (``grow``);
+    ``release`` returns them all when the sequence finishes, pauses or is preempted.
 
-    def __init__(self, num_pages: int, page_size: int, num_slots: int, max_seq_len: int):
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages}: need the scratch page plus at least one page.")
+    With ``num_shards`` > 1 the pool and the slots are split into equal contiguous shards, one per device
+    along the mesh's batch axes: slot ``s`` lives on shard ``s // slots_per_shard`` and takes pages only from
+    that shard's range, so a device's decode attention reads only the pages it holds. Each shard's first page
+    is its scratch page. The table holds global page ids; `local_page_table` gives each device its own.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, max_seq_len: int, num_shards: int = 1):
+        if num_slots % num_shards:
+            raise ValueError(f"num_slots={num_slots} must divide evenly over {num_shards} page-pool shards.")
+        self.pages_per_shard = num_pages // num_shards
+        if self.pages_per_shard < 2:
+            raise ValueError(f"num_pages={num_pages} over {num_shards} shards: each shard needs its scratch page "
+                             "plus at least one page.")
         self.page_size = page_size
-        self.num_pages = num_pages
+        self.num_shards = num_shards
+        self.num_pages = self.pages_per_shard * num_shards
+        self.slots_per_shard = num_slots // num_shards
         self.max_seq_len = max_seq_len
         self.pages_per_seq = math.ceil(max_seq_len / page_size)
-        self.free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() yields low pages first
-        self.table = np.full((num_slots, self.pages_per_seq), SCRATCH_PAGE, np.int32)
+        # pop() yields low pages first
+        self.free: list[list[int]] = [list(range(self.scratch(s) + self.pages_per_shard - 1, self.scratch(s), -1))
+                                      for s in range(num_shards)]
+        self.table = np.repeat(self.scratch(np.arange(num_slots) // self.slots_per_shard)[:, None],
+                               self.pages_per_seq, axis=1).astype(np.int32)
         self.owned: dict[int, list[int]] = {}
+
+    def scratch(self, shard):
+        """The scratch page of ``shard`` (padded and inactive rows point there)."""
+        return shard * self.pages_per_shard
+
+    def shard_of(self, slot: int) -> int:
+        return slot // self.slots_per_shard
 
     @property
     def capacity(self) -> int:
-        """Pages that can ever be handed out (all but the scratch page)."""
-        return self.num_pages - 1
+        """Pages that can ever be handed out (all but the scratch pages)."""
+        return self.num_shards * self.shard_capacity
+
+    @property
+    def shard_capacity(self) -> int:
+        """The most pages one sequence can ever hold (a sequence lives on one shard)."""
+        return self.pages_per_shard - 1
 
     def pages_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -110,40 +130,55 @@ class PageAllocator:
                 f"A sequence of {num_tokens} tokens (prompt + max new tokens) exceeds the context of "
                 f"{self.max_seq_len}; shorten the prompt or lower max_new_tokens."
             )
-        if self.pages_needed(num_tokens) > self.capacity:
+        if self.pages_needed(num_tokens) > self.shard_capacity:
             raise ValueError(
                 f"A sequence of {num_tokens} tokens needs {self.pages_needed(num_tokens)} pages but the pool "
-                f"has {self.capacity}; raise the KV memory budget."
+                f"has {self.shard_capacity} per shard; raise the KV memory budget."
             )
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_needed(num_tokens) <= len(self.free)
+    def can_allocate(self, num_tokens: int, slot: int = 0) -> bool:
+        """Whether ``slot``'s shard has the pages for ``num_tokens``."""
+        return self.pages_needed(num_tokens) <= len(self.free[self.shard_of(slot)])
+
+    def slot_with_room(self, free_slots: list[int], num_tokens: int, busy_slots: list[int],
+                       headroom_tokens: int) -> int | None:
+        """The first of ``free_slots`` whose shard has pages for ``num_tokens`` plus ``headroom_tokens`` per
+        busy slot of that shard (room for the running sequences to grow), or None."""
+        busy = collections.Counter(self.shard_of(s) for s in busy_slots)
+        for slot in free_slots:
+            shard = self.shard_of(slot)
+            if self.can_allocate(num_tokens + busy[shard] * headroom_tokens, slot):
+                return slot
+        return None
 
     def allocate(self, slot: int, num_tokens: int) -> None:
         """Pages for a newly admitted sequence of ``num_tokens``."""
         if slot in self.owned:
             raise RuntimeError(f"Slot {slot} already holds pages.")
         if not self.grow(slot, num_tokens):
-            raise RuntimeError(f"Need {self.pages_needed(num_tokens)} pages, {len(self.free)} free.")
+            raise RuntimeError(f"Need {self.pages_needed(num_tokens)} pages, "
+                               f"{len(self.free[self.shard_of(slot)])} free.")
 
     def grow(self, slot: int, num_tokens: int) -> bool:
         """Extends ``slot``'s pages to cover ``num_tokens``; False (and nothing changes) when too few are free."""
+        free = self.free[self.shard_of(slot)]
         have = self.owned.get(slot, [])
         n = self.pages_needed(num_tokens)
         extra = n - len(have)
-        if extra > len(self.free):
+        if extra > len(free):
             return False
         if extra > 0:
-            new = [self.free.pop() for _ in range(extra)]
+            new = [free.pop() for _ in range(extra)]
             self.table[slot, len(have): n] = new
             self.owned[slot] = have + new
         return True
 
     def release(self, slot: int) -> None:
+        shard = self.shard_of(slot)
         pages = self.owned.pop(slot, [])
-        self.free.extend(reversed(pages))
-        self.table[slot, :] = SCRATCH_PAGE
+        self.free[shard].extend(reversed(pages))
+        self.table[slot, :] = self.scratch(shard)
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return sum(len(f) for f in self.free)

@@ -120,7 +120,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Fills free slots from the queue head while pages fit (a request that does not fit yet waits).
-        Under incremental reservation, one page per running slot stays free as headroom for their growth."""
+        Under incremental reservation, one page per running slot of a shard stays free on that shard as
+        headroom for their growth."""
         alloc = self.engine.allocator
         batch: list[tuple[int, _Pending]] = []
         free = self.free_slots
@@ -128,11 +129,12 @@ class Scheduler:
         while self.queue and free:
             p = self.queue[0]
             need = self._tokens_to_reserve(p.traj)
-            headroom = (len(self.slots) + len(batch)) * alloc.page_size if incremental else 0
-            if not alloc.can_allocate(need + headroom):
+            busy = [*self.slots, *(s for s, _ in batch)]
+            slot = alloc.slot_with_room(free, need, busy, alloc.page_size if incremental else 0)
+            if slot is None:
                 break
             self.queue.popleft()
-            slot = free.pop(0)
+            free.remove(slot)
             alloc.allocate(slot, need)
             batch.append((slot, p))
         # One prefill per length bucket, so a few long resumed trajectories do not pad the short ones.

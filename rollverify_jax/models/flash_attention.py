@@ -1,0 +1,148 @@
+"""Causal attention over a call's own tokens, for training and prefill: one entry, three implementations.
+
+- 'reference': the jnp einsum with a dense ``[T, T]`` mask (CPU, tests). Its scores are ``O(T^2)`` memory,
+  which at 20K-token rows does not fit any accelerator.
+- 'splash': the Pallas TPU splash-attention kernel (flash attention with block sparsity: the causal and
+  segment structure skips whole blocks), run per device inside ``shard_map`` because Mosaic kernels cannot be
+  partitioned automatically. On CPU it runs in Pallas interpret mode, which is how the tests check it.
+- 'cudnn': ``jax.nn.dot_product_attention`` with the cuDNN fused kernel (GPU). Packed rows pass their segment
+  structure as a boolean mask.
+
+Inputs follow the model's layout: q [B, T, Hq, D], k/v [B, T, Hkv, D] (grouped-query: Hq a multiple of Hkv),
+``segments`` int32[B, T] (a query attends only to keys with its own id; padding gets an id of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import gin
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+IMPLS = ("auto", "reference", "splash", "cudnn")
+_BATCH_AXES = ("data", "fsdp")  # the mesh's batch axes (rollverify_jax.mesh.BATCH_AXES; models/ must not import it)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """impl: 'auto' picks 'splash' on TPU, 'cudnn' on GPU and 'reference' elsewhere.
+    block_q / block_kv: splash tile sizes (rows are padded to a multiple of their maximum).
+    interpret: run the Pallas kernel in interpret mode (CPU; tests)."""
+
+    impl: str = "auto"
+    block_q: int = 512
+    block_kv: int = 512
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"FlashConfig.impl={self.impl!r}: use one of {IMPLS}.")
+        if self.block_q < 128 or self.block_kv < 128 or self.block_q % 128 or self.block_kv % 128:
+            raise ValueError(f"FlashConfig.block_q/block_kv must be multiples of 128, got {self.block_q}, "
+                             f"{self.block_kv}.")
+
+    def resolved_impl(self, platform: str | None = None) -> str:
+        if self.impl != "auto":
+            return self.impl
+        platform = platform or jax.default_backend()
+        return {"tpu": "splash", "gpu": "cudnn"}.get(platform, "reference")
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with an explicit mask. q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; mask:
+    bool[B, Tq, Tk] -> [B, Tq, Hq, D]."""
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, tq, hkv, hq // hkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    return out.reshape(b, tq, hq, d)
+
+
+def causal_mask(t: int, segments: jax.Array | None) -> jax.Array:
+    """bool[B or 1, T, T]: causal, and within one segment when ``segments`` [B, T] is given."""
+    mask = jnp.tril(jnp.ones((t, t), bool))[None]
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
+    return mask
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(t: int, heads: int, block_q: int, block_kv: int, interpret: bool):
+    """A splash kernel for [heads, t, D] rows (built once per shape: the mask is processed on the host)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    bq, bkv = min(block_q, t), min(block_kv, t)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * heads)
+    with jax.ensure_compile_time_eval():  # its mask arrays are constants, never tracers of the caller's trace
+        return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+
+
+def _axes_that_divide(mesh: Mesh, axes: tuple[str, ...], dim: int) -> tuple[str, ...] | None:
+    """The mesh axes among ``axes`` (size > 1) if their product divides ``dim``, else None (replicate)."""
+    live = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+    size = 1
+    for a in live:
+        size *= mesh.shape[a]
+    return live if live and dim % size == 0 else None
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, cfg: FlashConfig,
+                     mesh: Mesh | None) -> jax.Array:
+    """Splash attention per device: rows over the batch axes and heads over 'tensor' where they divide."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+    b, t, hq, d = q.shape
+    block = max(min(cfg.block_q, t), min(cfg.block_kv, t), 128)
+    pad = -t % block
+    tp = t + pad
+    # Padding positions get an id no real token has, so they never mix with real ones.
+    seg = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    qh, kh, vh = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).swapaxes(1, 2) for x in (q * d ** -0.5, k, v))
+
+    def local(qh, kh, vh, seg):
+        kernel = _splash_kernel(tp, qh.shape[1], cfg.block_q, cfg.block_kv, cfg.interpret)
+        return jax.vmap(lambda a, b_, c, s: kernel(a, b_, c, segment_ids=SegmentIds(s, s)))(qh, kh, vh, seg)
+
+    if mesh is not None and mesh.size > 1:
+        rows = _axes_that_divide(mesh, _BATCH_AXES, b)
+        heads = _axes_that_divide(mesh, ("tensor",), k.shape[2])
+        head_spec = PartitionSpec(rows, heads, None, None)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, head_spec, head_spec, PartitionSpec(rows)),
+                              out_specs=head_spec, check_vma=False)
+    out = local(qh, kh, vh, seg)  # [B, Hq, Tp, D]
+    return out.swapaxes(1, 2)[:, :t].astype(q.dtype)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+                    implementation: str | None = "cudnn") -> jax.Array:
+    """``jax.nn.dot_product_attention`` (cuDNN's fused kernel on GPU; ``implementation=None`` lets XLA pick,
+    which is how CPU tests run the same call)."""
+    if segments is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]  # [B, 1, T, T]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, impl: str,
+                     cfg: FlashConfig | None = None, mesh: Mesh | None = None) -> jax.Array:
+    """Causal (and per-segment) attention by ``impl`` ('reference' | 'splash' | 'cudnn'); same result."""
+    cfg = cfg or FlashConfig()
+    if impl == "reference":
+        return reference_attention(q, k, v, causal_mask(q.shape[1], segments))
+    if impl == "splash":
+        if segments is None:
+            segments = jnp.zeros(q.shape[:2], jnp.int32)
+        return splash_attention(q, k, v, segments, cfg, mesh)
+    if impl == "cudnn":
+        return cudnn_attention(q, k, v, segments)
+    raise ValueError(f"Unknown attention impl {impl!r}; use one of {IMPLS[1:]}.")
