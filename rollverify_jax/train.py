@@ -176,6 +176,7 @@ def _main(args: argparse.Namespace) -> None:
 
         report = dry_run(cfg, args.dry_run_devices)
         print("dry run OK: " + json.dumps(report))
+        _compile_for_topology()
         return
     workdir = Path(args.workdir) if args.workdir else workdir_for(cfg, args.gin_file)
     print(f"workdir: {workdir.resolve()}")
@@ -185,6 +186,27 @@ def _main(args: argparse.Namespace) -> None:
         print(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
               f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})")
     print(f"metrics: {workdir / 'metrics.jsonl'}")
+
+
+def _compile_for_topology() -> None:
+    """A config that names its TPU slice (``AotConfig.topology``) is compiled for it when libtpu is installed:
+    the dry run then proves the run fits, not only that the settings parse."""
+    import importlib.util
+
+    from rollverify_jax.dry_run import _bound
+
+    if not _bound("AotConfig.topology"):
+        return
+    if importlib.util.find_spec("libtpu") is None:
+        print("dry run: AotConfig.topology is set but libtpu is not installed (pip install -e '.[tpu]'); "
+              "skipping the compile for it.")
+        return
+    from rollverify_jax import aot
+
+    report = aot.compile_run()
+    print(aot.format_report(report))
+    if not report["fits"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

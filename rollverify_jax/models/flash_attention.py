@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import gin
 import jax
@@ -74,12 +75,11 @@ def causal_mask(t: int, segments: jax.Array | None) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(t: int, heads: int, block_q: int, block_kv: int, interpret: bool):
+def _splash_kernel(t: int, heads: int, bq: int, bkv: int, interpret: bool):
     """A splash kernel for [heads, t, D] rows (built once per shape: the mask is processed on the host)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    bq, bkv = min(block_q, t), min(block_kv, t)
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * heads)
@@ -102,15 +102,16 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Arr
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     b, t, hq, d = q.shape
-    block = max(min(cfg.block_q, t), min(cfg.block_kv, t), 128)
-    pad = -t % block
+    lanes = -(-t // 128) * 128  # blocks are multiples of 128; short rows use one block
+    bq, bkv = min(cfg.block_q, lanes), min(cfg.block_kv, lanes)
+    pad = -t % math.lcm(bq, bkv)
     tp = t + pad
     # Padding positions get an id no real token has, so they never mix with real ones.
     seg = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
     qh, kh, vh = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).swapaxes(1, 2) for x in (q * d ** -0.5, k, v))
 
     def local(qh, kh, vh, seg):
-        kernel = _splash_kernel(tp, qh.shape[1], cfg.block_q, cfg.block_kv, cfg.interpret)
+        kernel = _splash_kernel(tp, qh.shape[1], bq, bkv, cfg.interpret)
         return jax.vmap(lambda a, b_, c, s: kernel(a, b_, c, segment_ids=SegmentIds(s, s)))(qh, kh, vh, seg)
 
     if mesh is not None and mesh.size > 1:

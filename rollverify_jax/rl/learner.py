@@ -465,7 +465,7 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     loss_fn = losses.get_loss_fn(cfg.loss_name)
     agg = cfg.loss.aggregation
     flash = flash or FlashConfig()  # built here, so gin bindings apply
-    kernel = {"impl": flash.resolved_impl(), "flash": flash, "mesh": mesh}
+    kernel = {"impl": flash.resolved_impl(mesh.devices.flat[0].platform), "flash": flash, "mesh": mesh}
 
     def micro_loss(params, mb: Batch, weight: jax.Array):
         if "unpack_index" in mb:

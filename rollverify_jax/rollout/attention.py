@@ -52,13 +52,16 @@ def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_bloc
 @gin.configurable
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_table: jax.Array, impl: str = "auto", pages_per_compute_block: int = 4,
-                    interpret: bool = False) -> jax.Array:
-    """Dispatches paged decode attention. ``impl='auto'``: the Pallas kernel on TPU, the reference
-    elsewhere (the GPU Pallas kernel is opt-in with ``impl='pallas_gpu'``)."""
+                    interpret: bool = False, platform: str | None = None) -> jax.Array:
+    """Dispatches paged decode attention. ``impl='auto'``: the Pallas kernel on TPU (head_dim a multiple of
+    128, as in every Qwen3), the reference elsewhere (the GPU Pallas kernel is opt-in with
+    ``impl='pallas_gpu'``). ``platform``: the one the program is compiled for (default: JAX's default
+    backend; a deviceless TPU compile passes 'tpu')."""
     if impl not in IMPLS:
         raise ValueError(f"Unknown paged attention impl {impl!r}; use one of {IMPLS}.")
-    if impl == "auto":
-        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "reference"
+    if impl == "auto":  # the TPU kernel tiles head_dim by 128 lanes; other head sizes take the reference
+        tpu = (platform or jax.default_backend()) == "tpu" and q.shape[-1] % 128 == 0
+        impl = "pallas_tpu" if tpu else "reference"
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, lengths, page_table)
     if impl == "pallas_tpu":

@@ -30,7 +30,8 @@ from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """num_slots: concurrent sequences; max_seq_len: prompt + response context per slot;
-    kv_memory_bytes: page-pool budget (None: enough for every slot at max_seq_len)."""
+    kv_memory_bytes: page-pool budget of the whole mesh, split evenly over the data x fsdp devices with the
+    slots (None: enough for every slot at max_seq_len)."""
 
     num_slots: int = 16
     page_size: int = 16
@@ -94,6 +95,11 @@ class PoolLayout:
         tensor = mesh.shape["tensor"]
         heads = "tensor" if tensor > 1 and num_kv_heads % tensor == 0 and num_q_heads % tensor == 0 else None
         return cls(mesh, axes, heads)
+
+    @property
+    def platform(self) -> str:
+        """The mesh's platform ('cpu', 'gpu', 'tpu'), which picks the kernels (a deviceless TPU mesh: 'tpu')."""
+        return self.mesh.devices.flat[0].platform
 
     @property
     def num_shards(self) -> int:
@@ -165,7 +171,7 @@ class _DecodeAttention:
             pos, valid = lengths[:, None], active[:, None]
             kp = paged_cache.write_kv(kp, k, pos, table, valid, offset)
             vp = paged_cache.write_kv(vp, v, pos, table, valid, offset)
-            out = paged_attention(q[:, 0] * scale, kp, vp, lengths + 1, table - offset)
+            out = paged_attention(q[:, 0] * scale, kp, vp, lengths + 1, table - offset, platform=lay.platform)
             return out[:, None].astype(q.dtype), kp, vp
 
         rows = lay.heads_spec(slots=True)
@@ -190,7 +196,7 @@ class _Static:
     def kernel(self) -> dict:
         """CausalAttention's implementation for prefill (splash on TPU, cuDNN on GPU, the reference on CPU)."""
         flash = self.flash or FlashConfig()
-        return {"impl": flash.resolved_impl(), "flash": flash, "mesh": self.layout.mesh}
+        return {"impl": flash.resolved_impl(self.layout.platform), "flash": flash, "mesh": self.layout.mesh}
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:

@@ -1,0 +1,254 @@
+"""Proves a run fits a TPU slice before anyone rents one: compiles its three programs deviceless.
+
+    python -m rollverify_jax.aot --gin_file=configs/qwen3_8b_dapo.gin [--topology=v5p:4x4x2] [--json out.json]
+
+With libtpu installed (``pip install -e '.[tpu]'``), JAX compiles for a named TPU topology without the
+hardware. This compiles, for the config's mesh on that topology and at the config's real shapes:
+
+- ``train_step``: one GRPO update call at the batch's worst case (every row at the full context, one packed
+  row per sequence), with the config's micro-batching, remat, chunked log-probs and splash attention;
+- ``prefill``: the resume prefill that returns verification log-probs, for the longest resumed sequence
+  (``AotConfig.prefill_rows`` rows of ``max_seq_len`` tokens);
+- ``decode``: one ``generate`` dispatch over every slot with the Pallas paged-attention kernel per device.
+
+It reports per device what XLA allocates (arguments, outputs, aliased, temporaries) and its cost analysis,
+the run's resident bytes (train state and KV pool) and the peak (resident plus the largest program's
+transient bytes), against the chip's HBM: FITS or DOES NOT FIT. The step times are roofline estimates from
+analytic FLOPs and the chip's peak, not measurements.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the compile is deviceless: never start a local TPU client
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chip is claimed, so concurrent compiles are fine
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from rollverify_jax import mesh as mesh_lib  # noqa: E402
+from rollverify_jax.aot_config import CHIPS, AotConfig, GiB  # noqa: E402
+from rollverify_jax.cli import run_cli  # noqa: E402
+from rollverify_jax.models import Qwen3ForCausalLM, model_config  # noqa: E402
+from rollverify_jax.models.flash_attention import FlashConfig  # noqa: E402
+from rollverify_jax.models.hf import config_from_hf  # noqa: E402
+from rollverify_jax.rl import learner as learner_lib  # noqa: E402
+from rollverify_jax.rl.partial_rollout import RolloutConfig  # noqa: E402
+from rollverify_jax.rollout import engine as engine_lib  # noqa: E402
+from rollverify_jax.rollout.sampling import SamplingConfig  # noqa: E402
+
+
+def get_topology_devices(name: str) -> list:
+    try:
+        from jax.experimental import topologies
+
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu missing or an unknown name: both are the user's to fix
+        raise ValueError(f"cannot describe TPU topology {name!r} ({e}). Install libtpu (pip install -e '.[tpu]') "
+                         "and use a name like 'v5p:2x2x1', 'v5e:4x4' or 'v6e:4x8'.") from None
+
+
+def _model_cfg(train_cfg):
+    hf_config = Path(train_cfg.policy_path or "", "config.json")
+    if train_cfg.policy_path and hf_config.exists():
+        return config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
+    dtype = train_cfg.param_dtype or "float32"
+    return model_config(param_dtype=dtype, dtype=train_cfg.compute_dtype or dtype)
+
+
+def _mesh(devices: list):
+    shape = list(gin.query_parameter("make_mesh.shape")) if _bound("make_mesh.shape") else [1, -1, 1]
+    return mesh_lib.make_mesh(shape, devices=devices)
+
+
+def _bound(name: str) -> bool:
+    try:
+        gin.query_parameter(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape)
+        total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def _compile(name: str, lowered_fn) -> tuple[dict, object]:
+    t0 = time.perf_counter()
+    compiled = lowered_fn().compile()
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    out = {"temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
+           "output_bytes": int(mem.output_size_in_bytes), "alias_bytes": int(mem.alias_size_in_bytes),
+           "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+           "compile_s": round(time.perf_counter() - t0, 1)}
+    print(f"  {name}: compiled in {out['compile_s']} s, temporaries {out['temp_bytes'] / GiB:.2f} GiB, "
+          f"arguments {out['argument_bytes'] / GiB:.2f} GiB per device", flush=True)
+    return out, compiled
+
+
+def _sds(shape, dtype, mesh, spec: PartitionSpec | None = None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
+
+
+def train_batch(rows: int, width: int, mesh) -> dict:
+    """The train step's batch at its worst case: every sequence at full width, one packed row each."""
+    def b(shape, dtype):
+        return _sds(shape, dtype, mesh, PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1))))
+    return {"tokens": b((rows, width), jnp.int32), "loss_mask": b((rows, width), jnp.float32),
+            "behavior_logp": b((rows, width), jnp.float32), "advantages": b((rows,), jnp.float32),
+            "attention_mask": b((rows, width), bool), "packed_tokens": b((rows, width), jnp.int32),
+            "packed_positions": b((rows, width), jnp.int32), "packed_segments": b((rows, width), jnp.int32),
+            "unpack_index": b((rows, width), jnp.int32)}
+
+
+def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
+    """Matmul FLOPs of one pass over ``tokens`` tokens in rows of ``width``: forward 2N, backward 4N per token
+    for the active parameters, plus causal attention; full remat adds a second forward of the layers."""
+    active = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    if cfg.num_experts:
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+        active -= sparse * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * width  # causal: half of 4 T D H
+    forward = 2 * (active + head) * tokens + attn * tokens
+    return forward * (4 if remat == "full" else 3)
+
+
+def compile_run(topology: str | None = None) -> dict:
+    """Compiles the run's three programs for ``topology`` (default: AotConfig.topology) -> the report."""
+    from rollverify_jax.setup import TrainConfig
+
+    aot = AotConfig()
+    topology = topology or aot.topology
+    devices = get_topology_devices(topology)
+    chip = CHIPS.get(devices[0].device_kind)
+    if chip is None:
+        raise ValueError(f"no HBM figure for {devices[0].device_kind!r}; known: {sorted(CHIPS)}.")
+    mesh = _mesh(devices)
+    train_cfg, rollout, engine_cfg = TrainConfig(), RolloutConfig(), engine_lib.EngineConfig()
+    sampling = SamplingConfig()
+    learner_cfg = learner_lib.LearnerConfig().for_sampler(sampling.logp_temperature)
+    cfg = _model_cfg(train_cfg)
+    flash = FlashConfig()
+    flash = dataclasses.replace(flash, impl=flash.resolved_impl("tpu"))
+    print(f"{topology}: {len(devices)} x {devices[0].device_kind}, mesh {dict(mesh.shape)}, "
+          f"{cfg.num_params() / 1e9:.2f}B parameters", flush=True)
+    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    optimizer = learner_lib.make_optimizer()
+    programs = {}
+
+    # Train step
+    state = learner_lib.abstract_train_state(model, optimizer, mesh)
+    rows, width = rollout.batch_groups * rollout.group_size, engine_cfg.max_seq_len
+    step = learner_lib.make_train_step(learner_lib.split_params(model)[0], learner_cfg, optimizer, mesh,
+                                       learner_lib.train_state_shardings(model, optimizer, mesh), flash)
+    programs["train_step"], _ = _compile("train_step", lambda: step.lower(state, train_batch(rows, width, mesh)))
+
+    # Resume prefill and one decode dispatch
+    layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
+                                            cfg.num_attention_heads)
+    num_pages = engine_lib.pool_pages(cfg, engine_cfg, layout.num_shards)
+    num_pages -= num_pages % layout.num_shards
+    decode_state = engine_lib.abstract_decode_state(cfg, engine_cfg, layout, num_pages)
+    graphdef, params = nnx.split(model)
+    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
+                          mesh_lib.param_shardings(params, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    static = engine_lib._Static(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash)
+    n = aot.prefill_rows or math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
+    pps = -(-engine_cfg.max_seq_len // engine_cfg.page_size)
+    programs["prefill"], _ = _compile("prefill", lambda: engine_lib._prefill_jit.lower(
+        static, params, decode_state, _sds((n, width), jnp.int32, mesh), _sds((n,), jnp.int32, mesh),
+        _sds((n, pps), jnp.int32, mesh), _sds((n,), jnp.int32, mesh), True))
+    programs["decode"], _ = _compile("decode", lambda: engine_lib._generate_jit.lower(
+        static, params, decode_state, engine_cfg.steps_per_dispatch))
+
+    # Resident and peak bytes per device
+    state_bytes, kv_bytes = _per_device_bytes(state), _per_device_bytes(decode_state.pages)
+    param_bytes = _per_device_bytes(state.params)
+    resident = state_bytes + kv_bytes
+    outside = {"train_step": kv_bytes, "prefill": state_bytes - param_bytes, "decode": state_bytes - param_bytes}
+    peaks = {k: p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"] + outside[k]
+             for k, p in programs.items()}
+    peak = max(peaks.values())
+    budget = int(chip.hbm_bytes * aot.hbm_fraction)
+    tokens = rows * width
+    train_flops = analytic_train_flops(cfg, tokens, width, learner_cfg.remat) / len(devices)
+    decode_bytes = (param_bytes + kv_bytes) * engine_cfg.steps_per_dispatch  # every step reads weights and KV
+    return {
+        "topology": topology, "device_kind": devices[0].device_kind, "num_devices": len(devices),
+        "mesh": dict(mesh.shape), "params": cfg.num_params(), "context": engine_cfg.max_seq_len,
+        "rows_per_step": rows, "hbm_bytes_per_device": chip.hbm_bytes,
+        "budget_bytes_per_device": budget, "resident_bytes_per_device": resident,
+        "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes},
+        "peak_bytes_per_device": peak, "peak_program": max(peaks, key=peaks.get), "fits": peak <= budget,
+        "programs": programs,
+        "estimate": {  # roofline, not a measurement
+            "train_step_s": train_flops / chip.peak_flops,
+            "decode_dispatch_s": decode_bytes / chip.hbm_bandwidth,
+            "decode_tokens_per_dispatch": engine_cfg.num_slots * engine_cfg.steps_per_dispatch,
+        },
+    }
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['topology']} ({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}:"]
+    for name, p in r["programs"].items():
+        lines.append(f"  {name:<10} temporaries {p['temp_bytes'] / GiB:7.2f} GiB  arguments "
+                     f"{p['argument_bytes'] / GiB:7.2f} GiB  outputs {p['output_bytes'] / GiB:7.2f} GiB  "
+                     f"aliased {p['alias_bytes'] / GiB:7.2f} GiB  compile {p['compile_s']} s")
+    res = r["resident"]
+    lines.append(f"  resident per device: {r['resident_bytes_per_device'] / GiB:.2f} GiB (train state "
+                 f"{res['train_state'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f})")
+    lines.append(f"  peak per device: {r['peak_bytes_per_device'] / GiB:.2f} GiB ({r['peak_program']}) of "
+                 f"{r['hbm_bytes_per_device'] / GiB:.0f} GiB HBM (plan: {r['budget_bytes_per_device'] / GiB:.1f})")
+    e = r["estimate"]
+    lines.append(f"  estimate (roofline, not measured): train step {e['train_step_s']:.1f} s at peak FLOPs; "
+                 f"decode dispatch {e['decode_dispatch_s'] * 1e3:.1f} ms for {e['decode_tokens_per_dispatch']} "
+                 "tokens at HBM bandwidth")
+    lines.append("  FITS" if r["fits"] else "  DOES NOT FIT")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    ap.add_argument("--gin_param", action="append", default=[], help="gin binding")
+    ap.add_argument("--topology", default=None, help="TPU topology (default: AotConfig.topology)")
+    ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
+    args = ap.parse_args(argv)
+
+    def body():
+        from rollverify_jax.setup import parse_gin
+
+        parse_gin(args.gin_file, args.gin_param)
+        report = compile_run(args.topology)
+        print(format_report(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if not report["fits"]:
+            raise SystemExit(1)
+
+    run_cli(body, args.traceback)
+
+
+if __name__ == "__main__":
+    main()
