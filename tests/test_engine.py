@@ -1,5 +1,7 @@
 """Engine correctness: paged decoding vs full recompute, behaviour log-probs, determinism, sharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,24 @@ def test_behaviour_logprobs_equal_teacher_forced(model, sampling_engine):
         assert t.finished and (t.tokens[-1] == 3 or t.num_tokens == t.max_new_tokens)
         assert 3 not in t.tokens[:-1]
         np.testing.assert_allclose(t.logps, _teacher_forced_logp(logits, t, 0.8), atol=1e-4)
+
+
+def test_chunked_resume_prefill_gives_the_verification_logprobs(model, sampling_engine):
+    """The resume prefill's log pi, computed 5 positions at a time (never the [rows, T, V] logits), equals the
+    teacher-forced log-probs of the response, as the unchunked prefill does."""
+    trajs = _run(sampling_engine, _requests(3, seed=5))
+    chunked = Engine(model, dataclasses.replace(CFG, logits_chunk=5), sampling_engine.sampling, eos_ids=(3,))
+    logits = _padded_logits(model)
+    seqs = [np.concatenate([t.prompt, t.tokens]).astype(np.int32) for t in trajs]
+    for engine in (sampling_engine, chunked):
+        for slot in range(len(trajs)):
+            engine.allocator.allocate(slot, len(seqs[slot]))
+        prefix = engine.prefill(seqs, list(range(len(trajs))), [len(t.prompt) for t in trajs])
+        for slot in range(len(trajs)):
+            engine.allocator.release(slot)
+        for i, t in enumerate(trajs):
+            np.testing.assert_allclose(np.asarray(prefix.response_logp[i, : t.num_tokens]),
+                                       _teacher_forced_logp(logits, t, 0.8), atol=1e-4)
 
 
 def test_sample_does_not_depend_on_slot_or_batch(sampling_engine):
