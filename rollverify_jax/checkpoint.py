@@ -23,6 +23,14 @@ tmp directories, and a new ``Checkpointer`` removes them in a background thread 
 awaited before its first save). orbax *does* list a bare ``<step>`` directory with no ``commit_success.txt``
 (e.g. a half-finished copy of a checkpoint), so ``latest_step``/``all_steps`` here additionally require that file.
 A failed save is reported once: a later ``wait_until_finished``/``close`` does not raise it again.
+
+Faults met on resume, each said in one line and none deleting a user's data silently:
+
+- an interrupted save (a ``<step>.orbax-checkpoint-tmp-*`` directory) is named, then removed by orbax;
+- a bare ``<step>`` directory without its commit file is moved aside to ``<step>.uncommitted`` before the
+  manager lists steps (otherwise orbax counts the step as saved and never saves it again);
+- a committed checkpoint that cannot be read (a truncated array file, a missing item) is moved aside to
+  ``<step>.corrupt`` with the error, and the restore falls back to the next newest committed step.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -135,9 +144,33 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             create=True,
         )
+        self._report_interrupted_saves()
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEM_NAMES)
         self._closed = False
         atexit.register(self.close)  # a forgotten close() must not lose the last async save
+
+    # -- faults found on disk -------------------------------------------------------------------------------------
+
+    def _report_interrupted_saves(self) -> None:
+        """Names each save that never committed, and moves bare uncommitted step directories aside."""
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.iterdir()):
+            if ".orbax-checkpoint-tmp" in path.name:
+                _say(f"checkpoint: removing {path.name}, a save that was interrupted before it committed")
+            elif path.is_dir() and path.name.isdigit() and not (path / COMMIT_FILE).exists():
+                aside = self._set_aside(int(path.name), "uncommitted")
+                _say(f"checkpoint: step {path.name} has no {COMMIT_FILE} (never committed); moved to {aside.name}")
+
+    def _set_aside(self, step: int, why: str) -> Path:
+        """Renames ``<step>`` to ``<step>.<why>`` (``.<why>-1``, ... if taken): out of orbax's step list, kept."""
+        aside = self.directory / f"{step}.{why}"
+        n = 0
+        while aside.exists():
+            n += 1
+            aside = self.directory / f"{step}.{why}-{n}"
+        (self.directory / str(step)).rename(aside)
+        return aside
 
     # -- queries -------------------------------------------------------------------------------------------------
 
@@ -163,7 +196,7 @@ class Checkpointer:
         step = int(step)
         if not (force or self.should_save(step)):
             return False
-        if step in self._manager.all_steps():
+        if step in self.all_steps():
             return False
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -179,8 +212,12 @@ class Checkpointer:
     # -- restore -------------------------------------------------------------------------------------------------
 
     def check_fingerprint(self, step: int) -> None:
-        """Raises ValueError when checkpoint ``step`` was saved for a different model architecture."""
-        saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        """Raises ValueError when checkpoint ``step`` was saved for a different model architecture (and
+        `_Unreadable` when its ``meta`` item cannot be read)."""
+        try:
+            saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        except Exception as e:
+            raise _Unreadable(_first_line(e)) from e
         diff = _fingerprint_diff(saved, self.model_fingerprint)
         if diff:
             raise ValueError(
@@ -190,30 +227,49 @@ class Checkpointer:
             )
 
     def restore(self, step: int | None = None, abstract_state: Any = None) -> tuple[int, Any, dict[str, Any]]:
-        """Returns (step, state, extra) of ``step`` (default: the latest committed step).
+        """Returns (step, state, extra) of ``step`` (default: the latest committed step that can be read).
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with shardings; the arrays are
         read straight onto those shardings. Without it, orbax uses the shardings recorded at save time, which
-        only works on the same device topology.
+        only works on the same device topology. Without ``step``, an unreadable newest checkpoint is moved
+        aside (``<step>.corrupt``, with a warning that names the error) and the next newest is tried.
         """
         self.wait_until_finished()
         steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(f"No committed checkpoint for step {step} under {self.directory}; "
-                                    f"available steps: {steps}.")
+        if step is not None:
+            if step not in steps:
+                raise FileNotFoundError(f"No committed checkpoint for step {step} under {self.directory}; "
+                                        f"available steps: {steps}.")
+            try:
+                return self._restore_step(step, abstract_state)
+            except _Unreadable as e:
+                raise ValueError(f"Checkpoint {self.directory / str(step)} cannot be read: {e}") from None
+        for candidate in reversed(steps):
+            try:
+                return self._restore_step(candidate, abstract_state)
+            except _Unreadable as e:
+                aside = self._set_aside(candidate, "corrupt")
+                self._manager.reload()
+                _say(f"checkpoint: step {candidate} cannot be read ({e}); moved to {aside.name}, trying the "
+                     "previous step")
+        raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
+
+    def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+        """One step's (step, state, extra); ValueError for a mismatch the user must fix, `_Unreadable` for a
+        checkpoint whose files are damaged (orbax raises a bare Exception or FileNotFoundError then)."""
         self.check_fingerprint(step)
         state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
             else ocp.args.StandardRestore()
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args,
                                                                              extra=ocp.args.JsonRestore()))
+        except json.JSONDecodeError as e:
+            raise _Unreadable(_first_line(e)) from e
         except ValueError as e:
             raise ValueError(f"Could not restore the state of {self.directory / str(step)} onto abstract_state "
                              f"(does the state tree, e.g. the optimizer, match the one saved?): {e}") from e
+        except Exception as e:
+            raise _Unreadable(_first_line(e)) from e
         return step, restored["state"], decode_extra(restored["extra"] or {})
 
     # -- lifetime ------------------------------------------------------------------------------------------------
@@ -234,3 +290,16 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Unreadable(Exception):
+    """A checkpoint's files are damaged (truncated, missing): not the user's settings."""
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -478,3 +478,63 @@ def test_closed_checkpointer_is_released(tmp_path):
     del ckpt
     gc.collect()
     assert ref() is None  # not kept alive by the exit hook once closed
+
+
+# -- damaged checkpoints on resume ------------------------------------------------------------------------------------
+
+
+def _two_steps(tmp_path):
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": jnp.sin(jnp.arange(256.0) * step)}, {"step": step}, force=True)  # incompressible
+    return tmp_path / "checkpoints"
+
+
+def _truncate_array_files(step_dir):
+    """Cuts every ocdbt data file that holds the array (the 2 KiB of sin values) to 50 bytes."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    for big in (p for p in files if p.stat().st_size > 1000):
+        big.write_bytes(big.read_bytes()[:50])
+
+
+@pytest.mark.parametrize("damage", ["truncated array file", "missing item"])
+def test_unreadable_newest_checkpoint_falls_back_and_is_kept_aside(tmp_path, capsys, damage):
+    root = _two_steps(tmp_path)
+    if damage == "truncated array file":
+        _truncate_array_files(root / "2")
+    else:
+        (root / "2" / "extra" / "metadata").unlink()
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        step, state, extra = ckpt.restore(abstract_state={"x": jax.ShapeDtypeStruct((256,), jnp.float32)})
+        assert step == 1 and extra == {"step": 1}
+        np.testing.assert_array_equal(np.asarray(state["x"]), np.asarray(jnp.sin(jnp.arange(256.0))))
+        err = capsys.readouterr().err
+        assert "checkpoint: step 2 cannot be read" in err and "moved to 2.corrupt" in err
+        assert (root / "2.corrupt").is_dir() and ckpt.all_steps() == [1]  # kept, out of the step list
+        assert ckpt.save(2, {"x": jnp.full(256, 5.0)}, {"step": 2}, force=True)  # the step can be redone
+    with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
+        assert ckpt.restore()[2] == {"step": 2}
+
+
+def test_an_explicit_unreadable_step_is_a_clear_error(tmp_path):
+    root = _two_steps(tmp_path)
+    (root / "2" / "meta" / "metadata").unlink()
+    with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
+        with pytest.raises(ValueError, match="checkpoints/2 cannot be read: FileNotFoundError"):
+            ckpt.restore(2)
+    assert (root / "2").is_dir()  # asked for by name: left where it is
+
+
+def test_uncommitted_step_directory_is_set_aside_and_the_step_saved_again(tmp_path, capsys):
+    """A bare step directory without the commit file used to block every later save of that step."""
+    root = _two_steps(tmp_path)
+    (root / "2" / COMMIT_FILE).unlink()
+    (root / "5.orbax-checkpoint-tmp").mkdir()
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        err = capsys.readouterr().err
+        assert f"step 2 has no {COMMIT_FILE} (never committed); moved to 2.uncommitted" in err
+        assert "removing 5.orbax-checkpoint-tmp, a save that was interrupted" in err
+        assert ckpt.latest_step() == 1
+        assert ckpt.save(2, {"x": jnp.zeros(256)}, {"step": 2}, force=True)
+        assert ckpt.latest_step() == 2
+    assert (root / "2.uncommitted").is_dir()
