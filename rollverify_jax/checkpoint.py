@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -266,6 +267,8 @@ class Checkpointer:
         except json.JSONDecodeError as e:
             raise _Unreadable(_first_line(e)) from e
         except ValueError as e:
+            if _STORAGE_ERROR.search(str(e)):  # tensorstore reports damaged files as ValueErrors too
+                raise _Unreadable(_first_line(e)) from e
             raise ValueError(f"Could not restore the state of {self.directory / str(step)} onto abstract_state "
                              f"(does the state tree, e.g. the optimizer, match the one saved?): {e}") from e
         except Exception as e:
@@ -290,6 +293,10 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# How tensorstore words a file it cannot read (a truncated or missing chunk, a bad manifest).
+_STORAGE_ERROR = re.compile(r"OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|Error opening")
 
 
 class _Unreadable(Exception):
