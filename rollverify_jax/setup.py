@@ -197,7 +197,8 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     latest = run.checkpointer.latest_step()
     if latest is not None:
         abstract = learner_lib.abstract_train_state(model, optimizer, mesh)
-        _, run.train_state, extra = run.checkpointer.restore(latest, abstract_state=abstract)
+        # The newest checkpoint that can be read (a damaged one is moved aside with a warning).
+        _, run.train_state, extra = run.checkpointer.restore(abstract_state=abstract)
         check_resume_settings(extra.get("settings", {}), run_settings(run), allow=cfg.allow_changed_settings)
         load_run_state(run, extra)
     engine.update_params(run.train_state.params, version=run.step)

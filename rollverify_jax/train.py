@@ -121,7 +121,9 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     start = run.step
     save_operative_config(workdir)
     (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
-    writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1)
+    # Rows past the restored checkpoint are redone, so they are dropped first (with no checkpoint, every row is:
+    # a run killed after its step-0 evaluation would otherwise log step 0 twice).
+    writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1 if start else 0)
     written = []
     t_start = time.perf_counter() - run.wall_offset
     try:

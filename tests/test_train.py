@@ -52,6 +52,9 @@ def _train(policy, workdir, mode, steps, extra=()):
 
 
 def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path, capsys):
+    # A run killed after its step-0 evaluation (no checkpoint yet) left a row behind: it is redone, not doubled.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
     metrics = _train(policy, tmp_path / "run", "rollverify", 2)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:
@@ -107,8 +110,11 @@ def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
     """Stop after a checkpoint taken while trajectories were paused and the policy was learning; the resumed
     steps equal an uninterrupted run, and so does the train state they end with."""
     full = _train(policy, tmp_path / "full", "rollverify", 4, LENGTH_REWARD)
-    _train(policy, tmp_path / "split", "rollverify", 2, LENGTH_REWARD)
+    _train(policy, tmp_path / "split", "rollverify", 3, LENGTH_REWARD)
+    # Step 3's checkpoint is damaged: the resume sets it aside, restores step 2 and redoes step 3.
+    (tmp_path / "split" / "checkpoints" / "3" / "extra" / "metadata").unlink()
     resumed = _train(policy, tmp_path / "split", "rollverify", 4, LENGTH_REWARD)
+    assert (tmp_path / "split" / "checkpoints" / "3.corrupt").is_dir()
     assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]  # no duplicated lines after the resume
     assert len({m["reward/mean"] for m in full[1:]}) > 1 and any(m["reward/uniform_group_fraction"] < 1
                                                                  for m in full[1:])
