@@ -185,7 +185,12 @@ class Checkpointer:
 
     def should_save(self, step: int) -> bool:
         """Every ``save_interval_steps``, or when a multi-host preemption sync point is reached (all hosts agree)."""
-        return step % self.config.save_interval_steps == 0 or self._manager.reached_preemption(step)
+        return step % self.config.save_interval_steps == 0 or self.reached_preemption(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether JAX's preemption sync point is ``step`` (every host gets the same answer; always False on one
+        host without the preemption service)."""
+        return bool(self._manager.reached_preemption(step))
 
     # -- save ----------------------------------------------------------------------------------------------------
 

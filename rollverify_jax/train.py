@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 import json
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import numpy as np
 from rollverify_jax.cli import run_cli
 from rollverify_jax.evaluate import evaluate_run
 from rollverify_jax.metrics import MetricsWriter, ProgressBar, save_operative_config
+from rollverify_jax.preemption import StopRequest
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch, flatten_groups
@@ -127,12 +130,14 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     written = []
     t_start = time.perf_counter() - run.wall_offset
     try:
-        with ProgressBar(total_steps=cfg.num_steps, start_step=start) as bar:
+        with ProgressBar(total_steps=cfg.num_steps, start_step=start) as bar, StopRequest() as stop:
             if start == 0:
                 m = {**evaluate_run(run), "time/wall": time.perf_counter() - t_start}
                 written.append(writer.write(0, m))
                 bar.update(0, m)
             for step in range(start + 1, cfg.num_steps + 1):
+                if stop.signum is not None:  # a signal during the step-0 evaluation: nothing to save yet
+                    _stopped(stop, None)
                 metrics = train_one_step(run)
                 last = step == cfg.num_steps or (
                     cfg.time_budget_s > 0 and time.perf_counter() - t_start >= cfg.time_budget_s)
@@ -141,13 +146,27 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)
-                run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]), force=last)
+                # A signal (or, on several hosts, JAX's preemption sync point) stops here, after a saved step.
+                stopping = stop.signum is not None or run.checkpointer.reached_preemption(step)
+                run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]),
+                                      force=last or stopping)
+                if stopping and not last:
+                    run.checkpointer.wait_until_finished()
+                    _stopped(stop, run.checkpointer.directory / str(step))
                 if last:
                     break
     finally:
         writer.close()
         run.close()
     return written
+
+
+def _stopped(stop: StopRequest, saved: Path | None) -> None:
+    """Ends a run stopped by a signal with one line and the signal's exit status (143 for SIGTERM)."""
+    name = "preemption" if stop.signum is None else signal.Signals(stop.signum).name
+    where = f"checkpoint {saved} committed" if saved else "no step finished since the last checkpoint"
+    print(f"stopped by {name}: {where}; run the same command to resume.", file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_status if stop.signum is not None else 0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -313,3 +313,35 @@ def test_cross_checks_run_at_every_start_not_only_in_the_dry_run(policy, tmp_pat
         gin.clear_config()
     assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
     assert message in capsys.readouterr().err
+
+
+def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path):
+    """SIGTERM (a preemption notice) mid-run: the step in flight finishes, its checkpoint is committed although
+    no save was due, the exit status is 143, and the same command resumes after that step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    workdir = tmp_path / "run"
+    params = _params(policy, "rollverify", 200, ("CheckpointConfig.save_interval_steps = 1000",))
+    proc = subprocess.Popen([sys.executable, "-m", "rollverify_jax.train", f"--workdir={workdir}",
+                             *[f"--gin_param={p}" for p in params]], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+
+    def steps_done():
+        path = workdir / "metrics.jsonl"
+        return [m["step"] for m in read_metrics(path)] if path.exists() else []
+
+    while not any(s >= 1 for s in steps_done()):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err[-2000:]
+    stopped = read_metrics(workdir / "metrics.jsonl")[-1]["step"]
+    assert 1 <= stopped < 200
+    assert f"stopped by SIGTERM: checkpoint {workdir.absolute() / 'checkpoints' / str(stopped)} committed" in err
+    assert "Traceback" not in err
+    resumed = _train(policy, workdir, "rollverify", stopped + 1, ("CheckpointConfig.save_interval_steps = 1000",))
+    assert [m["step"] for m in resumed] == list(range(stopped + 2))

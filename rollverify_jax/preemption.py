@@ -1,0 +1,47 @@
+"""Stopping at a safe point: SIGTERM (the preemption notice of TPU VMs, SLURM and Kubernetes) and SIGINT.
+
+A signal does not kill the run mid-step: it is recorded, the step in flight finishes, a checkpoint of it is
+saved and committed, and the process exits with ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), the status
+schedulers read as "stopped by that signal", so a requeue resumes from the saved step. A second SIGINT stops at
+once (for a person at the keyboard). On several hosts JAX's preemption sync point makes every host stop after
+the same step (``Checkpointer.reached_preemption``).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+EXIT_STATUS = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
+
+
+class StopRequest:
+    """Context manager: while inside, SIGTERM/SIGINT set ``signum`` instead of killing the process."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        for sig in EXIT_STATUS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker): keep the default behaviour
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signum = signum
+        print(f"\nreceived {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS.get(self.signum, 1)
