@@ -63,10 +63,14 @@ class TrainConfig:
     # A resume refuses settings that differ from the checkpoint's run (mode, thresholds, loss, B, G, ...);
     # True (or --allow_changed_settings) continues with the new ones, listing each difference.
     allow_changed_settings: bool = False
+    # Steps in a row whose updates were skipped for a NaN/Inf loss or gradient before the run stops (exit 3).
+    max_skipped_steps: int = 3
 
     def __post_init__(self):
         if self.num_steps < 0:
             raise ValueError(f"TrainConfig.num_steps={self.num_steps} must be >= 0.")
+        if self.max_skipped_steps < 1:
+            raise ValueError(f"TrainConfig.max_skipped_steps={self.max_skipped_steps} must be >= 1.")
         adv_lib.get_advantage_fn(self.advantage)
 
 

@@ -128,6 +128,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     # a run killed after its step-0 evaluation would otherwise log step 0 twice).
     writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1 if start else 0)
     written = []
+    bad_steps: list[int] = []  # consecutive steps with skipped (non-finite) updates
     t_start = time.perf_counter() - run.wall_offset
     try:
         with ProgressBar(total_steps=cfg.num_steps, start_step=start) as bar, StopRequest() as stop:
@@ -146,10 +147,12 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)
+                skipped = _check_numerics(step, metrics, cfg, bad_steps)
                 # A signal (or, on several hosts, JAX's preemption sync point) stops here, after a saved step.
                 stopping = stop.signum is not None or run.checkpointer.reached_preemption(step)
-                run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]),
-                                      force=last or stopping)
+                if not skipped:  # a step with skipped updates never replaces a good checkpoint
+                    run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]),
+                                          force=last or stopping)
                 if stopping and not last:
                     run.checkpointer.wait_until_finished()
                     _stopped(stop, run.checkpointer.directory / str(step))
@@ -159,6 +162,26 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
         writer.close()
         run.close()
     return written
+
+
+def _check_numerics(step: int, metrics: dict, cfg: TrainConfig, bad_steps: list[int]) -> bool:
+    """Reports a step whose updates were skipped for a NaN/Inf loss or gradient; stops the run (exit status 3,
+    the last good checkpoint intact) after ``TrainConfig.max_skipped_steps`` such steps in a row."""
+    skipped = int(metrics.get("train/skipped_updates", 0))
+    if not skipped:
+        bad_steps.clear()
+        return False
+    bad_steps.append(step)
+    which = " and ".join(name for name, key in (("loss", "train/nonfinite_loss"), ("gradient", "train/nonfinite_grad"))
+                         if metrics.get(key))
+    print(f"step {step}: {skipped} of {int(metrics['train/num_updates'])} updates skipped (non-finite {which}); "
+          "not checkpointed", file=sys.stderr, flush=True)
+    if len(bad_steps) >= cfg.max_skipped_steps:
+        print(f"error: steps {bad_steps} in a row had non-finite {which}; stopping. The last checkpoint is from "
+              "before them: lower OptimizerConfig.learning_rate or check the data, then run the same command to "
+              "resume from it.", file=sys.stderr, flush=True)
+        raise SystemExit(3)
+    return True
 
 
 def _stopped(stop: StopRequest, saved: Path | None) -> None:

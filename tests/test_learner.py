@@ -320,3 +320,21 @@ def test_rematerialised_layers_give_the_same_values_and_gradients(model, remat):
     assert "remat" in jaxpr or "checkpoint" in jaxpr  # the layers really are rematerialised
     with pytest.raises(ValueError, match="LearnerConfig.remat='some'"):
         learner.LearnerConfig(remat="some")
+
+
+def test_a_nonfinite_update_is_skipped(model, mesh1, batch_and_noise):
+    """A NaN in one minibatch's loss skips that update only (reported in the metrics); the other applies."""
+    batch, _ = batch_and_noise
+    cfg = learner.LearnerConfig(num_minibatches=2)
+    poisoned = {**batch, "advantages": batch["advantages"].copy()}
+    poisoned["advantages"][0] = np.nan  # row 0 is in minibatch 0 (rows 0, 2, 4, 6)
+    state, history = _train(model, mesh1, cfg, poisoned)
+    m = history[0]
+    assert m["train/skipped_updates"] == 1 and m["train/nonfinite_loss"] == 1 and m["train/num_updates"] == 2
+    params = _flat(state.params)
+    assert np.isfinite(params).all()
+    assert np.abs(params - _flat(learner.split_params(model)[1])).max() > 1e-4  # minibatch 1's update applied
+    all_nan = {**batch, "advantages": np.full_like(batch["advantages"], np.nan)}
+    state, history = _train(model, mesh1, cfg, all_nan)
+    assert history[0]["train/skipped_updates"] == 2
+    np.testing.assert_array_equal(_flat(state.params), _flat(learner.split_params(model)[1]))

@@ -345,3 +345,27 @@ def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path):
     assert "Traceback" not in err
     resumed = _train(policy, workdir, "rollverify", stopped + 1, ("CheckpointConfig.save_interval_steps = 1000",))
     assert [m["step"] for m in resumed] == list(range(stopped + 2))
+
+
+def test_nonfinite_updates_are_skipped_and_a_run_of_them_stops_with_the_good_checkpoint(policy, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """From step 2 on every batch carries NaN advantages (injected): the updates are skipped and reported, the
+    steps are not checkpointed, and the second such step in a row stops the run with exit status 3."""
+    real_learn = train.learn
+
+    def poisoned(run, batch):
+        if run.step >= 1:  # the update of step 2 onwards
+            batch = {**batch, "advantages": np.full_like(batch["advantages"], np.nan)}
+        return real_learn(run, batch)
+
+    monkeypatch.setattr(train, "learn", poisoned)
+    with pytest.raises(SystemExit) as e:
+        _train(policy, tmp_path / "run", "on_policy", 6, ("TrainConfig.max_skipped_steps = 2",))
+    assert e.value.code == 3
+    err = capsys.readouterr().err
+    assert "step 2: 1 of 1 updates skipped (non-finite loss" in err and "not checkpointed" in err
+    assert "error: steps [2, 3] in a row had non-finite loss" in err
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["train/skipped_updates"] for m in metrics[1:]] == [0, 1, 1]
+    with Checkpointer(tmp_path / "run", CheckpointConfig()) as ckpt:
+        assert ckpt.all_steps() == [1]

@@ -456,6 +456,8 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     """`train_step(state, batch) -> (state, metrics)`, jitted on `mesh` with the state donated.
 
     Metrics (replicated float32 scalars): `loss`, `policy/*` and `grad_norm` averaged over the updates;
+    `train/skipped_updates` (updates not applied because the loss or the gradient norm was NaN or Inf; then
+    `train/nonfinite_loss` / `train/nonfinite_grad` count which);
     `ops/token_mean` of the first minibatch of the first epoch (the train-time OPS, before any update of this
     step moved the policy); `learning_rate` of the last update; `train/num_updates`; `train/loss_tokens`.
     Shapes fix the compilation: calls with the same batch shapes reuse one executable. `flash` picks the
@@ -515,9 +517,17 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
             params, opt_state = carry
             grads, metrics = minibatch_grads(params, minibatch, n_micro)
             metrics["grad_norm"] = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            # A NaN or Inf in the loss or the gradients skips the update: params and optimizer state (and the
+            # schedule's count) stay as they were, and the metrics say which quantity it was.
+            bad_loss, bad_grad = ~jnp.isfinite(metrics["loss"]), ~jnp.isfinite(metrics["grad_norm"])
+            ok = ~(bad_loss | bad_grad)
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_params, new_opt_state),
+                                             (params, opt_state))
             metrics["learning_rate"] = _learning_rate(opt_state)
+            metrics["train/nonfinite_loss"], metrics["train/nonfinite_grad"] = bad_loss, bad_grad
+            metrics["train/skipped_updates"] = ~ok
             return (params, opt_state), metrics
 
         def epoch(carry, _):
@@ -532,6 +542,8 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
         out["learning_rate"] = metrics["learning_rate"][-1, -1]
         out["train/loss_tokens"] = metrics["train/loss_tokens"][0].sum()
         out["train/num_updates"] = jnp.asarray(num_updates, jnp.float32)
+        for k in ("train/skipped_updates", "train/nonfinite_loss", "train/nonfinite_grad"):
+            out[k] = metrics[k].sum()  # counts over the step's updates
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + num_updates)
         return new_state, {k: v.astype(jnp.float32) for k, v in out.items()}
 
