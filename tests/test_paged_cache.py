@@ -3,6 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollverify_jax.models import model_config
 from rollverify_jax.rollout import paged_cache
@@ -88,3 +90,42 @@ def test_write_kv_places_tokens_and_masks_padding():
     for t in range(3):
         np.testing.assert_array_equal(out[:, 2, t], new[1, t])
     assert not out[:, 4].any()  # padded tokens of row 1 never reach its second page
+
+
+# -- property: random admit / grow / release sequences ----------------------------------------------------------------
+
+OPS = st.lists(st.tuples(st.sampled_from(["allocate", "grow", "release"]), st.integers(0, 7), st.integers(1, 40)),
+               max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS, shards=st.sampled_from([1, 2, 4]))
+def test_random_page_traffic_never_leaks_or_shares_a_page(ops, shards):
+    """Whatever the order of admissions, growth and releases: no page is held twice, every held page is in its
+    slot's shard and its table row, free + held = capacity, and a refused request changes nothing."""
+    alloc = paged_cache.PageAllocator(num_pages=4 * 6, page_size=4, num_slots=8, max_seq_len=40, num_shards=shards)
+    for op, slot, tokens in ops:
+        before = (alloc.table.copy(), {s: list(p) for s, p in alloc.owned.items()}, alloc.num_free)
+        if op == "allocate" and slot not in alloc.owned:
+            if alloc.can_allocate(tokens, slot):
+                alloc.allocate(slot, tokens)
+            else:
+                with pytest.raises(RuntimeError):
+                    alloc.allocate(slot, tokens)
+        elif op == "grow" and slot in alloc.owned:
+            if not alloc.grow(slot, tokens):
+                assert (alloc.table == before[0]).all() and alloc.owned == before[1]
+        elif op == "release":
+            alloc.release(slot)
+        held = [p for pages in alloc.owned.values() for p in pages]
+        assert len(held) == len(set(held)), "a page is held twice"
+        assert alloc.num_free + len(held) == alloc.capacity
+        free = [p for f in alloc.free for p in f]
+        assert not set(free) & set(held) and len(free) == len(set(free))
+        for s, pages in alloc.owned.items():
+            shard = alloc.shard_of(s)
+            assert all(shard * alloc.pages_per_shard < p < (shard + 1) * alloc.pages_per_shard for p in pages)
+            assert list(alloc.table[s, : len(pages)]) == pages
+            assert (alloc.table[s, len(pages):] == alloc.scratch(shard)).all()
+        for s in set(range(8)) - set(alloc.owned):
+            assert (alloc.table[s] == alloc.scratch(alloc.shard_of(s))).all()
