@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from rollverify_jax.checkpoint import COMMIT_FILE
 from rollverify_jax.cli import run_cli
 from rollverify_jax.evaluate import evaluate_run
 from rollverify_jax.metrics import MetricsWriter, ProgressBar, save_operative_config
@@ -184,6 +185,18 @@ def _check_numerics(step: int, metrics: dict, cfg: TrainConfig, bad_steps: list[
     return True
 
 
+def _storage_error(e: OSError, workdir: Path) -> None:
+    """A full or unwritable disk at save time: one message, the checkpoints already committed named, exit 2."""
+    root = workdir / "checkpoints"
+    committed = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / COMMIT_FILE).exists()) \
+        if root.is_dir() else []
+    kept = f"the committed checkpoints are intact (latest: step {committed[-1]})" if committed else \
+        "no checkpoint was committed yet"
+    print(f"error: could not write to {workdir.resolve()}: {e}. {kept}; free space or fix the permissions, then "
+          "run the same command to resume.", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def _stopped(stop: StopRequest, saved: Path | None) -> None:
     """Ends a run stopped by a signal with one line and the signal's exit status (143 for SIGTERM)."""
     name = "preemption" if stop.signum is None else signal.Signals(stop.signum).name
@@ -224,7 +237,12 @@ def _main(args: argparse.Namespace) -> None:
         return
     workdir = Path(args.workdir) if args.workdir else workdir_for(cfg, args.gin_file)
     print(f"workdir: {workdir.resolve()}")
-    metrics = train(cfg, workdir)
+    try:
+        metrics = train(cfg, workdir)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):  # a missing input file: the CLI's usual one-line error
+            raise
+        _storage_error(e, workdir)
     evals = [m for m in metrics if "eval/accuracy" in m]
     if evals:
         print(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "

@@ -369,3 +369,32 @@ def test_nonfinite_updates_are_skipped_and_a_run_of_them_stops_with_the_good_che
     assert [m["train/skipped_updates"] for m in metrics[1:]] == [0, 1, 1]
     with Checkpointer(tmp_path / "run", CheckpointConfig()) as ckpt:
         assert ckpt.all_steps() == [1]
+
+
+def test_a_full_disk_at_save_time_is_one_message_and_keeps_the_checkpoints(policy, tmp_path, monkeypatch, capsys):
+    """The commit of step 2's checkpoint fails with ENOSPC: exit status 2, one message naming the workdir and the
+    latest intact checkpoint, no traceback; step 1 restores."""
+    import errno
+
+    from orbax.checkpoint._src.path import atomicity
+
+    from rollverify_jax.checkpoint import Checkpointer as RealCheckpointer
+
+    real_save = RealCheckpointer.save
+
+    def save(self, step, *a, **kw):
+        if step == 2:
+            async def no_space(_):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", no_space)
+        return real_save(self, step, *a, **kw)
+
+    monkeypatch.setattr(RealCheckpointer, "save", save)
+    with pytest.raises(SystemExit) as e:
+        _train(policy, tmp_path / "run", "on_policy", 3)
+    monkeypatch.undo()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "checkpoints are intact (latest: step 1)" in err
+    assert "Traceback" not in err
+    assert _final_state(tmp_path / "run", policy)[0] == 1
