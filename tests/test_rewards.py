@@ -213,3 +213,24 @@ def test_gin_configurable():
     assert s.name == "exact" and s.timeout_s == 3.0
     with pytest.raises(ValueError, match="unknown reward"):
         RewardScorer("bogus")
+
+
+def test_rewards_under_load_with_hanging_and_crashing_graders_land_on_their_own_items(faulty):
+    """60 responses, 5% hang past their alarm and 5% kill their worker, spread through the batch: every other
+    item gets exactly its own reward (answers alternate right and wrong, so a shifted reward shows), the faults
+    are counted, and the batch ends (each hang costs one deadline, each crash a pool restart). The fault drill
+    (scripts/fault_drill.py) runs the same at 1,000 responses."""
+    n = 60
+    rng = np.random.default_rng(0)
+    faults = rng.permutation(n)[:6]
+    answers = [str(i + (i % 2)) for i in range(n)]  # even items right, odd items wrong
+    for k, i in enumerate(faults):
+        answers[i] = "hang" if k % 2 else "crash"
+    start = time.monotonic()
+    got, metrics = faulty.score([f"Answer: {i}" for i in range(n)], answers)
+    elapsed = time.monotonic() - start
+    want = np.asarray([float(i % 2 == 0) for i in range(n)], np.float32)
+    want[faults] = 0.0
+    np.testing.assert_array_equal(got, want)
+    assert metrics["reward/grader_timeouts"] == 3 and metrics["reward/grader_errors"] == 3
+    assert elapsed < 3 * (TIMEOUT_S + GRACE_S) + 3 * 2 * 15.0  # generous: a hang or crash must never stall
