@@ -80,5 +80,8 @@ def test_filter_registry_staleness_and_none():
     np.testing.assert_array_equal(apply_filter(FilterConfig("none", -1, 0.0), x), [True] * 3)
     assert calls == []  # neither needs a forward pass
     assert set(FILTERS) == {"none", "staleness", "ops"}
+    for name, fn in FILTERS.items():  # every filter returns a boolean row mask (it indexes and negates rows)
+        assert fn(x, 1, 0.1).dtype == bool, name
+    assert apply_filter(FilterConfig("none", -1, 0.0), x).dtype == bool
     with pytest.raises(ValueError, match="Unknown filter 'stale'"):
         apply_filter(FilterConfig("stale", 1, 0.1), x)
