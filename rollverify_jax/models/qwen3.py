@@ -289,29 +289,62 @@ class SparseMoE(nnx.Module):
         self.up_proj = _param(rngs, (e, h, i), ("experts", "embed", "expert_mlp"), pd)
         self.down_proj = _param(rngs, (e, i, h), ("experts", "expert_mlp", "embed"), pd)
 
-    def __call__(self, x: Array) -> tuple[Array, Array]:
-        """x: [B, T, H] -> (out [B, T, H], router_logits float32[B, T, E])."""
-        cfg, dt = self.cfg, x.dtype
+    def __call__(self, x: Array, mesh=None) -> tuple[Array, Array]:
+        """x: [B, T, H] -> (out [B, T, H], router_logits float32[B, T, E]).
+
+        With a ``mesh``, each device routes and computes its own rows' tokens (``shard_map`` over the batch
+        axes; the expert MLPs' inner dimension over 'tensor', summed after the down projection). Without it the
+        token sort is global, which XLA cannot split: at real scale every device would hold every token.
+        """
+        dt = x.dtype
+        weights = (self.router[...].astype(dt), self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
+                   self.down_proj[...].astype(dt))
+        if mesh is None or mesh.size == 1:
+            return self._route(x, *weights)
+        rows = _axes_dividing(mesh, ("data", "fsdp"), x.shape[0])
+        inner = _axes_dividing(mesh, ("tensor",), self.cfg.moe_intermediate_size)
+
+        def local(x, router, gate, up, down):
+            out, logits = self._route(x, router, gate, up, down)
+            return (jax.lax.psum(out, inner) if inner else out), logits
+
+        P = jax.sharding.PartitionSpec
+        row = P(rows, None, None)
+        return jax.shard_map(local, mesh=mesh, in_specs=(row, P(), P(None, None, inner), P(None, None, inner),
+                                                          P(None, inner, None)),
+                             out_specs=(row, row), check_vma=False)(x, *weights)
+
+    def _route(self, x: Array, router: Array, gate_w: Array, up_w: Array, down_w: Array) -> tuple[Array, Array]:
+        cfg = self.cfg
         b, t, h = x.shape
         flat = x.reshape(-1, h)
-        router_logits = (flat @ self.router[...].astype(dt)).astype(jnp.float32)
+        router_logits = (flat @ router).astype(jnp.float32)
         probs = jax.nn.softmax(router_logits, axis=-1)
         top_w, top_e = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
         if cfg.norm_topk_prob:
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        top_w = top_w.astype(dt)
+        top_w = top_w.astype(x.dtype)
         n, k = top_e.shape
         expert_of = top_e.reshape(-1)  # [N*k]
         order = jnp.argsort(expert_of, stable=True)
         token_of = order // k
         xs = flat[token_of]  # [N*k, H] sorted by expert
         sizes = jnp.bincount(expert_of, length=cfg.num_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), sizes)
-        up = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), sizes)
-        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt), sizes)
+        gate = jax.lax.ragged_dot(xs, gate_w, sizes)
+        up = jax.lax.ragged_dot(xs, up_w, sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, sizes)
         ys = ys * top_w.reshape(-1)[order][:, None]
         out = jnp.zeros_like(flat).at[token_of].add(ys)
         return out.reshape(b, t, h), router_logits.reshape(b, t, -1)
+
+
+def _axes_dividing(mesh, axes: tuple[str, ...], dim: int) -> tuple[str, ...] | None:
+    """The mesh axes among ``axes`` (size > 1) if their product divides ``dim``, else None (replicated)."""
+    live = tuple(a for a in axes if mesh.shape[a] > 1)
+    size = 1
+    for a in live:
+        size *= mesh.shape[a]
+    return live if live and dim % size == 0 else None
 
 
 class DecoderLayer(nnx.Module):
@@ -327,11 +360,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, x, cos, sin, attention: AttentionFn) -> tuple[Array, Array | None]:
+    def __call__(self, x, cos, sin, attention: AttentionFn, mesh=None) -> tuple[Array, Array | None]:
         x = x + self.self_attn(self.layer_idx, self.input_layernorm(x), cos, sin, attention)
         h = self.post_attention_layernorm(x)
         if self.is_sparse:
-            h, router_logits = self.mlp(h)
+            h, router_logits = self.mlp(h, mesh)
         else:
             h, router_logits = self.mlp(h), None
         return x + h, router_logits
@@ -350,12 +383,13 @@ class Qwen3ForCausalLM(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
 
     def hidden_states(self, tokens: Array, positions: Array | None = None, attention: AttentionFn | None = None,
-                      remat: str = "none") -> tuple[Array, list[Array]]:
+                      remat: str = "none", mesh=None) -> tuple[Array, list[Array]]:
         """tokens: int32[B, T] -> (final-normed hidden [B, T, H], router logits of the MoE layers).
 
         remat: what each decoder layer keeps for the backward pass (`REMAT_POLICIES`): 'none' keeps every
         activation; 'full' keeps only the layer's input and recomputes the rest; 'dots' keeps the matmul
         outputs that have no batch dimension. Values and gradients are the same; memory and FLOPs are not.
+        mesh: the device mesh the call is sharded on; MoE layers then route each device's own tokens.
         """
         cfg = self.cfg
         if positions is None:
@@ -368,7 +402,7 @@ class Qwen3ForCausalLM(nnx.Module):
             raise ValueError(f"Unknown remat policy {remat!r}; known: {list(REMAT_POLICIES)}.")
 
         def run_layer(layer, x):
-            return layer(x, cos, sin, attention)
+            return layer(x, cos, sin, attention, mesh)
 
         if remat != "none":
             run_layer = nnx.remat(run_layer, policy=REMAT_POLICIES[remat])

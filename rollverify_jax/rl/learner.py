@@ -258,9 +258,9 @@ def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) 
 def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention, temperature: float,
                 chunk: int | None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
     if chunk is None:
-        logits = model(tokens, positions=positions, attention=attention, remat=remat)
-        return _logp_and_entropy(logits, tokens, temperature)
-    hidden, _ = model.hidden_states(tokens, positions, attention, remat)
+        hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=getattr(attention, "mesh", None))
+        return _logp_and_entropy(model.logits_from_hidden(hidden), tokens, temperature)
+    hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=getattr(attention, "mesh", None))
     return _shifted(*chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature, chunk))
 
 

@@ -212,7 +212,7 @@ def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, pa
     model = nnx.merge(static.graphdef, params)
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     attn = _PrefillAttention(state.pages, page_rows, valid, static.kernel(), static.layout)
-    hidden, _ = model.hidden_states(tokens, attention=attn)
+    hidden, _ = model.hidden_states(tokens, attention=attn, mesh=static.layout.mesh)
     state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
     if not with_logp:  # new prompts: only the last position's logits are needed, and insert computes them
         return state, Prefix(hidden=hidden, response_logp=jnp.zeros(tokens.shape, jnp.float32))
@@ -253,8 +253,8 @@ def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
 
     def step(state: DecodeState, _):
         attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active, static.layout)
-        hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None],
-                                        attention=attn)
+        hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None], attention=attn,
+                                        mesh=static.layout.mesh)
         logits = model.logits_from_hidden(hidden[:, 0])
         tok, logp = sample_tokens(logits, state.seeds, state.generated, static.sampling)
         emit = state.active
