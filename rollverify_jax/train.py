@@ -138,8 +138,11 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 written.append(writer.write(0, m))
                 bar.update(0, m)
             for step in range(start + 1, cfg.num_steps + 1):
-                if stop.signum is not None:  # a signal during the step-0 evaluation: nothing to save yet
-                    _stopped(stop, None)
+                if stop.signum is not None:  # signalled after the last step's stop check (or during step 0)
+                    if step > 1:  # the state in memory is step - 1's: save it (skipped if already saved)
+                        run.checkpointer.save(step - 1, run.train_state,
+                                              run_state(run, time.perf_counter() - t_start), force=True)
+                    _stopped(stop, run.checkpointer)
                 metrics = train_one_step(run)
                 last = step == cfg.num_steps or (
                     cfg.time_budget_s > 0 and time.perf_counter() - t_start >= cfg.time_budget_s)
@@ -155,8 +158,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                     run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]),
                                           force=last or stopping)
                 if stopping and not last:
-                    run.checkpointer.wait_until_finished()
-                    _stopped(stop, run.checkpointer.directory / str(step))
+                    _stopped(stop, run.checkpointer)
                 if last:
                     break
     finally:
@@ -197,10 +199,14 @@ def _storage_error(e: OSError, workdir: Path) -> None:
     raise SystemExit(2)
 
 
-def _stopped(stop: StopRequest, saved: Path | None) -> None:
-    """Ends a run stopped by a signal with one line and the signal's exit status (143 for SIGTERM)."""
+def _stopped(stop: StopRequest, checkpointer) -> None:
+    """Ends a run stopped by a signal: waits for the checkpoint commit, says which step is saved in one line,
+    and exits with the signal's status (143 for SIGTERM)."""
+    checkpointer.wait_until_finished()
+    latest = checkpointer.latest_step()
     name = "preemption" if stop.signum is None else signal.Signals(stop.signum).name
-    where = f"checkpoint {saved} committed" if saved else "no step finished since the last checkpoint"
+    where = f"checkpoint {checkpointer.directory / str(latest)} committed" if latest is not None else \
+        "no checkpoint yet (the run starts over)"
     print(f"stopped by {name}: {where}; run the same command to resume.", file=sys.stderr, flush=True)
     raise SystemExit(stop.exit_status if stop.signum is not None else 0)
 
