@@ -192,8 +192,8 @@ def _storage_error(e: OSError, workdir: Path) -> None:
     root = workdir / "checkpoints"
     committed = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / COMMIT_FILE).exists()) \
         if root.is_dir() else []
-    kept = f"the committed checkpoints are intact (latest: step {committed[-1]})" if committed else \
-        "no checkpoint was committed yet"
+    kept = f"The committed checkpoints are intact (latest: step {committed[-1]})" if committed else \
+        "No checkpoint was committed yet"
     print(f"error: could not write to {workdir.resolve()}: {e}. {kept}; free space or fix the permissions, then "
           "run the same command to resume.", file=sys.stderr, flush=True)
     raise SystemExit(2)
