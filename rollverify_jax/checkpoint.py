@@ -202,7 +202,7 @@ class Checkpointer:
         step = int(step)
         if not (force or self.should_save(step)):
             return False
-        if step in self.all_steps():
+        if step in self.all_steps() or step in self._manager.all_steps():  # committed, or still being written
             return False
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),

@@ -538,3 +538,12 @@ def test_uncommitted_step_directory_is_set_aside_and_the_step_saved_again(tmp_pa
         assert ckpt.save(2, {"x": jnp.zeros(256)}, {"step": 2}, force=True)
         assert ckpt.latest_step() == 2
     assert (root / "2.uncommitted").is_dir()
+
+
+def test_a_second_save_of_a_step_still_being_written_is_skipped(tmp_path):
+    """A stop request can save the step whose async save is still in flight: the second call is a no-op."""
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=True), FP) as ckpt:
+        assert ckpt.save(1, {"x": jnp.ones(4)}, force=True)
+        assert not ckpt.save(1, {"x": jnp.zeros(4)}, force=True)
+        ckpt.wait_until_finished()
+        np.testing.assert_array_equal(np.asarray(ckpt.restore()[1]["x"]), np.ones(4))
