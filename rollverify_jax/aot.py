@@ -31,7 +31,6 @@ import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import gin  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -40,9 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from rollverify_jax import mesh as mesh_lib  # noqa: E402
 from rollverify_jax.aot_config import CHIPS, AotConfig, GiB  # noqa: E402
 from rollverify_jax.cli import run_cli  # noqa: E402
-from rollverify_jax.models import Qwen3ForCausalLM, model_config  # noqa: E402
+from rollverify_jax.dry_run import architecture, mesh_shape  # noqa: E402
+from rollverify_jax.models import Qwen3ForCausalLM  # noqa: E402
 from rollverify_jax.models.flash_attention import FlashConfig  # noqa: E402
-from rollverify_jax.models.hf import config_from_hf  # noqa: E402
 from rollverify_jax.rl import learner as learner_lib  # noqa: E402
 from rollverify_jax.rl.partial_rollout import RolloutConfig  # noqa: E402
 from rollverify_jax.rollout import engine as engine_lib  # noqa: E402
@@ -57,27 +56,6 @@ def get_topology_devices(name: str) -> list:
     except Exception as e:  # libtpu missing or an unknown name: both are the user's to fix
         raise ValueError(f"cannot describe TPU topology {name!r} ({e}). Install libtpu (pip install -e '.[tpu]') "
                          "and use a name like 'v5p:2x2x1', 'v5e:4x4' or 'v6e:4x8'.") from None
-
-
-def _model_cfg(train_cfg):
-    hf_config = Path(train_cfg.policy_path or "", "config.json")
-    if train_cfg.policy_path and hf_config.exists():
-        return config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
-    dtype = train_cfg.param_dtype or "float32"
-    return model_config(param_dtype=dtype, dtype=train_cfg.compute_dtype or dtype)
-
-
-def _mesh(devices: list):
-    shape = list(gin.query_parameter("make_mesh.shape")) if _bound("make_mesh.shape") else [1, -1, 1]
-    return mesh_lib.make_mesh(shape, devices=devices)
-
-
-def _bound(name: str) -> bool:
-    try:
-        gin.query_parameter(name)
-        return True
-    except ValueError:
-        return False
 
 
 def _per_device_bytes(tree) -> int:
@@ -142,11 +120,11 @@ def compile_run(topology: str | None = None) -> dict:
     chip = CHIPS.get(devices[0].device_kind)
     if chip is None:
         raise ValueError(f"no HBM figure for {devices[0].device_kind!r}; known: {sorted(CHIPS)}.")
-    mesh = _mesh(devices)
+    mesh = mesh_lib.make_mesh(mesh_shape(), devices=devices)
     train_cfg, rollout, engine_cfg = TrainConfig(), RolloutConfig(), engine_lib.EngineConfig()
     sampling = SamplingConfig()
     learner_cfg = learner_lib.LearnerConfig().for_sampler(sampling.logp_temperature)
-    cfg = _model_cfg(train_cfg)
+    cfg = architecture(train_cfg)
     flash = FlashConfig()
     flash = dataclasses.replace(flash, impl=flash.resolved_impl("tpu"))
     print(f"{topology}: {len(devices)} x {devices[0].device_kind}, mesh {dict(mesh.shape)}, "
@@ -166,14 +144,13 @@ def compile_run(topology: str | None = None) -> dict:
     layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
                                             cfg.num_attention_heads)
     num_pages = engine_lib.pool_pages(cfg, engine_cfg, layout.num_shards)
-    num_pages -= num_pages % layout.num_shards
     decode_state = engine_lib.abstract_decode_state(cfg, engine_cfg, layout, num_pages)
     graphdef, params = nnx.split(model)
     params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
                           mesh_lib.param_shardings(params, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
     static = engine_lib._Static(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash)
     n = aot.prefill_rows or math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
-    pps = -(-engine_cfg.max_seq_len // engine_cfg.page_size)
+    pps = decode_state.page_table.shape[1]
     programs["prefill"], _ = _compile("prefill", lambda: engine_lib._prefill_jit.lower(
         static, params, decode_state, _sds((n, width), jnp.int32, mesh), _sds((n,), jnp.int32, mesh),
         _sds((n, pps), jnp.int32, mesh), _sds((n,), jnp.int32, mesh), True))

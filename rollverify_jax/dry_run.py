@@ -35,15 +35,10 @@ def dry_run(train_cfg, num_devices: int) -> dict:
     learner_cfg = learner_lib.LearnerConfig().for_sampler(SamplingConfig().logp_temperature)
     get_loss_fn(learner_cfg.loss_name)
     learner_lib.make_optimizer()
-    reward_name = gin.query_parameter("RewardScorer.name") if _bound("RewardScorer.name") else "math"
+    reward_name = gin.query_parameter("RewardScorer.name") if gin_bound("RewardScorer.name") else "math"
     get_reward_spec(reward_name)
-    hf_config = Path(train_cfg.policy_path or "", "config.json")
-    if train_cfg.policy_path and hf_config.exists():
-        cfg = config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
-    else:
-        dtype = train_cfg.param_dtype or "float32"
-        cfg = model_config(param_dtype=dtype, dtype=train_cfg.compute_dtype or dtype)
-    shape = list(gin.query_parameter("make_mesh.shape")) if _bound("make_mesh.shape") else [1, -1, 1]
+    cfg = architecture(train_cfg)
+    shape = mesh_shape()
     if -1 in shape:
         shape[shape.index(-1)] = num_devices // math.prod(s for s in shape if s != -1)
     if math.prod(shape) != num_devices:
@@ -69,7 +64,23 @@ def dry_run(train_cfg, num_devices: int) -> dict:
             "mode": rollout.mode, "loss": learner_cfg.loss_name}
 
 
-def _bound(name: str) -> bool:
+def architecture(train_cfg):
+    """The policy's architecture without loading weights: the checkpoint's config.json when present, else the
+    gin-configured preset (the layout a run on a machine without the checkpoint is sized by)."""
+    hf_config = Path(train_cfg.policy_path or "", "config.json")
+    if train_cfg.policy_path and hf_config.exists():
+        return config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
+    dtype = train_cfg.param_dtype or "float32"
+    return model_config(param_dtype=dtype, dtype=train_cfg.compute_dtype or dtype)
+
+
+def mesh_shape() -> list[int]:
+    """``make_mesh.shape`` as configured (its default when unbound)."""
+    return list(gin.query_parameter("make_mesh.shape")) if gin_bound("make_mesh.shape") else [1, -1, 1]
+
+
+def gin_bound(name: str) -> bool:
+    """Whether the parsed gin config binds ``name`` (e.g. 'AotConfig.topology')."""
     try:
         gin.query_parameter(name)
         return True

@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 
 EXIT_STATUS = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
 
 
 class StopRequest:
-    """Context manager: while inside, SIGTERM/SIGINT set ``signum`` instead of killing the process."""
+    """Context manager: while inside, SIGTERM/SIGINT set ``signum`` instead of killing the process. Off the
+    main thread (where Python allows no signal handlers) the signals keep their default behaviour."""
 
     def __init__(self):
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
-        for sig in EXIT_STATUS:
-            try:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig in EXIT_STATUS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. a notebook worker): keep the default behaviour
-                pass
         return self
 
     def __exit__(self, *exc: object) -> None:

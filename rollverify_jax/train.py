@@ -261,9 +261,9 @@ def _compile_for_topology() -> None:
     the dry run then proves the run fits, not only that the settings parse."""
     import importlib.util
 
-    from rollverify_jax.dry_run import _bound
+    from rollverify_jax.dry_run import gin_bound
 
-    if not _bound("AotConfig.topology"):
+    if not gin_bound("AotConfig.topology"):
         return
     if importlib.util.find_spec("libtpu") is None:
         print("dry run: AotConfig.topology is set but libtpu is not installed (pip install -e '.[tpu]'); "

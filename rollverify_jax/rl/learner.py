@@ -255,12 +255,12 @@ def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) 
     return _shifted(*score_tokens(logits[:, :-1].astype(jnp.float32) / temperature, tokens[:, 1:]))
 
 
-def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention, temperature: float,
+def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention: CausalAttention, temperature: float,
                 chunk: int | None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
+    # The attention's mesh (its kernels run per device) is the one MoE layers route on.
+    hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=attention.mesh)
     if chunk is None:
-        hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=getattr(attention, "mesh", None))
         return _logp_and_entropy(model.logits_from_hidden(hidden), tokens, temperature)
-    hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=getattr(attention, "mesh", None))
     return _shifted(*chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature, chunk))
 
 

@@ -287,12 +287,13 @@ def _deactivate_fn(state: DecodeState, mask: jax.Array) -> DecodeState:
 
 
 def pool_pages(model_cfg, config: EngineConfig, num_shards: int = 1) -> int:
-    """Pages in the KV pool: the budget's worth (``kv_memory_bytes``, the whole mesh's), or enough for every
-    slot at ``max_seq_len`` plus each shard's scratch page."""
+    """Pages in the KV pool, a multiple of ``num_shards``: the budget's worth (``kv_memory_bytes``, the whole
+    mesh's), or enough for every slot at ``max_seq_len`` plus each shard's scratch page."""
     if config.kv_memory_bytes is None:
         per_seq = -(-config.max_seq_len // config.page_size)
         return config.num_slots * per_seq + num_shards
-    return paged_cache.num_pages_for_budget(model_cfg, config.page_size, config.kv_memory_bytes, config.kv_dtype)
+    pages = paged_cache.num_pages_for_budget(model_cfg, config.page_size, config.kv_memory_bytes, config.kv_dtype)
+    return pages - pages % num_shards
 
 
 def abstract_decode_state(model_cfg, config: EngineConfig, layout: PoolLayout, num_pages: int) -> DecodeState:
