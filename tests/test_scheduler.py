@@ -6,8 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rollout.scheduler import RolloutStats
 
 CFG = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3)
 PAGE_BYTES = 2 * 4 * 2 * 8 * 32 * 4  # K+V, 4 layers, 2 kv heads, 8 tokens, head_dim 32, float32
@@ -350,3 +353,173 @@ def test_pages_reserved_per_admission(model, reservation):
     assert owned == (1 if reservation == "incremental" else 6)  # 4 + 3 + 1 = 8 tokens: one page; 44: six
     sched.run()
     assert eng.allocator.num_free == eng.allocator.capacity
+
+
+def test_slot_utilization_is_useful_over_offered_token_steps():
+    stats = RolloutStats(decode_steps=1, useful_token_steps=1)
+    assert stats.slot_utilization(1) == 1.0
+    assert RolloutStats(decode_steps=4, useful_token_steps=6).slot_utilization(3) == 0.5
+    assert RolloutStats().slot_utilization(3) == 0.0  # nothing decoded yet: no division by zero
+
+
+def test_incremental_admission_keeps_a_page_per_running_slot_free(model, engine):
+    """Four usable pages, three 4-token prompts: admitting the third would leave no page for the first two to
+    grow into at their first dispatch, so it waits (no prefill wasted on a sequence preempted at once)."""
+    cfg = dataclasses.replace(CFG, kv_memory_bytes=5 * PAGE_BYTES)  # scratch + 4
+    tight = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
+    assert tight.allocator.capacity == 4
+    requests = [Trajectory(uid=i, group_id=i, prompt=np.arange(4, 8, dtype=np.int32), seed=70 + i,
+                           max_new_tokens=12) for i in range(3)]
+    sched = _submit(tight, [dataclasses.replace(t) for t in requests])
+    sched.step()
+    assert len(sched.slots) == 2 and len(sched.queue) == 1 and sched.stats.preemptions == 0
+    done = _finish_all(sched)
+    reference = _finish_all(_submit(engine, [dataclasses.replace(t) for t in requests]))
+    assert {uid: t.tokens for uid, t in done.items()} == {uid: t.tokens for uid, t in reference.items()}
+
+
+def test_one_prefill_per_length_bucket(engine, monkeypatch):
+    """A long resumed trajectory is prefilled on its own, so it does not pad the short new prompts."""
+    calls = []
+    real = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda seqs, *a, **k: (calls.append(sorted(len(s) for s in seqs)),
+                                                                  real(seqs, *a, **k))[1])
+    long = Trajectory(uid=9, group_id=9, prompt=np.arange(4, 12, dtype=np.int32), seed=1, max_new_tokens=40,
+                      tokens=[5] * 30, logps=[-1.0] * 30, versions=[0] * 30)
+    sched = Scheduler(engine)
+    sched.submit(_requests(2, seed=12))
+    sched.resume([long])
+    sched.step()
+    sched.pause_all()
+    assert engine.prefill_bucket(38) != engine.prefill_bucket(10)
+    assert sorted(calls) == sorted([[38], sorted(len(t.prompt) for t in _requests(2, seed=12))])
+
+
+def test_only_trajectories_with_tokens_are_verified_and_one_token_can_be_cut(engine):
+    sched = _submit(engine, _requests(5, seed=13, max_new=30))
+    sched._admit()  # admitted rows hold the one token their prefill sampled; the rest are still queued
+    paused = sched.pause_all()
+    counts = sorted(t.num_tokens for t in paused)
+    assert counts == [0, 0, 1, 1, 1]
+    seen = []
+
+    def cut_all(new, beh, ver, lengths):
+        seen.append(sorted(int(n) for n in lengths if n))
+        return np.zeros_like(lengths)
+    sched.resume(paused, keep=cut_all)
+    sched._admit()
+    assert sorted(sched.verified) == [(0, 1)] * 3 and seen == [[1, 1, 1]]
+    assert sorted(t.draws for t in paused) == [0, 0, 1, 1, 1]  # every one-token prefix was cut: a new draw
+    sched.pause_all()
+
+
+def test_each_resume_batch_is_verified_by_its_own_keep_function(engine):
+    sched = _submit(engine, _requests(3, seed=14, max_new=30))
+    sched.run(max_dispatches=2)
+    paused = sorted((t for t in sched.pause_all() if t.num_tokens), key=lambda t: t.uid)
+    assert len(paused) >= 2
+    lengths = {t.uid: t.num_tokens for t in paused}
+    sched.resume(paused[:1], keep=lambda new, beh, ver, n: n)  # keep everything
+    sched.resume(paused[1:], keep=lambda new, beh, ver, n: np.zeros_like(n))  # cut everything
+    sched._admit()
+    sched.pause_all()
+    assert sorted(sched.verified) == sorted([(lengths[paused[0].uid], lengths[paused[0].uid])]
+                                            + [(0, lengths[t.uid]) for t in paused[1:]])
+
+
+def test_regeneration_counts_compare_each_position_with_the_token_it_replaces(engine):
+    """After a cut at ``keep``, the k-th regenerated token is compared with the k-th removed one, for as many
+    positions as both have; a trajectory that ends early leaves no state behind."""
+    keep = 2
+    original = _finish_all(_submit(engine, _requests(8, seed=15, max_new=12)))
+    removed = {uid: list(t.tokens[keep:]) for uid, t in original.items()}
+    sched = Scheduler(engine)
+    sched.resume(list(original.values()), keep=lambda new, beh, ver, n: np.minimum(n, keep))
+    again = _finish_all(sched)
+    pairs = [(x, y) for uid, t in again.items() for x, y in zip(removed[uid], t.tokens[keep:], strict=False)]
+    assert any(len(removed[uid]) > again[uid].num_tokens - keep for uid in again)  # some ended earlier
+    assert sched.stats.regen_tokens == len(pairs) > 0
+    assert sched.stats.regen_equal == sum(x == y for x, y in pairs)
+    assert not sched._cut_suffix  # nothing per trajectory outlives it (a long run would accumulate it)
+
+
+# -- property: random pause / verify / resume schedules on a pool that forces preemption -------------------------------
+
+SCHEDULES = st.lists(st.one_of(
+    st.tuples(st.just("run"), st.integers(1, 3)),
+    st.tuples(st.just("resume"), st.none()),  # pause everything, resume unverified
+    st.tuples(st.just("verify"), st.floats(0.0, 1.0)),  # new version; paused and finished ones verified, cut to frac
+), min_size=1, max_size=8)
+
+
+@pytest.fixture(scope="module")
+def tight_engine(model):
+    cfg = dataclasses.replace(CFG, kv_memory_bytes=12 * PAGE_BYTES)  # 11 usable pages: slots grow and get preempted
+    return Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def reference_samples(engine):
+    return _finish_all(_submit(engine, _requests(6, seed=16, max_new=24)))
+
+
+def _every_trajectory(sched):
+    return [*sched.slots.values(), *(p.traj for p in sched.queue), *sched.finished]
+
+
+def _check_bookkeeping(sched):
+    alloc = sched.engine.allocator
+    held = [p for pages in alloc.owned.values() for p in pages]
+    assert len(held) == len(set(held)) and alloc.num_free + len(held) == alloc.capacity
+    assert set(alloc.owned) == set(sched.slots)
+    uids = [t.uid for t in _every_trajectory(sched)]
+    assert len(uids) == len(set(uids))
+    for t in _every_trajectory(sched):
+        assert len(t.tokens) == len(t.logps) == len(t.versions) <= t.max_new_tokens
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schedule=SCHEDULES)
+def test_random_schedules_keep_verified_prefixes_and_uncut_samples(tight_engine, reference_samples, schedule):
+    """Whatever the order of decode dispatches, preemptions, pauses, unverified resumes and verified cuts: pages
+    are never leaked or shared, each trajectory lives in exactly one place, the prefix a verification kept is never
+    altered afterwards, and a trajectory that was never cut ends with exactly the sample of an undisturbed run."""
+    sched = _submit(tight_engine, _requests(6, seed=16, max_new=24))
+    committed: dict[int, tuple[list, list, list, int]] = {}  # uid -> the newest cut's prefix and version
+    pending: dict[int, tuple[int, tuple]] = {}  # uid -> (draws before, the cut its verification will make)
+    try:
+        for op, arg in schedule:
+            if op == "run":
+                sched.run(max_dispatches=arg)
+            elif op == "resume":
+                sched.resume(sched.pause_all())
+                pending.clear()  # a verification not yet admitted is dropped with the pause; the caller decides anew
+            else:
+                tight_engine.set_version(tight_engine.version + 1)
+                paused = sched.pause_all() + sched.take_finished()
+                pending.clear()
+                for t in paused:
+                    k = int(arg * t.num_tokens)
+                    if k < t.num_tokens:
+                        pending[t.uid] = (t.draws, (t.tokens[:k], t.logps[:k], t.versions[:k], tight_engine.version))
+                sched.resume(paused, keep=lambda new, beh, ver, n, frac=arg: (frac * n).astype(np.int64))
+            for t in _every_trajectory(sched):  # a verification is done once its trajectory was admitted
+                if t.uid in pending and t.draws > pending[t.uid][0]:
+                    committed[t.uid] = pending.pop(t.uid)[1]
+            _check_bookkeeping(sched)
+        done = _finish_all(sched)
+        committed |= {uid: cut for uid, (draws, cut) in pending.items() if done[uid].draws > draws}
+    finally:
+        tight_engine.set_version(0)
+        sched.pause_all()
+    assert sorted(done) == sorted(reference_samples)
+    for uid, t in done.items():
+        assert t.finished and (t.num_tokens == t.max_new_tokens or t.tokens[-1] == 3) and 3 not in t.tokens[:-1]
+        if uid in committed:
+            tokens, logps, versions, cut_version = committed[uid]
+            assert (t.tokens[: len(tokens)], t.logps[: len(tokens)], t.versions[: len(tokens)]) == (
+                tokens, logps, versions)
+            assert t.draws > 0 and min(t.versions[len(tokens):]) >= cut_version  # the whole suffix was redrawn
+        else:
+            assert t.draws == 0 and t.tokens == reference_samples[uid].tokens
+            np.testing.assert_allclose(t.logps, reference_samples[uid].logps, atol=1e-4)
