@@ -3,8 +3,9 @@
 A signal does not kill the run mid-step: it is recorded, the step in flight finishes, a checkpoint of it is
 saved and committed, and the process exits with ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), the status
 schedulers read as "stopped by that signal", so a requeue resumes from the saved step. A second SIGINT stops at
-once (for a person at the keyboard). On several hosts JAX's preemption sync point makes every host stop after
-the same step (``Checkpointer.reached_preemption``).
+once (for a person at the keyboard). On several hosts every host must stop after the same step, whichever host
+got the signal: ``StopRequest.agree`` takes the decision from all of them at once (a four-byte all-gather per
+check), and JAX's preemption sync point covers the notices JAX itself receives (``Checkpointer.reached_preemption``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 EXIT_STATUS = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
 
@@ -41,6 +46,17 @@ class StopRequest:
         self.signum = signum
         print(f"\nreceived {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
               "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    def agree(self) -> bool:
+        """Whether to stop now, the same answer on every process: a signal seen by any process counts for all
+        (each adopts the strongest signal number seen, so every host exits with the same status). Every process
+        must call this at the same point of the step, like any collective."""
+        seen = self.signum or 0
+        if jax.process_count() > 1:
+            seen = int(np.max(multihost_utils.process_allgather(np.asarray(seen, np.int32))))
+        if seen:
+            self.signum = seen
+        return bool(seen)
 
     @property
     def exit_status(self) -> int:

@@ -138,7 +138,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 written.append(writer.write(0, m))
                 bar.update(0, m)
             for step in range(start + 1, cfg.num_steps + 1):
-                if stop.signum is not None:  # signalled after the last step's stop check (or during step 0)
+                if stop.agree():  # signalled after the last step's stop check (or during step 0)
                     if step > 1:  # the state in memory is step - 1's: save it (skipped if already saved)
                         run.checkpointer.save(step - 1, run.train_state,
                                               run_state(run, time.perf_counter() - t_start), force=True)
@@ -153,7 +153,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
                 bar.update(step, metrics)
                 skipped = _check_numerics(step, metrics, cfg, bad_steps)
                 # A signal (or, on several hosts, JAX's preemption sync point) stops here, after a saved step.
-                stopping = stop.signum is not None or run.checkpointer.reached_preemption(step)
+                stopping = stop.agree() or run.checkpointer.reached_preemption(step)
                 if not skipped:  # a step with skipped updates never replaces a good checkpoint
                     run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]),
                                           force=last or stopping)

@@ -83,6 +83,7 @@ def test_evaluation_samples_with_the_package_engine():
     equal a teacher-forced argmax decode of the same model, and stop at EOS."""
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
     from rollverify_jax.models.qwen3 import init_model, model_config
 
@@ -93,11 +94,13 @@ def test_evaluation_samples_with_the_package_engine():
     prompts = ["Start 3. +4. Compute.", "Start 9. *2 -1. Compute."]
     got = sampler.generate(prompts, seed=0, greedy=True)
     eos = tokenizer.token_id(EOS)
+    logits = nnx.jit(lambda m, ids: m(ids))  # one compile: causal, so right padding does not change a position
     for prompt, response in zip(prompts, got, strict=True):
         seq = tokenizer.encode(prompt)
         want = []
         for _ in range(6):
-            nxt = int(jnp.argmax(model(np.asarray([seq + want], np.int32))[0, -1]))
+            ids = seq + want
+            nxt = int(jnp.argmax(logits(model, np.asarray([ids + [0] * (32 - len(ids))], np.int32))[0, len(ids) - 1]))
             want.append(nxt)
             if nxt == eos:
                 break
