@@ -378,6 +378,19 @@ def test_incremental_admission_keeps_a_page_per_running_slot_free(model, engine)
     assert {uid: t.tokens for uid, t in done.items()} == {uid: t.tokens for uid, t in reference.items()}
 
 
+def test_when_pages_run_short_the_youngest_request_is_preempted(model):
+    """Five usable pages, three running 4-token prompts that each need a second page: the two oldest requests
+    (lowest uids) grow and the youngest is preempted, whatever slots they sit in, so the oldest always progress."""
+    cfg = dataclasses.replace(CFG, kv_memory_bytes=6 * PAGE_BYTES)  # scratch + 5
+    tight = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
+    sched = _submit(tight, [Trajectory(uid=uid, group_id=uid, prompt=np.arange(4, 8, dtype=np.int32), seed=uid,
+                                       max_new_tokens=12) for uid in (5, 1, 3)])  # slots 0, 1, 2
+    sched.step()
+    assert sched.stats.preemptions == 1
+    assert sorted(t.uid for t in sched.slots.values()) == [1, 3] and sched.queue[0].traj.uid == 5
+    sched.pause_all()
+
+
 def test_one_prefill_per_length_bucket(engine, monkeypatch):
     """A long resumed trajectory is prefilled on its own, so it does not pad the short new prompts."""
     calls = []
