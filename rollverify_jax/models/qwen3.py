@@ -383,13 +383,18 @@ class Qwen3ForCausalLM(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
 
     def hidden_states(self, tokens: Array, positions: Array | None = None, attention: AttentionFn | None = None,
-                      remat: str = "none", mesh=None) -> tuple[Array, list[Array]]:
+                      remat: str = "none", mesh=None, scan: bool = False) -> tuple[Array, list[Array]]:
         """tokens: int32[B, T] -> (final-normed hidden [B, T, H], router logits of the MoE layers).
 
         remat: what each decoder layer keeps for the backward pass (`REMAT_POLICIES`): 'none' keeps every
         activation; 'full' keeps only the layer's input and recomputes the rest; 'dots' keeps the matmul
         outputs that have no batch dimension. Values and gradients are the same; memory and FLOPs are not.
         mesh: the device mesh the call is sharded on; MoE layers then route each device's own tokens.
+        scan: run each run of identical consecutive layers as one ``lax.scan`` over their stacked weights
+            instead of unrolled. Same values; it bounds what XLA keeps live to one layer: unrolled, the scheduler
+            hoists every layer's weight all-gathers and rematerialised activations to the start of the backward
+            pass. Only for attention that ignores the layer index (training's ``CausalAttention``); the
+            rollout engine indexes its KV pages by layer and runs unrolled.
         """
         cfg = self.cfg
         if positions is None:
@@ -404,6 +409,12 @@ class Qwen3ForCausalLM(nnx.Module):
         def run_layer(layer, x):
             return layer(x, cos, sin, attention, mesh)
 
+        if scan:
+            policy = None if remat == "none" else REMAT_POLICIES[remat]
+            for run in _runs_of_identical_layers(self.layers):
+                x, rls = _scan_layers(run, x, run_layer, policy)
+                router_logits.extend(rls)
+            return self.norm(x), router_logits
         if remat != "none":
             run_layer = nnx.remat(run_layer, policy=REMAT_POLICIES[remat])
         for layer in self.layers:
@@ -424,6 +435,32 @@ class Qwen3ForCausalLM(nnx.Module):
         h, router_logits = self.hidden_states(tokens, positions, attention, remat)
         logits = self.logits_from_hidden(h)
         return (logits, router_logits) if return_router_logits else logits
+
+
+def _runs_of_identical_layers(layers) -> list[list[DecoderLayer]]:
+    """Consecutive layers of the same kind (dense or MoE): each run has one structure and can be scanned."""
+    runs: list[list[DecoderLayer]] = []
+    for layer in layers:
+        if runs and runs[-1][0].is_sparse == layer.is_sparse:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+def _scan_layers(layers: list[DecoderLayer], x: Array, run_layer, policy) -> tuple[Array, list[Array]]:
+    """``run_layer`` over ``layers`` as one scan over their stacked weights (each step rematerialised under
+    ``policy`` when given) -> (x, the router logits of each MoE layer)."""
+    graphdef, first = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *ws: jnp.stack(ws), first, *(nnx.split(layer)[1] for layer in layers[1:]))
+
+    def body(x, state):
+        return run_layer(nnx.merge(graphdef, state), x)
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy)
+    x, rls = jax.lax.scan(body, x, stacked)
+    return x, [] if rls is None else [rls[i] for i in range(len(layers))]
 
 
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,

@@ -256,9 +256,9 @@ def _logp_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float) 
 
 
 def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention: CausalAttention, temperature: float,
-                chunk: int | None, remat: str = "none") -> tuple[jax.Array, jax.Array]:
+                chunk: int | None, remat: str = "none", scan: bool = False) -> tuple[jax.Array, jax.Array]:
     # The attention's mesh (its kernels run per device) is the one MoE layers route on.
-    hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=attention.mesh)
+    hidden, _ = model.hidden_states(tokens, positions, attention, remat, mesh=attention.mesh, scan=scan)
     if chunk is None:
         return _logp_and_entropy(model.logits_from_hidden(hidden), tokens, temperature)
     return _shifted(*chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature, chunk))
@@ -266,22 +266,22 @@ def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention
 
 def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, attention_mask: jax.Array | None,
                  temperature: float, chunk: int | None = None, remat: str = "none",
-                 kernel: dict | None = None) -> tuple[jax.Array, jax.Array]:
+                 kernel: dict | None = None, scan: bool = False) -> tuple[jax.Array, jax.Array]:
     """``kernel``: CausalAttention's impl / flash / mesh (default: the jnp reference)."""
     model = nnx.merge(graphdef, params)
     valid = None if attention_mask is None else attention_mask.astype(bool)
     return _model_logp(model, tokens, None, CausalAttention(valid=valid, **(kernel or {})), temperature, chunk,
-                       remat)
+                       remat, scan)
 
 
 def _packed_policy_logp(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, temperature: float,
                         chunk: int | None = None, remat: str = "none",
-                        kernel: dict | None = None) -> tuple[jax.Array, jax.Array]:
+                        kernel: dict | None = None, scan: bool = False) -> tuple[jax.Array, jax.Array]:
     """(logp, entropy) [rows, T] of a micro-batch computed on its packed rows [p, T] and gathered back."""
     model = nnx.merge(graphdef, params)
     attention = CausalAttention(segments=mb["packed_segments"], **(kernel or {}))
     logp, entropy = _model_logp(model, mb["packed_tokens"], mb["packed_positions"], attention, temperature, chunk,
-                                remat)
+                                remat, scan)
     index = mb["unpack_index"]
     return logp.reshape(-1)[index], entropy.reshape(-1)[index]
 
@@ -342,6 +342,9 @@ class LearnerConfig:
         logits, which at a real vocabulary and length do not fit.
     remat: what each decoder layer keeps for the backward pass: 'none', 'full' (recompute the layer), 'dots'
         (keep matmul outputs without a batch dimension). Same result; less activation memory, more FLOPs.
+    scan_layers: run identical consecutive decoder layers as one scan over stacked weights (see
+        `Qwen3ForCausalLM.hidden_states`). Same result; at real scale it keeps XLA from holding every layer's
+        gathered weights and recomputed activations at once. Costs one stacked copy of the local weight shards.
     temperature: divides the logits before the softmax. None (the default) means the rollout sampler's
         temperature, which `for_sampler` fills in, so pi and mu are the same distribution at ratio 1 by
         construction; an explicit value that differs from the sampler's is refused there. Used alone, the
@@ -357,6 +360,7 @@ class LearnerConfig:
     pack_sequences: bool = True
     logits_chunk: int | None = None
     remat: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         """A bad name or count fails at construction, where the gin binding lands."""
@@ -472,10 +476,10 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     def micro_loss(params, mb: Batch, weight: jax.Array):
         if "unpack_index" in mb:
             logp, entropy = _packed_policy_logp(graphdef, params, mb, cfg.logit_temperature, cfg.logits_chunk,
-                                                cfg.remat, kernel)
+                                                cfg.remat, kernel, cfg.scan_layers)
         else:
             logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
-                                         cfg.logit_temperature, cfg.logits_chunk, cfg.remat, kernel)
+                                         cfg.logit_temperature, cfg.logits_chunk, cfg.remat, kernel, cfg.scan_layers)
         mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
         loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
                                 ref_logp=mb.get("ref_logp"), entropy=entropy)
