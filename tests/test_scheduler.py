@@ -1,6 +1,7 @@
 """Continuous batching, pause and verified resume."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -198,10 +199,20 @@ def test_verifier_sees_each_tokens_own_version(engine):
         assert set(t.versions[n:]) == {2}
 
 
-def test_slot_refill_keeps_utilization_high_and_counts_add_up(engine):
+def test_slot_refill_keeps_utilization_high_and_counts_add_up(engine, monkeypatch):
     trajs = _requests(12, seed=3, max_new=12)
     sched = _submit(engine, trajs)
+    inside, real = [], engine.generate
+
+    def timed():
+        t0 = time.perf_counter()
+        out = real()
+        inside.append(time.perf_counter() - t0)
+        return out
+    monkeypatch.setattr(engine, "generate", timed)
+    t0 = time.perf_counter()
     sched.run()
+    wall = time.perf_counter() - t0
     assert len(sched.finished) == 12 and sched.idle
     st = sched.stats
     assert st.slot_utilization(CFG.num_slots) > 0.6
@@ -212,6 +223,9 @@ def test_slot_refill_keeps_utilization_high_and_counts_add_up(engine):
     assert st.decode_steps == st.dispatches * CFG.steps_per_dispatch
     assert st.slot_utilization(CFG.num_slots) == st.useful_token_steps / (CFG.num_slots * st.decode_steps)
     assert st.prefill_time > 0 and st.decode_time > 0 and st.host_time >= 0
+    # Decode time is the sum over every dispatch (each bracketed by its own timer), and the parts fit the wall.
+    assert len(inside) == st.dispatches > 1 and sum(inside) <= st.decode_time
+    assert st.prefill_time + st.decode_time + st.host_time <= wall
     assert all(t.finished and len(t.logps) == len(t.versions) == t.num_tokens for t in trajs)
     assert all(t.num_tokens == 12 or t.tokens[-1] == 3 for t in trajs)  # max length or EOS, nothing after
     assert all(3 not in t.tokens[:-1] for t in trajs)
@@ -241,6 +255,9 @@ def test_request_that_does_not_fit_yet_waits(model):
     assert len(sched.slots) == 2 and len(sched.queue) == 1
     sched.run()
     assert len(sched.finished) == 3 and small.allocator.num_free == small.allocator.capacity
+    never = Trajectory(uid=9, group_id=9, prompt=np.arange(4, 12, dtype=np.int32), seed=0, max_new_tokens=48)
+    with pytest.raises(ValueError, match="needs 7 pages but the pool has 6"):  # 56 tokens fit the context of 64
+        sched.submit([never])
 
 
 def test_incremental_pages_preempt_and_still_give_the_same_samples(model, engine):
@@ -252,7 +269,8 @@ def test_incremental_pages_preempt_and_still_give_the_same_samples(model, engine
     tight = Engine(model, small_pool, SamplingConfig(temperature=1.0), eos_ids=(3,))
     sched = _submit(tight, _requests(6, seed=5, max_new=40))
     done = _finish_all(sched)
-    assert sched.stats.preemptions > 0
+    assert sched.stats.preemptions > 1
+    assert sched.stats.prefill_sequences == 6 + sched.stats.preemptions  # each preemption is one more prefill
     for uid, t in reference.items():
         assert done[uid].tokens == t.tokens, uid
         np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
@@ -344,7 +362,7 @@ def test_pause_returns_running_then_queued_and_frees_every_page(engine):
 @pytest.mark.parametrize("reservation", ["incremental", "full"])
 def test_pages_reserved_per_admission(model, reservation):
     """Incremental reservation owns the pages of the next dispatch only; full owns prompt + max_new_tokens."""
-    cfg = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3, page_reservation=reservation)
+    cfg = EngineConfig(num_slots=2, page_size=8, max_seq_len=64, steps_per_dispatch=3, page_reservation=reservation)
     eng = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
     sched = Scheduler(eng)
     sched.submit([Trajectory(uid=0, group_id=0, prompt=np.arange(4, 8, dtype=np.int32), seed=0, max_new_tokens=40)])
@@ -353,6 +371,7 @@ def test_pages_reserved_per_admission(model, reservation):
     assert owned == (1 if reservation == "incremental" else 6)  # 4 + 3 + 1 = 8 tokens: one page; 44: six
     sched.run()
     assert eng.allocator.num_free == eng.allocator.capacity
+    assert sched.stats.decode_steps == 3 * sched.stats.dispatches > 0  # steps per dispatch, not slots (2)
 
 
 def test_slot_utilization_is_useful_over_offered_token_steps():
