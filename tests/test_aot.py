@@ -11,13 +11,13 @@ from rollverify_jax import aot
 
 pytest.importorskip("libtpu", reason="the deviceless TPU compile needs libtpu (pip install -e '.[test]')")
 
-# The tiny RollVerify run, one layer, head_dim 128 so the Pallas paged-attention kernel (128-lane tiles) is the
-# decode attention, on a 4-chip v5p slice with the pool and slots over 4 devices.
+# The tiny RollVerify run, two layers (scanned in the train step), head_dim 128 so the Pallas paged-attention
+# kernel (128-lane tiles) is the decode attention, on a 4-chip v5p slice with the pool and slots over 4 devices.
 PARAMS = [
-    "TrainConfig.policy_path = None", "model_config.preset = 'tiny'", "model_config.num_hidden_layers = 1",
+    "TrainConfig.policy_path = None", "model_config.preset = 'tiny'", "model_config.num_hidden_layers = 2",
     "model_config.num_attention_heads = 2", "model_config.num_key_value_heads = 1", "model_config.head_dim = 128",
     "EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 256", "EngineConfig.logits_chunk = 64",
-    "LearnerConfig.logits_chunk = 64", "LearnerConfig.remat = 'full'", "make_mesh.shape = (1, -1, 1)",
+    "LearnerConfig.logits_chunk = 64", "LearnerConfig.remat = 'full'", "LearnerConfig.scan_layers = True", "make_mesh.shape = (1, -1, 1)",
     "AotConfig.topology = 'v5p:2x2x1'",
 ]
 
