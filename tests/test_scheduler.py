@@ -431,17 +431,16 @@ def test_only_trajectories_with_tokens_are_verified_and_one_token_can_be_cut(eng
     sched = _submit(engine, _requests(5, seed=13, max_new=30))
     sched._admit()  # admitted rows hold the one token their prefill sampled; the rest are still queued
     paused = sched.pause_all()
-    counts = sorted(t.num_tokens for t in paused)
-    assert counts == [0, 0, 1, 1, 1]
+    assert [t.num_tokens for t in paused] == [1, 1, 1, 0, 0]
     seen = []
 
     def cut_all(new, beh, ver, lengths):
         seen.append(sorted(int(n) for n in lengths if n))
         return np.zeros_like(lengths)
-    sched.resume(paused, keep=cut_all)
+    sched.resume(paused[::-1], keep=cut_all)  # the three slots take the two not started, then a one-token one
     sched._admit()
-    assert sorted(sched.verified) == [(0, 1)] * 3 and seen == [[1, 1, 1]]
-    assert sorted(t.draws for t in paused) == [0, 0, 1, 1, 1]  # every one-token prefix was cut: a new draw
+    assert sched.verified == [(0, 1)] and seen == [[1]]  # nothing to verify in a trajectory without tokens
+    assert [t.draws for t in paused] == [0, 0, 1, 0, 0]  # the one-token prefix was cut: a new draw
     sched.pause_all()
 
 
@@ -463,7 +462,7 @@ def test_regeneration_counts_compare_each_position_with_the_token_it_replaces(en
     """After a cut at ``keep``, the k-th regenerated token is compared with the k-th removed one, for as many
     positions as both have; a trajectory that ends early leaves no state behind."""
     keep = 2
-    original = _finish_all(_submit(engine, _requests(8, seed=15, max_new=12)))
+    original = _finish_all(_submit(engine, _requests(12, seed=15, max_new=16)))
     removed = {uid: list(t.tokens[keep:]) for uid, t in original.items()}
     sched = Scheduler(engine)
     sched.resume(list(original.values()), keep=lambda new, beh, ver, n: np.minimum(n, keep))
@@ -471,7 +470,7 @@ def test_regeneration_counts_compare_each_position_with_the_token_it_replaces(en
     pairs = [(x, y) for uid, t in again.items() for x, y in zip(removed[uid], t.tokens[keep:], strict=False)]
     assert any(len(removed[uid]) > again[uid].num_tokens - keep for uid in again)  # some ended earlier
     assert sched.stats.regen_tokens == len(pairs) > 0
-    assert sched.stats.regen_equal == sum(x == y for x, y in pairs)
+    assert sched.stats.regen_equal == sum(x == y for x, y in pairs) >= 2  # >= 2: a count, not a last value
     assert not sched._cut_suffix  # nothing per trajectory outlives it (a long run would accumulate it)
 
 
