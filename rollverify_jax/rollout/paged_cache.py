@@ -69,8 +69,13 @@ def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, page_table:
     local = page - page_offset
     keep = valid & (local >= 0) & (local < held)
     local = jnp.where(keep, local, held)  # out of range: the scatter drops it
-    vals = jnp.moveaxis(new, 2, 0).astype(pages.dtype)  # [Hkv, B, T, D]
-    return pages.at[:, local, positions % size].set(vals, mode="drop")
+    vals = new.astype(pages.dtype)
+    # One scatter per KV head: a single scatter across heads makes XLA:TPU pick a heads-minor layout for the
+    # result and copy the whole pool back to the attention kernel's layout (with 2+ heads per chip, a second
+    # copy of every layer's pages in the decode dispatch; per head, none).
+    for h in range(pages.shape[0]):
+        pages = pages.at[h, local, positions % size].set(vals[:, :, h], mode="drop")
+    return pages
 
 
 class PageAllocator:
