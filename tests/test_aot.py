@@ -17,7 +17,8 @@ PARAMS = [
     "TrainConfig.policy_path = None", "model_config.preset = 'tiny'", "model_config.num_hidden_layers = 2",
     "model_config.num_attention_heads = 2", "model_config.num_key_value_heads = 1", "model_config.head_dim = 128",
     "EngineConfig.num_slots = 8", "EngineConfig.max_seq_len = 256", "EngineConfig.logits_chunk = 64",
-    "LearnerConfig.logits_chunk = 64", "LearnerConfig.remat = 'full'", "LearnerConfig.scan_layers = True", "make_mesh.shape = (1, -1, 1)",
+    "LearnerConfig.logits_chunk = 64", "LearnerConfig.remat = 'full'", "LearnerConfig.scan_layers = True",
+    "make_mesh.shape = (1, -1, 1)",
     "AotConfig.topology = 'v5p:2x2x1'",
 ]
 
