@@ -410,9 +410,8 @@ class Qwen3ForCausalLM(nnx.Module):
             return layer(x, cos, sin, attention, mesh)
 
         if scan:
-            policy = None if remat == "none" else REMAT_POLICIES[remat]
             for run in _runs_of_identical_layers(self.layers):
-                x, rls = _scan_layers(run, x, run_layer, policy)
+                x, rls = _scan_layers(run, x, run_layer, REMAT_POLICIES[remat])
                 router_logits.extend(rls)
             return self.norm(x), router_logits
         if remat != "none":
@@ -460,7 +459,7 @@ def _scan_layers(layers: list[DecoderLayer], x: Array, run_layer, policy) -> tup
     if policy is not None:
         body = jax.checkpoint(body, policy=policy)
     x, rls = jax.lax.scan(body, x, stacked)
-    return x, [] if rls is None else [rls[i] for i in range(len(layers))]
+    return x, [] if rls is None else list(rls)
 
 
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
