@@ -94,6 +94,45 @@ def test_moe_routed_per_device_equals_the_global_routing():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("experts_axes, chunk", [
+    ("fsdp", 4),                # experts over an axis that splits the rows: all-gather, reduce-scatter, 3 chunks
+    ("tensor", 4096),           # over an axis the rows are whole on: outputs summed
+    (("fsdp", "tensor"), 5),    # both at once, one expert per device, a padded last chunk
+    (("data", "fsdp"), 9),      # over both row axes, with the inner dimension over 'tensor'
+])
+def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk):
+    """Expert parallelism on 8 devices (experts sharded by the logical-axis rules, each device holding only its
+    own) gives the values, router logits and gradients of the model computed on one device."""
+    from rollverify_jax import mesh as mesh_lib
+
+    mesh = mesh_lib.make_mesh((2, 2, 2))
+    model = init_model(model_config("tiny_moe", num_hidden_layers=2), seed=6)
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(3), (4, 7), 0, 64)
+    rules = tuple((name, experts_axes if name == "experts" else axes) for name, axes in mesh_lib.DEFAULT_RULES)
+
+    def loss(p, m):
+        h, router = nnx.merge(graphdef, p).hidden_states(tokens, mesh=m)
+        return jnp.sum(h ** 2) + sum(jnp.sum(r ** 2) for r in router), (h, router)
+
+    (want, (h0, r0)), g0 = jax.value_and_grad(loss, has_aux=True)(params, None)
+    gin.clear_config()
+    try:
+        gin.bind_parameter("logical_axis_rules.rules", rules)
+        gin.bind_parameter("expert_parallel_chunk.tokens", chunk)
+        placed = nnx.state(mesh_lib.shard_model(nnx.merge(graphdef, params), mesh))
+        gate = placed["layers"][1]["mlp"]["gate_proj"][...]
+        assert gate.addressable_shards[0].data.shape[0] < gate.shape[0]  # each device holds only its experts
+        (got, (h1, r1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(placed, mesh)
+    finally:
+        gin.clear_config()
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
+    for a, b in zip(r1, r0, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("preset, remat", [("tiny", "full"), ("tiny_moe", "none")])
 def test_scanned_layers_equal_the_unrolled_ones(preset, remat):
     """Layers run as scans over stacked weights (one scan per run of same-kind layers: tiny_moe has a dense layer,

@@ -273,11 +273,21 @@ class MLP(nnx.Module):
         return h @ self.down_proj[...].astype(dt)
 
 
+@gin.configurable
+def expert_parallel_chunk(tokens: int = 4096) -> int:
+    """Tokens per device per expert-parallel exchange (bind from gin). Each exchange all-gathers ``tokens`` x the
+    expert-parallel size rows and sorts them x top-k: the chunk bounds that buffer at any sequence length."""
+    if tokens < 1:
+        raise ValueError(f"expert_parallel_chunk.tokens must be >= 1, got {tokens}.")
+    return tokens
+
+
 class SparseMoE(nnx.Module):
     """Qwen3-MoE block: softmax router, top-k experts, optional renormalised top-k weights.
 
     Tokens are sorted by expert and run through ``jax.lax.ragged_dot`` so compute scales with top-k,
-    not with the number of experts.
+    not with the number of experts. Dropless everywhere (no capacity factor): a dropped token would change pi
+    against mu, the quantity verification measures.
     """
 
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
@@ -292,50 +302,117 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: Array, mesh=None) -> tuple[Array, Array]:
         """x: [B, T, H] -> (out [B, T, H], router_logits float32[B, T, E]).
 
-        With a ``mesh``, each device routes and computes its own rows' tokens (``shard_map`` over the batch
-        axes; the expert MLPs' inner dimension over 'tensor', summed after the down projection). Without it the
-        token sort is global, which XLA cannot split: at real scale every device would hold every token.
+        With a ``mesh`` the block runs in ``shard_map``: each device routes its own rows' tokens. The expert
+        weights keep the layout the logical-axis rules give them (``mesh.logical_axis_rules``):
+        - 'expert_mlp' over 'tensor' (the default): each device computes its share of every expert's inner
+          dimension; the outputs are summed after the down projection;
+        - 'experts' over mesh axes (expert parallelism, e.g. ``('experts', 'fsdp')``): each device holds
+          E / n experts and never gathers the others. Over an axis that also splits the rows, a chunk of each
+          device's tokens is all-gathered along it, every device runs the tokens routed to its own experts, and
+          the outputs are reduce-scattered back to the rows they came from; over an axis that does not split
+          the rows, the tokens are already there and the outputs are summed. Exact: no token is dropped.
+        Without a mesh the token sort is global, which XLA cannot split: at real scale every device would hold
+        every token.
         """
         dt = x.dtype
         weights = (self.router[...].astype(dt), self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
                    self.down_proj[...].astype(dt))
         if mesh is None or mesh.size == 1:
-            return self._route(x, *weights)
-        rows = _axes_dividing(mesh, ("data", "fsdp"), x.shape[0])
-        inner = _axes_dividing(mesh, ("tensor",), self.cfg.moe_intermediate_size)
+            logits, top_e, top_w = self._routing(x.reshape(-1, x.shape[-1]), weights[0])
+            out = _expert_mlps(x.reshape(-1, x.shape[-1]), top_e, top_w, *weights[1:], first_expert=0)
+            return out.reshape(x.shape), logits.reshape(*x.shape[:2], -1)
+        from rollverify_jax import mesh as mesh_lib  # the one place that knows the rules
+
+        gate_spec = mesh_lib.logical_to_spec(self.gate_proj.get_metadata()["logical_axes"],
+                                             self.gate_proj.shape, mesh)
+        ep, inner = _as_axes(gate_spec[0]), _as_axes(gate_spec[2])
+        rows = _axes_dividing(mesh, ("data", "fsdp"), x.shape[0]) or ()
+        gathered = tuple(a for a in ep if a in rows)  # tokens split here: all-gather, then reduce-scatter
+        summed = tuple(a for a in ep if a not in rows) + inner  # tokens already whole here: sum the outputs
+        chunk = expert_parallel_chunk()
 
         def local(x, router, gate, up, down):
-            out, logits = self._route(x, router, gate, up, down)
-            return (jax.lax.psum(out, inner) if inner else out), logits
+            b, t, h = x.shape
+            flat = x.reshape(-1, h)
+            logits, top_e, top_w = self._routing(flat, router)
+            first = jax.lax.axis_index(ep) * gate.shape[0] if ep else 0
+            if gathered:
+                out = _exchanged_expert_mlps(flat, top_e, top_w, gate, up, down, first, gathered, chunk)
+            else:
+                out = _expert_mlps(flat, top_e, top_w, gate, up, down, first_expert=first)
+            if summed:
+                out = jax.lax.psum(out, summed)
+            return out.reshape(b, t, h), logits.reshape(b, t, -1)
 
         P = jax.sharding.PartitionSpec
-        row = P(rows, None, None)
-        return jax.shard_map(local, mesh=mesh, in_specs=(row, P(), P(None, None, inner), P(None, None, inner),
-                                                          P(None, inner, None)),
-                             out_specs=(row, row), check_vma=False)(x, *weights)
+        row = P(rows or None, None, None)
+        ep_spec, inner_spec = ep or None, inner or None
+        return jax.shard_map(
+            local, mesh=mesh,
+            in_specs=(row, P(), P(ep_spec, None, inner_spec), P(ep_spec, None, inner_spec),
+                      P(ep_spec, inner_spec, None)),
+            out_specs=(row, row), check_vma=False)(x, *weights)
 
-    def _route(self, x: Array, router: Array, gate_w: Array, up_w: Array, down_w: Array) -> tuple[Array, Array]:
+    def _routing(self, flat: Array, router: Array) -> tuple[Array, Array, Array]:
+        """flat [N, H] -> (router logits float32[N, E], top-k experts int32[N, k], their weights [N, k])."""
         cfg = self.cfg
-        b, t, h = x.shape
-        flat = x.reshape(-1, h)
         router_logits = (flat @ router).astype(jnp.float32)
         probs = jax.nn.softmax(router_logits, axis=-1)
-        top_w, top_e = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
+        top_w, top_e = jax.lax.top_k(probs, cfg.num_experts_per_tok)
         if cfg.norm_topk_prob:
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        top_w = top_w.astype(x.dtype)
-        n, k = top_e.shape
-        expert_of = top_e.reshape(-1)  # [N*k]
-        order = jnp.argsort(expert_of, stable=True)
-        token_of = order // k
-        xs = flat[token_of]  # [N*k, H] sorted by expert
-        sizes = jnp.bincount(expert_of, length=cfg.num_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(xs, gate_w, sizes)
-        up = jax.lax.ragged_dot(xs, up_w, sizes)
-        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, sizes)
-        ys = ys * top_w.reshape(-1)[order][:, None]
-        out = jnp.zeros_like(flat).at[token_of].add(ys)
-        return out.reshape(b, t, h), router_logits.reshape(b, t, -1)
+        return router_logits, top_e, top_w.astype(flat.dtype)
+
+
+def _expert_mlps(flat: Array, top_e: Array, top_w: Array, gate_w: Array, up_w: Array, down_w: Array,
+                 first_expert) -> Array:
+    """The routed SwiGLU MLPs of the experts held here, ``first_expert`` .. + len(gate_w), summed per token with
+    the router's weights: flat [N, H], top_e/top_w [N, k] -> [N, H]. Assignments to other experts sort last,
+    beyond the ragged groups, and contribute nothing."""
+    n, k = top_e.shape
+    held = gate_w.shape[0]
+    local = top_e.reshape(-1) - first_expert  # [N*k]
+    mine = (local >= 0) & (local < held)
+    key = jnp.where(mine, local, held)
+    order = jnp.argsort(key, stable=True)
+    token_of = order // k
+    xs = flat[token_of]  # [N*k, H] sorted by expert
+    sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
+    gate = jax.lax.ragged_dot(xs, gate_w, sizes)
+    up = jax.lax.ragged_dot(xs, up_w, sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, sizes)
+    ys = ys * jnp.where(mine, top_w.reshape(-1), 0).astype(ys.dtype)[order][:, None]
+    return jnp.zeros_like(flat).at[token_of].add(ys)
+
+
+def _exchanged_expert_mlps(flat: Array, top_e: Array, top_w: Array, gate_w: Array, up_w: Array, down_w: Array,
+                           first_expert, axes: tuple[str, ...], chunk: int) -> Array:
+    """Expert parallelism across ``axes``, which split the tokens: chunk by chunk, every device's tokens (and
+    their routing) are all-gathered, each device runs those routed to its experts, and the partial outputs are
+    reduce-scattered back to their own device. flat [N, H] -> [N, H]. Each chunk is rematerialised, so the
+    backward pass keeps only the chunk inputs."""
+    n, h = flat.shape
+    c = min(chunk, n)
+    pad = -n % c
+
+    def split(a):
+        return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(-1, c, *a.shape[1:])
+
+    @jax.checkpoint
+    def one_chunk(_, xs):
+        xc, ec, wc = (jax.lax.all_gather(a, axes, tiled=True) for a in xs)
+        yc = _expert_mlps(xc, ec, wc, gate_w, up_w, down_w, first_expert)
+        return None, jax.lax.psum_scatter(yc, axes, scatter_dimension=0, tiled=True)
+
+    _, out = jax.lax.scan(one_chunk, None, (split(flat), split(top_e), split(top_w)))  # zero-weight padding
+    return out.reshape(-1, h)[:n]
+
+
+def _as_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry as a tuple of mesh axes (None: ())."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _axes_dividing(mesh, axes: tuple[str, ...], dim: int) -> tuple[str, ...] | None:
