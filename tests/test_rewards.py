@@ -234,3 +234,48 @@ def test_rewards_under_load_with_hanging_and_crashing_graders_land_on_their_own_
     np.testing.assert_array_equal(got, want)
     assert metrics["reward/grader_timeouts"] == 3 and metrics["reward/grader_errors"] == 3
     assert elapsed < 3 * (TIMEOUT_S + GRACE_S) + 3 * 2 * 15.0  # generous: a hang or crash must never stall
+
+
+@pytest.mark.parametrize("response, answer, expected", [
+    ("so the total is 1000.\nAnswer: 1,000", "1000", 1.0),              # thousands separator
+    ("Answer: \\boxed{5}", "5", 1.0),                                     # boxed inside the line
+    ("Answer: x = 12 degrees", "12", 1.0),                               # right side of '=', unit dropped
+    ("Answer: $\\frac12$", "\\frac{1}{2}", 1.0),                          # shorthand \frac, $ delimiters
+    ("Answer: \\text{(B)}", "(B)", 1.0),
+    ("Answer: 7\nAnswer: 8", "7", -1.0),                                  # the last Answer: counts
+    ("the answer is 7", "7", -1.0),                                       # no Answer: line
+    ("Answer: 7" + " filler" * 60, "7", -1.0),                          # outside the last 300 characters
+    ("Answer: 1/2", "0.5", -1.0),                                         # string match, not symbolic
+])
+def test_dapo_reward_follows_the_dapo_rule(response, answer, expected):
+    assert rewards.dapo_math_reward(response, answer) == expected
+    assert rewards.get_reward_fn("dapo") is rewards.dapo_math_reward
+
+
+def test_dapo_reward_counts_minus_one_as_incorrect():
+    s = RewardScorer("dapo")
+    r, m = s.score(["Answer: 3", "Answer: 4"], ["3", "3"], overlong_penalty=False)
+    np.testing.assert_array_equal(r, [1.0, -1.0])
+    assert m["reward/correct_fraction"] == 0.5
+
+
+def test_reward_plug_in_runs_in_the_grader_pool(tmp_path, monkeypatch):
+    (tmp_path / "my_reward_pkg").mkdir()
+    (tmp_path / "my_reward_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_reward_pkg" / "graders.py").write_text(
+        "import os\n"
+        "def length_match(response, answer):\n"
+        "    return float(len(response) == int(answer)) + os.getpid() * 0\n"
+        "def three_args(response, answer, extra):\n"
+        "    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with RewardScorer("my_reward_pkg.graders:length_match", num_workers=1, timeout_s=30) as s:
+        assert s.spec.isolated
+        r, _ = s.score(["abc", "ab"], ["3", "3"], overlong_penalty=False)
+    np.testing.assert_array_equal(r, [1.0, 0.0])
+    with pytest.raises(ValueError, match="cannot import 'my_reward_pkg.nope'"):
+        RewardScorer("my_reward_pkg.nope:f")
+    with pytest.raises(ValueError, match="has no function 'missing'"):
+        RewardScorer("my_reward_pkg.graders:missing")
+    with pytest.raises(ValueError, match=r"must take \(response: str, answer: str\)"):
+        RewardScorer("my_reward_pkg.graders:three_args")

@@ -18,6 +18,8 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import importlib
+import inspect
 import logging
 import multiprocessing as mp
 import re
@@ -121,6 +123,50 @@ def math_reward(response: str, answer: str) -> float:
     return float(math_equal(prediction, _strip_math_delimiters(str(answer))))
 
 
+# DAPO's rule-based math reward, for results that compare with other frameworks' DAPO recipes: the last
+# ``Answer:`` line within the response's final 300 characters, normalised as in Minerva (Lewkowycz et al.,
+# 2022: units, \text{}, $...$, shorthand \frac/\sqrt and thousands separators), equal as strings to the
+# normalised gold answer; +1 when correct, -1 otherwise. Written here from that published rule (it is a
+# handful of string edits, not worth a dependency on a whole RL framework).
+_DAPO_TAIL_CHARS = 300
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_MINERVA_REPLACE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_MINERVA_DROP = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+                 "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+                 "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+                 "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
+                 ",\\!", "{,}", '"', "\\dots")
+_MINERVA_UNWRAP = tuple(re.compile(p) for p in (r"(\\text\{)(.*?)(\})", r"(\\textbf\{)(.*?)(\})",
+                                                  r"(\\overline\{)(.*?)(\})", r"(\\boxed\{)(.*)(\})"))
+
+
+def minerva_normalize(answer: str) -> str:
+    """A final answer in Minerva's canonical string form (the right side of any ``=``, units and markup off)."""
+    answer = answer.split("=")[-1]
+    for before, after in _MINERVA_REPLACE:
+        answer = answer.replace(before, after)
+    for junk in _MINERVA_DROP:
+        answer = answer.replace(junk, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)
+    for wrapper in _MINERVA_UNWRAP:
+        answer = wrapper.sub("\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def dapo_math_reward(response: str, answer: str) -> float:
+    """DAPO's reward: +1 when the last ``Answer:`` of the response's tail matches the gold answer after Minerva
+    normalisation, -1 otherwise (a missing answer included)."""
+    found = _DAPO_ANSWER.findall(response[-_DAPO_TAIL_CHARS:])
+    prediction = minerva_normalize(found[-1]) if found else None
+    return 1.0 if prediction == minerva_normalize(str(answer)) else -1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
     """A registered reward: the function and whether it must run isolated in the grader pool."""
@@ -141,10 +187,38 @@ def register_reward(name: str, fn: RewardFn, isolated: bool = True) -> RewardFn:
 
 
 def get_reward_spec(name: str) -> RewardSpec:
-    """Registry lookup with the known names in the error."""
+    """A registered reward, or a plug-in named ``'package.module:function'``.
+
+    A plug-in is any importable module-level function ``fn(response: str, answer: str) -> float`` (the decoded
+    response without the prompt, the dataset's gold answer as a string); a reward > 0.5 counts as correct in
+    evaluation. Plug-ins run isolated in the grader pool, with its timeout, since their cost is unknown."""
+    if ":" in name:
+        return RewardSpec(fn=_import_reward(name), isolated=True)
     if name not in _REGISTRY:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REGISTRY)}")
+        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REGISTRY)}, or a plug-in "
+                         "'package.module:function'")
     return _REGISTRY[name]
+
+
+def _import_reward(name: str) -> RewardFn:
+    """Imports ``'package.module:function'`` and checks that it takes (response, answer)."""
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward plug-in {name!r}: cannot import {module_name!r} ({e}); put its package on "
+                         "PYTHONPATH or install it") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward plug-in {name!r}: module {module_name!r} has no function {attr!r}")
+    try:
+        inspect.signature(fn).bind("response", "answer")
+    except TypeError:
+        raise ValueError(f"reward plug-in {name!r} must take (response: str, answer: str) -> float, "
+                         f"not {inspect.signature(fn)}") from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+    return fn
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -154,6 +228,7 @@ def get_reward_fn(name: str) -> RewardFn:
 
 register_reward("math", math_reward, isolated=True)
 register_reward("exact", exact_reward, isolated=False)
+register_reward("dapo", dapo_math_reward, isolated=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -234,7 +309,7 @@ class RewardScorer:
     """Scores a batch of responses; isolated rewards run in a recycled-on-hang process pool.
 
     Args:
-      name: registered reward name (``math``, ``exact``, ...).
+      name: registered reward name (``math``, ``dapo``, ``exact``) or a plug-in ``'package.module:function'``.
       timeout_s: per-item grading time limit; a timed-out item gets reward 0.
       num_workers: grader processes (only for isolated rewards).
       overlong_buffer: DAPO ``Lc``; 0 turns the overlong penalty off.
