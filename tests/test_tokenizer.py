@@ -312,6 +312,59 @@ def test_chat_template_needs_chatml_special_tokens(tmp_path):
     assert tok.encode_prompt("abc", chat=False) == [0, 1, 2]
 
 
+# An instruct model's own template that is not ChatML (Llama-3-like headers, a bos token, a system default,
+# a role check through raise_exception, a loop control): the prompt must be the one transformers renders.
+_OTHER_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}<|start|>system\nDefault.<|end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
+    "<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "named_list", "jinja_file"])
+def test_checkpoint_chat_template_renders_as_transformers_does(tmp_path, where):
+    from transformers import AutoTokenizer
+
+    build_char_tokenizer(ALPHABET, [*SPECIALS, "<s>", "<|start|>", "<|end|>"], tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["bos_token"] = "<s>"
+    if where == "tokenizer_config":
+        config["chat_template"] = _OTHER_TEMPLATE
+    elif where == "named_list":
+        config["chat_template"] = [{"name": "tool_use", "template": "x"},
+                                   {"name": "default", "template": _OTHER_TEMPLATE}]
+    else:
+        del config["chat_template"]
+        (tmp_path / "chat_template.jinja").write_text(_OTHER_TEMPLATE)
+    _write_json(tmp_path / "tokenizer_config.json", config)
+    ours = Tokenizer.from_dir(tmp_path)
+    peer = AutoTokenizer.from_pretrained(str(tmp_path))
+    for system in (None, "Be brief."):
+        for thinking in (None, False):
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": " 1+1=? "}]
+            kwargs = {} if thinking is None else {"enable_thinking": thinking}
+            want = peer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            got = ours.apply_chat_template(" 1+1=? ", system=system, enable_thinking=thinking)
+            assert got == want and got.startswith("<s><|start|>system\n")
+    assert "Default." in ours.apply_chat_template("hi") and "Default." not in ours.apply_chat_template("hi", "S")
+
+
+def test_chat_template_errors_name_the_problem(tmp_path):
+    build_char_tokenizer(ALPHABET, SPECIALS, tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('only user turns') }}")
+    with pytest.raises(ValueError, match="chat template failed: only user turns"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template("hi")
+    (tmp_path / "chat_template.jinja").unlink()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    _write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": [{"name": "rag", "template": "x"}]})
+    with pytest.raises(ValueError, match="none named 'default'"):
+        Tokenizer.from_dir(tmp_path)
+
+
 # gin factory --------------------------------------------------------------------------------------
 
 

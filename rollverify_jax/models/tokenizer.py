@@ -6,12 +6,18 @@ A directory holds ``tokenizer.json`` and optionally ``tokenizer_config.json`` (`
 checkpoints split them: ``tokenizer_config.json`` names ``<|im_end|>`` while ``generation_config.json`` lists
 ``[<|im_end|>, <|endoftext|>]``.
 
+Chat prompts render the checkpoint's own ``chat_template`` (``tokenizer_config.json``, or the
+``chat_template.jinja`` file newer checkpoints keep beside it) in a sandboxed Jinja environment configured as
+transformers configures its own, so an instruct model sees exactly the prompt format it was trained on; a
+directory without a template falls back to the built-in single-turn ChatML.
+
 ``build_char_tokenizer`` writes the character-level tokenizer the embedded tiny default model uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -26,6 +32,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -132,6 +139,8 @@ class Tokenizer:
     special_tokens: dict[str, int]
     eos_ids: tuple[int, ...]
     pad_id: int | None
+    chat_template: str | None = None  # the checkpoint's Jinja template; None: the built-in ChatML
+    template_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token etc. for the template
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str], model_vocab_size: int | None = None) -> Tokenizer:
@@ -156,6 +165,9 @@ class Tokenizer:
             special_tokens=_special_tokens(hf),
             eos_ids=eos_ids,
             pad_id=_pad_id(hf, path, config, gen_config, eos_ids),
+            chat_template=_chat_template(path, config),
+            template_tokens={k: v for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                             if (v := _token_content(config.get(k))) is not None},
         )
 
     def token_id(self, token: str) -> int:
@@ -196,8 +208,15 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
     ) -> str:
-        """ChatML text for one user turn (see `chatml_prompt`); needs the ``<|im_start|>``/``<|im_end|>``
-        special tokens so the markers encode as single ids rather than as plain text."""
+        """Prompt text for one user turn: the checkpoint's chat template when it has one, else ChatML (see
+        `chatml_prompt`), which needs the ``<|im_start|>``/``<|im_end|>`` special tokens so the markers encode as
+        single ids rather than as plain text."""
+        if self.chat_template is not None:
+            messages = ([{"role": "system", "content": system}] if system is not None else [])
+            messages.append({"role": "user", "content": user_message})
+            extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+            return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                        **self.template_tokens, **extra)
         missing = [t for t in (IM_START, IM_END) if t not in self.special_tokens]
         if missing:
             raise ValueError(
@@ -216,6 +235,44 @@ class Tokenizer:
         elif system is not None:
             raise ValueError("A system prompt needs chat=True: raw prompts have nowhere to put it.")
         return self.encode(text)
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The directory's chat template: ``chat_template.jinja``, else ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of named templates of which 'default' is used)."""
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        return (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{path / TOKENIZER_CONFIG_FILE} lists chat templates {sorted(map(str, named))} but "
+                             "none named 'default'; name the one to use 'default'.")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path / TOKENIZER_CONFIG_FILE}: chat_template must be a string, got {template!r}.")
+    return template
+
+
+def render_chat_template(template: str, messages: list[dict[str, str]], **variables: Any) -> str:
+    """Renders a checkpoint's chat template as transformers does (sandboxed Jinja, trimmed blocks, its
+    ``raise_exception``, ``tojson`` and ``strftime_now`` helpers); a template error names the template's
+    message."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(messages=messages, **variables)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"The checkpoint's chat template failed: {e}") from e
 
 
 def _load_hf_tokenizer(path: Path) -> HFTokenizer:
