@@ -1,5 +1,9 @@
 """Run outputs at the edge of the train loop: ``metrics.jsonl``, TensorBoard scalars, console progress, gin config.
 
+Console progress (``MetricsConfig.progress``): a tqdm bar on a terminal, one flushed line per step where a bar
+cannot draw (a log file under nohup or SLURM, a pipe, a notebook). ``MetricsConfig.wandb_project`` also sends
+every record to Weights & Biases (the optional ``wandb`` extra).
+
 ``<workdir>/metrics.jsonl`` holds one strict-JSON object per line, ``{"step": int, "<name>": number, ...}``.
 Non-finite values (NaN, +-inf) are written as ``null`` so any JSON reader (jq, pandas, a browser) can parse the
 file; ``read_metrics`` reads ``null`` back as ``float('nan')``. TensorBoard receives the true value.
@@ -8,6 +12,8 @@ Only process 0 writes (every host runs the same program and computes the same re
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -27,6 +33,43 @@ OPERATIVE_CONFIG_FILE = "operative_config.gin"
 CONFIG_FILE = "config.gin"
 
 log = logging.getLogger(__name__)
+
+PROGRESS_STYLES = ("auto", "bar", "lines", "none")
+WANDB_INSTALL = "pip install -e '.[wandb]'"
+
+
+class MissingExtraError(ImportError, ValueError):
+    """An optional package a setting needs is not installed: a configuration error (the CLI's one-line
+    ``error:``, exit status 2), still an ImportError for code that catches those."""
+
+
+def _wandb_installed() -> bool:
+    if "wandb" in sys.modules:  # imported already (or blocked with None)
+        return sys.modules["wandb"] is not None
+    return importlib.util.find_spec("wandb") is not None
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """How a run reports besides ``metrics.jsonl`` and TensorBoard (``TrainConfig.metrics_tensorboard``).
+
+    progress: 'auto' (a bar when stdout and stderr are terminals, else one line per step), 'bar', 'lines', 'none'.
+    wandb_project: a Weights & Biases project to log every record to (None: off); each invocation is one W&B run,
+    named ``wandb_run_name`` or the workdir's name, with its files under ``<workdir>/wandb``.
+    """
+
+    progress: str = "auto"
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+
+    def __post_init__(self):
+        if self.progress not in PROGRESS_STYLES:
+            raise ValueError(f"MetricsConfig.progress={self.progress!r}; choose one of {list(PROGRESS_STYLES)}.")
+        if self.wandb_project is not None and not _wandb_installed():  # checked before any work is done
+            raise MissingExtraError(f"MetricsConfig.wandb_project={self.wandb_project!r} needs the wandb package, "
+                                    f"which is not installed: {WANDB_INSTALL}")
 
 
 def _is_primary() -> bool:
@@ -69,8 +112,12 @@ def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
             if not line:
                 continue
             try:
-                records.append((line, json.loads(line)))
+                record = json.loads(line)
             except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                records.append((line, record))
+            else:
                 log.warning("Skipping unparsable line %d of %s: %.80s", lineno, path, line)
     return records
 
@@ -89,11 +136,12 @@ class MetricsWriter:
     """Appends ``{"step", **metrics}`` to ``<workdir>/metrics.jsonl`` (flushed per write) and to TensorBoard.
 
     Pass ``resume_step`` when resuming into the same workdir: records with ``step >= resume_step`` (written after
-    the checkpoint being resumed) are dropped first, so the file has no duplicated steps.
+    the checkpoint being resumed) are dropped first, so the file has no duplicated steps. ``wandb_run`` (from
+    ``open_wandb``) receives every record too, and is finished on close.
     """
 
     def __init__(self, workdir: str | Path, use_tensorboard: bool = True, resume_step: int | None = None,
-                 active: bool | None = None):
+                 active: bool | None = None, wandb_run: Any = None):
         self.workdir = Path(workdir)
         self.path = self.workdir / METRICS_FILE
         self.tensorboard_dir = self.workdir / TENSORBOARD_DIR
@@ -101,6 +149,7 @@ class MetricsWriter:
         self.active = _is_primary() if active is None else active
         self._file = None
         self._tb = None
+        self._wandb = wandb_run
         if not self.active:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +176,8 @@ class MetricsWriter:
         return len(records) - len(kept)
 
     def truncate_after(self, step: int) -> int:
-        """Drops records with ``step >= step`` (and tells TensorBoard to purge them); returns how many were dropped."""
+        """Drops records with ``step >= step`` (and tells TensorBoard to purge them); returns how many were dropped.
+        Points already sent to W&B stay there (its API cannot delete them)."""
         if not self.active:
             return 0
         if self._file is not None:
@@ -158,6 +208,8 @@ class MetricsWriter:
                 if name != "step" and not isinstance(value, str) and math.isfinite(value):
                     self._tb.add_scalar(name, value, global_step=record["step"])
             self._tb.flush()
+        if self._wandb is not None:  # W&B keeps its own step axis: the record's step, not a key of the dict
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         return record
 
     def close(self) -> None:
@@ -167,6 +219,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -176,15 +231,16 @@ class MetricsWriter:
 
 
 class ProgressBar:
-    """tqdm over training steps with the numbers a person watches; silent off a TTY, off process 0, or disabled."""
+    """tqdm over training steps with the numbers a person watches; silent off process 0, when disabled, and off a
+    TTY unless forced (a bar redrawn with carriage returns is noise in a log file)."""
 
     POSTFIX_KEYS = (("reward", "reward/mean"), ("acc", "eval/accuracy"), ("tok/s", "rollout/tokens_per_s"))
 
     def __init__(self, total_steps: int | None = None, start_step: int = 0, disable: bool = False,
-                 desc: str = "train"):
+                 desc: str = "train", force: bool = False):
         from tqdm.auto import tqdm
 
-        self.disabled = disable or not sys.stderr.isatty() or not _is_primary()
+        self.disabled = disable or not (force or sys.stderr.isatty()) or not _is_primary()
         self._postfix: dict[str, str] = {}
         self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, disable=self.disabled,
                          dynamic_ncols=True)
@@ -213,6 +269,101 @@ class ProgressBar:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _number(metrics: Mapping[str, Any], key: str) -> float | None:
+    """A metric as a float, or None when it is absent or not a number (so a line never fails on an odd value)."""
+    value = metrics.get(key)
+    if value is None:
+        return None
+    try:
+        value = to_python(key, value)
+    except TypeError:
+        return None
+    return None if isinstance(value, str) else float(value)
+
+
+def format_step_line(step: int, metrics: Mapping[str, Any], total_steps: int | None = None,
+                     mode: str | None = None) -> str:
+    """One compact ``key=value`` line of a step's headline numbers (grep- and awk-friendly); a number the step
+    did not measure is left out: accuracy off evaluation steps, acceptance in cycles that verified nothing."""
+    parts = [f"step={int(step)}" + (f"/{total_steps}" if total_steps else "")]
+
+    def add(label: str, key: str, fmt: str) -> None:
+        value = _number(metrics, key)
+        if value is not None:
+            parts.append(f"{label}={value:{fmt}}")
+
+    add("reward", "reward/mean", ".3f")
+    add("acc", "eval/accuracy", ".3f")
+    on_policy = _number(metrics, "mode/on_policy")
+    if on_policy is not None:  # after a switch the configured mode no longer describes the rollout
+        parts.append("mode=" + ("on_policy" if on_policy else (mode or "partial")))
+    if (_number(metrics, "verify/num_verified") or 0) > 0:
+        add("accept", "verify/acceptance", ".3f")
+    add("ops", "ops/token_mean", ".3g")
+    add("tok/s", "rollout/tokens_per_s", ".0f")
+    add("step_s", "time/step", ".2f")
+    add("wall_s", "time/wall", ".0f")
+    return " ".join(parts)
+
+
+class StepLines:
+    """One flushed line per step on stdout: what a log file (nohup, SLURM), a pipe or a notebook shows where a
+    progress bar cannot draw. Silent off process 0 or when disabled."""
+
+    def __init__(self, total_steps: int | None = None, mode: str | None = None, disable: bool = False):
+        self.total_steps = total_steps
+        self.mode = mode
+        self.disabled = disable or not _is_primary()
+
+    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        if not self.disabled:  # sys.stdout looked up per line: it may be replaced (notebooks, capture)
+            print(format_step_line(step, metrics or {}, self.total_steps, self.mode), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> StepLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress_style(requested: str = "auto") -> str:
+    """The style ``open_progress`` uses: 'auto' is a bar only when both stdout and stderr are terminals."""
+    if requested not in PROGRESS_STYLES:
+        raise ValueError(f"progress style {requested!r}; choose one of {list(PROGRESS_STYLES)}.")
+    if requested != "auto":
+        return requested
+    return "bar" if sys.stdout.isatty() and sys.stderr.isatty() else "lines"
+
+
+def open_progress(config: MetricsConfig, total_steps: int | None = None, start_step: int = 0,
+                  mode: str | None = None) -> ProgressBar | StepLines:
+    """The run's progress display as ``MetricsConfig.progress`` asks (both have ``update(step, metrics)``)."""
+    style = progress_style(config.progress)
+    if style == "lines":
+        return StepLines(total_steps=total_steps, mode=mode)
+    return ProgressBar(total_steps=total_steps, start_step=start_step, disable=style == "none", force=style == "bar")
+
+
+def open_wandb(config: MetricsConfig, workdir: str | Path, start_step: int = 0) -> Any:
+    """A W&B run for ``MetricsWriter(wandb_run=...)``, or None when ``wandb_project`` is unset or off process 0.
+    wandb is imported only here, so runs without it never need the package."""
+    if config.wandb_project is None or not _is_primary():
+        return None
+    try:
+        import wandb
+    except ImportError as e:
+        raise MissingExtraError(f"MetricsConfig.wandb_project is set but wandb cannot be imported ({e}): "
+                                f"{WANDB_INSTALL}") from e
+    workdir = Path(workdir)
+    return wandb.init(project=config.wandb_project, entity=config.wandb_entity,
+                      name=config.wandb_run_name or workdir.resolve().name, dir=str(workdir),
+                      config={"workdir": str(workdir.resolve()), "start_step": int(start_step),
+                              "gin": gin.config_str()})
 
 
 def save_operative_config(workdir: str | Path) -> tuple[Path, Path]:

@@ -21,7 +21,7 @@ import numpy as np
 from rollverify_jax.checkpoint import COMMIT_FILE
 from rollverify_jax.cli import run_cli
 from rollverify_jax.evaluate import evaluate_run
-from rollverify_jax.metrics import MetricsWriter, ProgressBar, save_operative_config
+from rollverify_jax.metrics import MetricsConfig, MetricsWriter, open_progress, open_wandb, save_operative_config
 from rollverify_jax.preemption import StopRequest
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
@@ -114,6 +114,7 @@ def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> Path:
 
 def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     """Runs (or resumes) training in ``workdir``; returns the metrics written by this invocation."""
+    metrics_cfg = MetricsConfig()  # its settings are checked (wandb installed?) before any work
     fresh = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -127,12 +128,14 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
     # Rows past the restored checkpoint are redone, so they are dropped first (with no checkpoint, every row is:
     # a run killed after its step-0 evaluation would otherwise log step 0 twice).
-    writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1 if start else 0)
+    writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1 if start else 0,
+                           wandb_run=open_wandb(metrics_cfg, workdir, start))
     written = []
     bad_steps: list[int] = []  # consecutive steps with skipped (non-finite) updates
     t_start = time.perf_counter() - run.wall_offset
     try:
-        with ProgressBar(total_steps=cfg.num_steps, start_step=start) as bar, StopRequest() as stop:
+        with open_progress(metrics_cfg, total_steps=cfg.num_steps, start_step=start,
+                           mode=run.manager.config.mode) as bar, StopRequest() as stop:
             if start == 0:
                 m = {**evaluate_run(run), "time/wall": time.perf_counter() - t_start}
                 written.append(writer.write(0, m))

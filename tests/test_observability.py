@@ -1,0 +1,296 @@
+"""Console lines off a terminal, the optional Weights & Biases logging, scripts/plot_run.py and compare.py's
+--configs: all on synthetic metric dicts and small metrics.jsonl files (no training)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import gin
+import jax.numpy as jnp
+import pytest
+
+from rollverify_jax import metrics as metrics_lib
+from rollverify_jax.cli import is_user_error
+from rollverify_jax.metrics import (
+    MetricsConfig,
+    MetricsWriter,
+    ProgressBar,
+    StepLines,
+    format_step_line,
+    open_progress,
+    open_wandb,
+    read_metrics,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STEP = {"reward/mean": jnp.float32(0.4125), "eval/accuracy": 0.35, "mode/on_policy": 0, "verify/num_verified": 5,
+        "verify/acceptance": 0.83, "ops/token_mean": 0.0012345, "rollout/tokens_per_s": 1534.4, "time/step": 3.214,
+        "time/wall": 125.4, "policy/entropy": 0.7}
+
+
+def _tty(monkeypatch, stdout: bool, stderr: bool) -> None:
+    monkeypatch.setattr(metrics_lib.sys.stdout, "isatty", lambda: stdout, raising=False)
+    monkeypatch.setattr(metrics_lib.sys.stderr, "isatty", lambda: stderr, raising=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One line per step where a bar cannot draw
+
+
+def test_step_line_has_the_headline_numbers():
+    line = format_step_line(12, STEP, total_steps=120, mode="rollverify")
+    assert line == ("step=12/120 reward=0.412 acc=0.350 mode=rollverify accept=0.830 ops=0.00123 tok/s=1534 "
+                    "step_s=3.21 wall_s=125")
+
+
+def test_step_line_leaves_out_what_the_step_did_not_measure():
+    # No evaluation, no verified trajectory (its acceptance is a placeholder), switched to on-policy rollout.
+    line = format_step_line(3, {"reward/mean": 0.5, "mode/on_policy": 1, "verify/num_verified": 0,
+                                "verify/acceptance": 1.0, "time/step": 2.0})
+    assert line == "step=3 reward=0.500 mode=on_policy step_s=2.00"
+    assert format_step_line(0, {"eval/accuracy": 0.25, "note": "text"}, total_steps=5) == "step=0/5 acc=0.250"
+
+
+@pytest.mark.parametrize(("stdout", "stderr", "style"), [(False, False, "lines"), (False, True, "lines"),
+                                                         (True, False, "lines"), (True, True, "bar")])
+def test_auto_progress_is_a_bar_only_on_a_terminal(monkeypatch, stdout, stderr, style):
+    _tty(monkeypatch, stdout, stderr)
+    assert metrics_lib.progress_style("auto") == style
+    progress = open_progress(MetricsConfig(), total_steps=4, mode="partial")
+    with progress:
+        assert isinstance(progress, StepLines if style == "lines" else ProgressBar)
+        assert not progress.disabled
+
+
+class Stream(io.StringIO):
+    """A log file standing in for stdout: not a terminal, and it records what had been flushed."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed: list[str] = []
+
+    def isatty(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self.flushed.append(self.getvalue())
+
+
+def test_lines_print_one_flushed_line_per_step(monkeypatch):
+    stdout = Stream()
+    monkeypatch.setattr(sys, "stdout", stdout)  # nohup / SLURM: stdout goes to a file
+    with open_progress(MetricsConfig(), total_steps=2, mode="rollverify") as progress:
+        assert isinstance(progress, StepLines)
+        progress.update(0, {"eval/accuracy": 0.25, "time/wall": 3.0})
+        assert stdout.flushed[-1] == "step=0/2 acc=0.250 wall_s=3\n"  # in the file now, not at exit
+        progress.update(1, STEP)
+        assert stdout.flushed[-1].splitlines()[-1] == format_step_line(1, STEP, 2, "rollverify")
+    assert stdout.getvalue().count("\n") == 2
+
+
+def test_gin_forces_either_style(monkeypatch, capsys):
+    _tty(monkeypatch, True, True)
+    gin.clear_config()
+    try:
+        gin.parse_config("MetricsConfig.progress = 'lines'")
+        with open_progress(MetricsConfig(), total_steps=3) as progress:  # lines on a terminal
+            progress.update(1, {"reward/mean": 0.5})
+        assert capsys.readouterr().out == "step=1/3 reward=0.500\n"
+    finally:
+        gin.clear_config()
+    _tty(monkeypatch, False, False)
+    bar = open_progress(MetricsConfig(progress="bar"), total_steps=3)  # a bar in a log file, when asked
+    assert isinstance(bar, ProgressBar) and not bar.disabled
+    bar.update(2, {"reward/mean": 0.5})
+    assert bar._bar.n == 2
+    bar.close()
+    quiet = open_progress(MetricsConfig(progress="none"), total_steps=3)
+    quiet.update(1, STEP)
+    assert quiet.disabled and capsys.readouterr().out == ""
+
+
+def test_lines_are_silent_off_process_0(monkeypatch, capsys):
+    monkeypatch.setattr(metrics_lib.jax, "process_index", lambda: 1)
+    StepLines(total_steps=2).update(1, STEP)
+    assert capsys.readouterr().out == ""
+
+
+def test_bad_progress_style_is_a_user_error():
+    with pytest.raises(ValueError, match="MetricsConfig.progress='fancy'") as e:
+        MetricsConfig(progress="fancy")
+    assert is_user_error(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weights & Biases, with a fake wandb module
+
+
+class FakeRun:
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def log(self, data: dict, step: int | None = None) -> None:
+        self.calls.append(("log", step, dict(data)))
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    calls: list = []
+    module = types.ModuleType("wandb")
+    module.init = lambda **kwargs: (calls.append(("init", kwargs)), FakeRun(calls))[1]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return calls
+
+
+def test_wandb_off_by_default(fake_wandb, tmp_path):
+    assert MetricsConfig().wandb_project is None
+    assert open_wandb(MetricsConfig(), tmp_path) is None
+    assert fake_wandb == []
+
+
+def test_wandb_gets_every_record(fake_wandb, tmp_path):
+    gin.clear_config()
+    try:
+        gin.parse_config(["MetricsConfig.wandb_project = 'rollverify'", "MetricsConfig.wandb_entity = 'lab'"])
+        cfg = MetricsConfig()
+        workdir = tmp_path / "my_run"
+        with MetricsWriter(workdir, use_tensorboard=False, wandb_run=open_wandb(cfg, workdir, start_step=4)) as w:
+            record = w.write(5, STEP)
+            w.write(6, {"reward/mean": 0.5, "verify/regen_equal_rate": float("nan")})
+            assert fake_wandb[-1][0] == "log"  # sent as it is written, not at close
+    finally:
+        gin.clear_config()
+    (kind, init), *logs, finish = fake_wandb
+    assert kind == "init" and finish == ("finish",)
+    assert {k: init[k] for k in ("project", "entity", "name", "dir")} == {
+        "project": "rollverify", "entity": "lab", "name": "my_run", "dir": str(workdir)}
+    assert init["config"]["start_step"] == 4 and "MetricsConfig.wandb_project = 'rollverify'" in init["config"]["gin"]
+    # The record metrics.jsonl gets, as Python scalars, on W&B's step axis (the step is not a key of the dict).
+    assert logs[0] == ("log", 5, {k: v for k, v in record.items() if k != "step"})
+    assert type(logs[0][2]["reward/mean"]) is float and logs[0][2]["reward/mean"] == pytest.approx(0.4125)
+    assert logs[1][:2] == ("log", 6) and set(logs[1][2]) == {"reward/mean", "verify/regen_equal_rate"}
+    assert math.isnan(logs[1][2]["verify/regen_equal_rate"])
+    assert len(read_metrics(workdir)) == 2  # the JSONL file is written as before
+
+
+def test_wandb_run_name_and_process_0_only(fake_wandb, tmp_path, monkeypatch):
+    run = open_wandb(MetricsConfig(wandb_project="p", wandb_run_name="seed1"), tmp_path)
+    assert isinstance(run, FakeRun) and fake_wandb[0][1]["name"] == "seed1"
+    monkeypatch.setattr(metrics_lib.jax, "process_index", lambda: 1)
+    assert open_wandb(MetricsConfig(wandb_project="p"), tmp_path) is None and len(fake_wandb) == 1
+
+
+def test_missing_wandb_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[wandb\]'") as e:
+        MetricsConfig(wandb_project="p")
+    assert is_user_error(e.value)  # the CLI prints one error line, exit status 2
+    cfg = object.__new__(MetricsConfig)  # past the check (wandb removed after the run started)
+    object.__setattr__(cfg, "wandb_project", "p")
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[wandb\]'"):
+        open_wandb(cfg, tmp_path)
+
+
+def test_wandb_extra_is_pinned_in_pyproject():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert len(extras["wandb"]) == 1 and extras["wandb"][0].startswith("wandb==")
+
+
+# ----------------------------------------------------------------------------------------------------
+# scripts/plot_run.py and scripts/compare.py
+
+
+@functools.cache
+def _script(name: str):
+    """scripts/ is not a package; load the module from its file."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_run(path: Path, rows: list[dict]) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rollverify_rows(steps: int = 4) -> list[dict]:
+    rows = [{"step": 0, "eval/accuracy": 0.2, "time/eval": 1.0, "time/wall": 1.0}]
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "reward/mean": 0.1 * s, "policy/entropy": 0.9 - 0.1 * s, "ops/token_mean": 1e-3 * s,
+                     "verify/acceptance": 0.9, "verify/num_verified": s % 2, "verify/acceptance_window": 0.8,
+                     "verify/regen_equal_rate": None, "rollout/slot_utilization": 0.7, "rollout/tokens_per_s": 900.0,
+                     "time/step": 2.0, "time/rollout": 1.0, "time/verify": 0.25, "time/grading": 0.25,
+                     "time/train": 0.25, "time/wall": 1.0 + 2.0 * s, "mode/on_policy": 0})
+    rows[-1].update({"eval/accuracy": 0.3, "time/eval": 1.0})
+    return rows
+
+
+def test_plot_run_writes_a_png_per_topic_and_skips_what_a_run_lacks(tmp_path, capsys):
+    plot_run = _script("plot_run")
+    a = _write_run(tmp_path / "runs" / "rollverify", _rollverify_rows())
+    # An on-policy run of an older version: no entropy, no verification metrics, no rollout/*, no eval.
+    b = _write_run(tmp_path / "runs" / "onpolicy", [{"step": s, "reward/mean": 0.2, "time/step": 1.0,
+                                                     "time/rollout": 0.5, "time/train": 0.5} for s in range(1, 4)])
+    out = tmp_path / "plots"
+    assert plot_run.main([str(a), str(b / "metrics.jsonl"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    names = {"accuracy", "reward", "entropy", "ops", "acceptance", "rollout", "time"}
+    assert {p.stem for p in out.glob("*.png")} == names
+    assert all(p.stat().st_size > 1000 for p in out.glob("*.png"))
+    assert "note: onpolicy has no policy/entropy; skipped" in printed
+    assert "note: onpolicy has no verify/acceptance; skipped" in printed
+    assert "note: rollverify has no verify/regen_equal_rate; skipped" in printed  # all null: nothing to draw
+    assert "note: rollverify has no policy/entropy" not in printed
+    assert printed.count("wrote ") == len(names)
+
+
+def test_plot_run_leaves_out_a_figure_no_run_has(tmp_path, capsys):
+    plot_run = _script("plot_run")
+    run = _write_run(tmp_path / "r", [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.25}])
+    written, notes = plot_run.plot_runs([str(run)])
+    assert [p.name for p in written] == ["reward.png"] and written[0].parent == run / "plots"
+    assert "note: no run has any metric of acceptance.png; not written" in notes
+
+
+def test_plot_run_series_and_time_split():
+    plot_run = _script("plot_run")
+    rows = _rollverify_rows(4)
+    steps, values = plot_run.series(rows, "verify/acceptance")
+    assert steps.tolist() == [1, 3] and values.tolist() == [0.9, 0.9]  # cycles that verified something only
+    assert plot_run.series(rows, "eval/accuracy")[0].tolist() == [0, 4]
+    assert plot_run.time_split(rows) == {"rollout": 4.0, "verify": 1.0, "grading": 1.0, "train": 1.0, "other": 1.0,
+                                         "eval": 2.0}
+    assert plot_run.time_split([{"step": 0, "eval/accuracy": 0.1}]) is None
+    assert plot_run.run_labels(["x/a/run", "y/b/run", "z/c"]) == ["a/run", "b/run", "c"]
+
+
+@pytest.mark.parametrize("case", ["missing", "no_metrics", "empty"])
+def test_plot_run_bad_input_is_one_error_line(tmp_path, capsys, case):
+    plot_run = _script("plot_run")
+    good = _write_run(tmp_path / "good", _rollverify_rows(2))
+    bad = tmp_path / "bad"
+    if case != "missing":
+        bad.mkdir()
+    if case == "empty":
+        (bad / "metrics.jsonl").write_text("")
+    assert plot_run.main([str(good), str(bad), "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(bad) in lines[0]
+    assert not (tmp_path / "out").exists()  # every run is read before anything is written
