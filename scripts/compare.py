@@ -1,8 +1,11 @@
-"""Runs rollout modes side by side with the same seeds and budget, and writes docs/results/<name>.md + plots.
+"""Runs rollout modes (or any gin configs) side by side with the same seeds and budget, and writes
+docs/results/<name>.md + plots.
 
-Each mode is a separate process (`python -m rollverify_jax.train`) so wall-clock numbers are not shared.
+Each run is a separate process (`python -m rollverify_jax.train`) so wall-clock numbers are not shared.
 Usage: python scripts/compare.py --name tiny_modes --modes onpolicy partial staleness opsfilter rollverify \
            --steps 40 [--seeds 0 1 2] [--time_budget_s 0] [--gin_param ...]
+       python scripts/compare.py --name mine --configs configs/tiny_rollverify.gin my_variant.gin --steps 40
+A mode is configs/tiny_<mode>.gin; --configs takes any gin files instead (each row named by its file's stem).
 With several seeds the table shows mean +- standard error over seeds; plots show the mean curve.
 """
 
@@ -25,12 +28,36 @@ from rollverify_jax.metrics import read_metrics  # noqa: E402
 LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
           "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "partial + GSPO",
           "sapo": "partial + SAPO", "vespo": "partial + VESPO"}
+DEFAULT_MODES = ["onpolicy", "partial", "staleness", "opsfilter", "rollverify"]
 PLOTS = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"), ("ops/token_mean", "train-time OPS"),
          ("verify/acceptance", "acceptance (cycle)")]
 
 
-def run_mode(mode: str, workdir: Path, steps: int, budget: float, seed: int, extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "rollverify_jax.train", f"--gin_file=configs/tiny_{mode}.gin", f"--workdir={workdir}",
+def entries(modes: list[str] | None, configs: list[str] | None) -> dict[str, str]:
+    """{name: gin file} of the runs to compare: the given configs (named by their stems, absolute paths since
+    each run starts in the repository root), else the modes' tiny configs. ValueError on bad input, before any
+    run starts."""
+    if modes and configs:
+        raise ValueError("give --modes or --configs, not both")
+    if not configs:
+        out = {m: f"configs/tiny_{m}.gin" for m in modes or DEFAULT_MODES}
+        missing = [m for m, f in out.items() if not (ROOT / f).is_file()]
+        if missing:
+            raise ValueError(f"no configs/tiny_<mode>.gin for modes {missing}")
+        return out
+    out = {}
+    for c in configs:
+        path = Path(c).resolve()
+        if not path.is_file():
+            raise ValueError(f"gin file {c} does not exist")
+        if path.stem in out:
+            raise ValueError(f"two configs are named {path.stem!r}; rename one (rows are named by file stem)")
+        out[path.stem] = str(path)
+    return out
+
+
+def run_mode(gin_file: str, workdir: Path, steps: int, budget: float, seed: int, extra: list[str]) -> None:
+    cmd = [sys.executable, "-m", "rollverify_jax.train", f"--gin_file={gin_file}", f"--workdir={workdir}",
            f"--gin_param=TrainConfig.num_steps={steps}", f"--gin_param=TrainConfig.time_budget_s={budget}",
            f"--gin_param=TrainConfig.seed={seed}", *[f"--gin_param={p}" for p in extra]]
     print("+", " ".join(cmd), flush=True)
@@ -146,25 +173,30 @@ def plot(results: dict[str, list[list[dict]]], out: Path, name: str) -> list[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--name", default="tiny_modes")
-    ap.add_argument("--modes", nargs="+", default=["onpolicy", "partial", "staleness", "opsfilter", "rollverify"])
+    ap.add_argument("--modes", nargs="+", default=None, help=f"configs/tiny_<mode>.gin (default: {DEFAULT_MODES})")
+    ap.add_argument("--configs", nargs="+", default=None, metavar="GIN", help="any gin files, instead of --modes")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--time_budget_s", type=float, default=0.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="TrainConfig.seed of each run")
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--skip_runs", action="store_true", help="only re-read existing workdirs and rewrite the report")
     args = ap.parse_args()
+    try:
+        gin_files = entries(args.modes, args.configs)
+    except ValueError as e:
+        ap.error(str(e))  # one line and exit status 2
     runs = ROOT / "runs" / f"compare_{args.name}"
     out = ROOT / "docs" / "results"
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for mode in args.modes:
+    for mode, gin_file in gin_files.items():
         results[mode] = []
         for seed in args.seeds:
             workdir = runs / (mode if args.seeds == [0] else f"{mode}_s{seed}")
             if not args.skip_runs:
                 if workdir.exists():
                     shutil.rmtree(workdir)
-                run_mode(mode, workdir, args.steps, args.time_budget_s, seed, args.gin_param)
+                run_mode(gin_file, workdir, args.steps, args.time_budget_s, seed, args.gin_param)
             results[mode].append(read_metrics(workdir / "metrics.jsonl"))
     summary = {m: [summarize(r) for r in per_seed] for m, per_seed in results.items()}
     (runs / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -173,8 +205,9 @@ def main() -> None:
         commit_file.write_text(_commit() + "\n")
     commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     files = plot(results, out, args.name)
+    which = f"--configs {' '.join(args.configs)}" if args.configs else f"--modes {' '.join(gin_files)}"
     lines = [f"# Comparison: {args.name}", "",
-             f"Command: `python scripts/compare.py --name {args.name} --modes {' '.join(args.modes)} --steps "
+             f"Command: `python scripts/compare.py --name {args.name} {which} --steps "
              f"{args.steps} --seeds {' '.join(map(str, args.seeds))} --time_budget_s {args.time_budget_s}" +
              "".join(f" --gin_param \"{p}\"" for p in args.gin_param) + "`", "",
              f"Same seeds, data order and budget for every mode; each run in its own process on this machine, at "
@@ -183,7 +216,8 @@ def main() -> None:
              "batch; OPS before switch: of the batches partial rollout built. Acceptance: mean over the cycles that "
              "verified something. Regen = cut: how often a token sampled where a verification cut removed one "
              "equals the removed token.", "",
-             *table({LABELS.get(m, m): per_seed for m, per_seed in summary.items()}, "mode")]
+             *table({LABELS.get(m, m): per_seed for m, per_seed in summary.items()},
+                    "config" if args.configs else "mode")]
     lines += ["", *[f"![{f}]({f})" for f in files], ""]
     report = out / f"{args.name}.md"
     existing = report.read_text() if report.exists() else ""

@@ -294,3 +294,50 @@ def test_plot_run_bad_input_is_one_error_line(tmp_path, capsys, case):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(bad) in lines[0]
     assert not (tmp_path / "out").exists()  # every run is read before anything is written
+
+
+def test_compare_keeps_its_default_modes():
+    compare = _script("compare")
+    assert compare.entries(None, None) == {m: f"configs/tiny_{m}.gin" for m in
+                                           ["onpolicy", "partial", "staleness", "opsfilter", "rollverify"]}
+    assert compare.entries(["gspo"], None) == {"gspo": "configs/tiny_gspo.gin"}
+    assert all((compare.ROOT / f).is_file() for f in compare.entries(None, None).values())
+
+
+def test_compare_config_lists(tmp_path, monkeypatch):
+    compare = _script("compare")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.gin").write_text("")
+    (tmp_path / "x.gin").write_text("")
+    monkeypatch.chdir(tmp_path / "a")  # each run starts in the repository root: a relative path is made absolute
+    assert compare.entries([], ["x.gin"]) == {"x": str((tmp_path / "a" / "x.gin").resolve())}
+    for modes, configs, match in [(["rollverify"], [str(tmp_path / "x.gin")], "not both"),
+                                  (None, [str(tmp_path / "nope.gin")], "does not exist"),
+                                  (None, [str(tmp_path / "x.gin"), str(tmp_path / "a" / "x.gin")], "named 'x'"),
+                                  (["nomode"], None, "nomode")]:
+        with pytest.raises(ValueError, match=match):
+            compare.entries(modes, configs)
+
+
+def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
+    compare = _script("compare")
+    base, variant = tmp_path / "base.gin", tmp_path / "variant.gin"
+    base.write_text("")
+    variant.write_text("")
+    monkeypatch.setattr(compare, "ROOT", tmp_path / "repo")  # its runs/ and docs/results/ go there
+    ran = []
+
+    def fake_run(gin_file, workdir, steps, budget, seed, extra):  # a finished run's metrics, no training
+        ran.append((gin_file, workdir.name, seed, steps))
+        _write_run(workdir, _rollverify_rows(3))
+
+    monkeypatch.setattr(compare, "run_mode", fake_run)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--name", "mine", "--configs", str(base), str(variant),
+                                      "--steps", "3", "--seeds", "0", "1"])
+    compare.main()
+    assert ran == [(str(base), "base_s0", 0, 3), (str(base), "base_s1", 1, 3), (str(variant), "variant_s0", 0, 3),
+                   (str(variant), "variant_s1", 1, 3)]
+    report = (tmp_path / "repo" / "docs" / "results" / "mine.md").read_text()
+    assert f"--configs {base} {variant} --steps 3" in report
+    assert "| config |" in report and "\n| base |" in report and "\n| variant |" in report
+    assert (tmp_path / "repo" / "docs" / "results" / "mine_vs_step.png").stat().st_size > 1000
