@@ -16,15 +16,29 @@
 # %% [markdown]
 # # RollVerify, step by step
 #
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rollverify/rollverify_jax/blob/main/notebooks/rollverify_walkthrough.ipynb)
+#
 # This notebook walks through one RollVerify cycle on the embedded tiny policy (CPU, about two minutes):
 # a long-tailed rollout, the pause when a batch is ready, the Off-Policy Shift (OPS) of the cached tokens
 # after one policy update, the verifier's cuts, and a few RollVerify training steps with their metrics.
-# Run it from the repository root (or from `notebooks/`).
+# Inside a checkout it runs as is (from the repository root or from `notebooks/`); on Colab or any fresh
+# machine the first cell clones the project and installs it with pip (Python 3.11 to 3.13).
 
 # %%
+# Fetch and install the project unless this runs inside a checkout (Colab: about a minute).
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+REPO = os.environ.get("ROLLVERIFY_REPO", "https://github.com/rollverify/rollverify_jax")
+if not (Path("rollverify_jax").is_dir() or Path("../rollverify_jax").is_dir()):
+    if not Path("rollverify_jax_repo").is_dir():
+        subprocess.run(["git", "clone", "--depth=1", REPO, "rollverify_jax_repo"], check=True)
+    os.chdir("rollverify_jax_repo")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "."], check=True)
+
+# %%
 if Path.cwd().name == "notebooks":
     os.chdir("..")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
