@@ -132,7 +132,9 @@ class Checkpointer:
     """Saves and restores (state, extra) under ``<workdir>/checkpoints``; every host calls every method."""
 
     def __init__(self, workdir: str | Path, config: CheckpointConfig | None = None,
-                 model_fingerprint: Mapping[str, Any] | None = None):
+                 model_fingerprint: Mapping[str, Any] | None = None, read_only: bool = False):
+        """``read_only`` (evaluation, export): creates, removes and moves nothing on disk, so a reader never
+        deletes the in-flight save of a run that is still training, nor makes a directory for a mistyped path."""
         self.config = config if config is not None else CheckpointConfig()
         self.directory = Path(workdir).absolute() / "checkpoints"
         # Normalised through JSON (tuples -> lists) so it compares equal to what a restore reads back.
@@ -142,10 +144,11 @@ class Checkpointer:
             max_to_keep=self.config.max_to_keep,
             save_interval_steps=1,  # the interval is decided in `save`, see `should_save`
             enable_async_checkpointing=self.config.async_save,
-            cleanup_tmp_directories=True,
-            create=True,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
         )
-        self._report_interrupted_saves()
+        if not read_only:
+            self._report_interrupted_saves()
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEM_NAMES)
         self._closed = False
         atexit.register(self.close)  # a forgotten close() must not lose the last async save
@@ -259,6 +262,28 @@ class Checkpointer:
                 _say(f"checkpoint: step {candidate} cannot be read ({e}); moved to {aside.name}, trying the "
                      "previous step")
         raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the ``params`` of step's train state, read onto the shardings of ``abstract_params`` (a pytree of
+        ``jax.ShapeDtypeStruct``): evaluation and export need neither the optimizer moments (twice the params'
+        memory) nor the host state. Use a fresh Checkpointer: its ``state`` item is then read as a plain pytree."""
+        self.wait_until_finished()
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"No committed checkpoint for step {step} under {self.directory}; "
+                                    f"available steps: {self.all_steps()}.")
+        try:
+            self.check_fingerprint(step)  # a ValueError naming the fields when it was saved for another model
+        except _Unreadable as e:
+            raise ValueError(f"Checkpoint {self.directory / str(step)} cannot be read: {e}") from None
+        item = {"params": abstract_params}
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                                   dtype=a.dtype), item)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True)))
+        except Exception as e:  # damaged files, or params of another shape
+            raise ValueError(f"Could not read the params of {self.directory / str(step)}: {_first_line(e)}") from e
+        return restored["state"]["params"]
 
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
         """One step's (step, state, extra); ValueError for a mismatch the user must fix, `_Unreadable` for a

@@ -209,24 +209,36 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     return run
 
 
-def _restore_params_only(run: Run, checkpoint: Path) -> None:
-    """Evaluation from an orbax checkpoint: a workdir, its checkpoints/ dir, or checkpoints/<step>."""
-    optimizer = learner_lib.make_optimizer()
+def resolve_checkpoint(checkpoint: Path) -> tuple[Path, int | None]:
+    """(workdir, step; None for its latest) of a workdir, its checkpoints/ dir, or checkpoints/<step>. Checks
+    the directory is there before anything opens it (opening would create it), so a typo is one clear error."""
     if checkpoint.name.isdigit():  # <workdir>/checkpoints/<step>
         root, step = checkpoint.parent.parent, int(checkpoint.name)
     else:  # <workdir> or <workdir>/checkpoints
         root, step = (checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint), None
-    if not (root / "checkpoints").is_dir():  # checked first: opening a Checkpointer would create the directory
+    if not (root / "checkpoints").is_dir():
         raise FileNotFoundError(f"No checkpoint under {checkpoint}; pass a workdir, a checkpoint step "
                                 "directory or an HF-layout policy directory.")
-    with Checkpointer(root, CheckpointConfig(), model_fingerprint=model_fingerprint(run.model)) as ckpt:
+    return root, step
+
+
+def restore_params(model, mesh, checkpoint: Path) -> tuple[int, object]:
+    """(step, params) of an orbax checkpoint (see ``resolve_checkpoint``), read read-only onto the shardings of
+    ``model``'s params (an abstract model from ``nnx.eval_shape`` works): no optimizer state, no host state."""
+    root, step = resolve_checkpoint(checkpoint)
+    abstract = learner_lib.abstract_train_state(model, learner_lib.make_optimizer(), mesh).params
+    with Checkpointer(root, CheckpointConfig(), model_fingerprint=model_fingerprint(model), read_only=True) as ckpt:
         step = step if step is not None else ckpt.latest_step()
         if step is None:
             raise FileNotFoundError(f"No checkpoint under {checkpoint}; pass a workdir, a checkpoint step "
                                     "directory or an HF-layout policy directory.")
-        abstract = learner_lib.abstract_train_state(run.model, optimizer, run.mesh)
-        _, state, _ = ckpt.restore(step, abstract_state=abstract)
-    run.engine.update_params(state.params, version=step)
+        return step, ckpt.restore_params(step, abstract)
+
+
+def _restore_params_only(run: Run, checkpoint: Path) -> None:
+    """Evaluation from an orbax checkpoint: a workdir, its checkpoints/ dir, or checkpoints/<step>."""
+    step, params = restore_params(run.model, run.mesh, checkpoint)
+    run.engine.update_params(params, version=step)
 
 
 def run_settings(run: Run) -> dict:

@@ -20,7 +20,7 @@ import numpy as np
 
 from rollverify_jax.checkpoint import COMMIT_FILE
 from rollverify_jax.cli import run_cli
-from rollverify_jax.evaluate import evaluate_run
+from rollverify_jax.evaluate import EvalConfig, evaluate_run
 from rollverify_jax.metrics import MetricsConfig, MetricsWriter, open_progress, open_wandb, save_operative_config
 from rollverify_jax.preemption import StopRequest
 from rollverify_jax.rl import advantages as adv_lib
@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
     try:
         with open_progress(metrics_cfg, total_steps=cfg.num_steps, start_step=start,
                            mode=run.manager.config.mode) as bar, StopRequest() as stop:
-            if start == 0:
+            if start == 0 and EvalConfig().at_start:
                 m = {**evaluate_run(run), "time/wall": time.perf_counter() - t_start}
                 written.append(writer.write(0, m))
                 bar.update(0, m)

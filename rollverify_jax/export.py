@@ -1,0 +1,144 @@
+"""A trained policy in Hugging Face layout: ``python -m rollverify_jax.export --checkpoint=RUN_OR_STEP --out=DIR``.
+
+``--checkpoint`` is a training workdir (its latest step) or a ``<workdir>/checkpoints/<step>`` directory, resolved
+as ``evaluate --checkpoint`` resolves it. Only the params are read (no optimizer state). ``DIR`` gets safetensors
+weights and ``config.json`` (``models.hf.save_pretrained``) and the tokenizer files of the policy the run trained
+from, so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
+load it, and so do ``evaluate --checkpoint=DIR`` and ``TrainConfig.policy_path``. Everything is written into a
+temporary directory next to ``DIR`` and renamed at the end: a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from flax import nnx
+
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.cli import run_cli
+from rollverify_jax.models import model_config, save_pretrained
+from rollverify_jax.models.hf import config_from_hf
+from rollverify_jax.models.qwen3 import Qwen3ForCausalLM
+from rollverify_jax.models.tokenizer import TOKENIZER_FILE
+from rollverify_jax.setup import TrainConfig, parse_gin, resolve_checkpoint, restore_params
+
+# What an HF policy directory may hold besides the weights: the tokenizer and its generation defaults.
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuses to replace a file, or a non-empty directory without ``overwrite``, before any work is done."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out={out} is a file; pass a directory.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out={out} exists and is not empty; pass --overwrite to replace it, or another --out.")
+
+
+def run_policy_path(root: Path, cfg: TrainConfig) -> str | None:
+    """The policy directory the run trained from: its ``policy.txt`` (written at every start of training), else
+    ``TrainConfig.policy_path`` of the gin configuration."""
+    saved = root / "policy.txt"
+    return json.loads(saved.read_text())["policy_path"] if saved.exists() else cfg.policy_path
+
+
+def abstract_policy(policy_path: str | None, cfg: TrainConfig) -> Qwen3ForCausalLM:
+    """The policy's architecture with shape-only params (``nnx.eval_shape``): the checkpoint's params replace
+    them, so the initial weights are never read."""
+    if policy_path is None:
+        model_cfg = model_config()
+    else:
+        cfg_file = Path(policy_path) / "config.json"
+        if not cfg_file.exists():
+            raise FileNotFoundError(f"No config.json in the run's policy directory {policy_path}.")
+        model_cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=cfg.param_dtype,
+                                   compute_dtype=cfg.compute_dtype)
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0)))
+
+
+def tokenizer_dir(policy_path: str | None, cfg: TrainConfig) -> Path:
+    """The run's tokenizer directory (``TrainConfig.tokenizer_path``, else the policy's), checked to hold one."""
+    path = cfg.tokenizer_path or policy_path
+    if path is None:
+        raise ValueError("TrainConfig.tokenizer_path is required when the run's policy_path is None.")
+    if not (Path(path) / TOKENIZER_FILE).exists():
+        raise FileNotFoundError(f"No {TOKENIZER_FILE} in the run's tokenizer directory {path}.")
+    return Path(path)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a temporary directory next to ``out``, then renames it to ``out`` (replacing what
+    was there); on any failure the temporary directory is removed and ``out`` is untouched."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old)  # a directory renames over the empty one mkdtemp made
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export(checkpoint: Path, out: Path, overwrite: bool = False) -> int:
+    """Writes the params of ``checkpoint`` (a workdir or a step directory) to ``out`` in HF layout with the
+    run's tokenizer; returns the step exported. Every input is checked before anything is written."""
+    check_out_dir(out, overwrite)
+    if (checkpoint / "config.json").exists():
+        raise ValueError(f"--checkpoint={checkpoint} is already in Hugging Face layout; export reads a training "
+                         "workdir or one of its checkpoints/<step> directories.")
+    root, _ = resolve_checkpoint(checkpoint)
+    cfg = TrainConfig()
+    policy_path = run_policy_path(root, cfg)
+    tok_dir = tokenizer_dir(policy_path, cfg)
+    model = abstract_policy(policy_path, cfg)
+    step, params = restore_params(model, mesh_lib.make_mesh(), checkpoint)
+    graphdef, _ = nnx.split(model)
+    trained = nnx.merge(graphdef, params)
+
+    def write(tmp: Path) -> None:
+        save_pretrained(trained, tmp)
+        copy_tokenizer(tok_dir, tmp)
+
+    write_atomically(out, write)
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="a training workdir (latest step) or checkpoints/<step>")
+    ap.add_argument("--out", required=True, help="the HF-layout directory to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out when it exists and is not empty")
+    ap.add_argument("--gin_file", action="append", default=[], help="the run's gin config (repeatable)")
+    ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.param_dtype=...")
+    ap.add_argument("--traceback", action="store_true", help="show the full stack of an input error")
+    args = ap.parse_args(argv)
+    run_cli(lambda: _main(args), args.traceback)
+
+
+def _main(args: argparse.Namespace) -> None:
+    parse_gin(args.gin_file, args.gin_param)
+    step = export(Path(args.checkpoint), Path(args.out), args.overwrite)
+    print(f"exported step {step} of {args.checkpoint} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

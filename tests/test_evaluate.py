@@ -1,0 +1,194 @@
+"""Held-out evaluation: its own sampling settings, params-only restore, clear errors, logged generations."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import gin
+import jax
+import numpy as np
+import optax
+import pytest
+
+from rollverify_jax import evaluate, setup, train
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.metrics import read_metrics
+from rollverify_jax.models import load_pretrained
+from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.rollout.sampling import SamplingConfig
+
+POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
+TASK = {"n": 12, "split": "test", "max_steps": 2, "length_median": 1.0, "length_sigma": 0.5, "max_value": 99,
+        "max_operand": 9, "max_multiplier": 3, "holdout_fraction": 0.1}
+BINDINGS = [f"TrainConfig.policy_path = '{POLICY}'", f"TrainConfig.eval_dataset_kwargs = {TASK}",
+            f"TrainConfig.train_dataset_kwargs = { {**TASK, 'split': 'train'} }", "TrainConfig.eval_size = 4",
+            "TrainConfig.eval_samples = 2", "TrainConfig.metrics_tensorboard = False", "RewardScorer.name = 'exact'",
+            "RolloutConfig.max_new_tokens = 32", "RolloutConfig.batch_groups = 2", "RolloutConfig.group_size = 4",
+            "EngineConfig.num_slots = 8", "EngineConfig.page_size = 16", "EngineConfig.max_seq_len = 64",
+            "EngineConfig.steps_per_dispatch = 4", "CheckpointConfig.async_save = False"]
+
+
+def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.004):
+    """A run's checkpoint of the tiny policy with its params moved away from the policy's (so a test that
+    reads the initial weights instead fails); returns those params."""
+    model = load_pretrained(POLICY)
+    state = learner_lib.init_train_state(model, optimizer or learner_lib.make_optimizer(), mesh_lib.make_mesh())
+    rng = np.random.default_rng(step)
+    params = jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(x.dtype), state.params)
+    with Checkpointer(workdir, CheckpointConfig(async_save=False),
+                      model_fingerprint=setup.model_fingerprint(model)) as ckpt:
+        ckpt.save(step, state.replace(params=params), {"settings": {"policy_path": str(POLICY)}}, force=True)
+    (workdir / "policy.txt").write_text(json.dumps({"policy_path": str(POLICY)}) + "\n")
+    return params
+
+
+def _gin(extra=()):
+    gin.clear_config()
+    train.parse_gin([], [*BINDINGS, *extra])
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    """An evaluation run built from a checkpoint (params only), shared by the tests of EvalConfig."""
+    workdir = tmp_path_factory.mktemp("run")
+    make_checkpoint(workdir, 3)
+    _gin()
+    try:
+        run = setup.build(setup.TrainConfig(), checkpoint=workdir)
+    finally:
+        gin.clear_config()
+    yield run
+    run.close()
+
+
+def _evaluate(run, tmp_path, extra=()):
+    _gin(extra)
+    try:
+        metrics = evaluate.evaluate_run(run, tmp_path / "samples.jsonl")
+    finally:
+        gin.clear_config()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    return metrics, rows
+
+
+def test_eval_config_defaults_keep_the_training_sampler():
+    train_sampler = SamplingConfig(temperature=0.7, top_p=0.95, top_k=5)
+    assert evaluate.EvalConfig().sampling(train_sampler) is train_sampler
+    assert evaluate.EvalConfig(temperature=0.0).sampling(train_sampler) == SamplingConfig(0.7, 0.95, 5, greedy=True)
+    assert evaluate.EvalConfig(temperature=0.3, top_p=0.5).sampling(SamplingConfig(greedy=True)) == \
+        SamplingConfig(0.3, 0.5, 0, greedy=False)
+    assert evaluate.EvalConfig(top_p=0.5).sampling(train_sampler) == SamplingConfig(0.7, 0.5, 5)
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"samples_per_problem": 0}, {"max_new_tokens": 0},
+                {"num_samples_logged": -1}):
+        with pytest.raises(ValueError, match="EvalConfig"):
+            evaluate.EvalConfig(**bad)
+
+
+def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_run, tmp_path):
+    assert eval_run.engine.version == 3  # the checkpoint's step
+    metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 100"])
+    assert set(metrics) >= {"eval/avg@2", "eval/pass@2", "eval/accuracy", "eval/response_length"}
+    assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {3}
+    assert set(rows[0]) == {"step", "problem", "sample", "prompt", "response", "answer", "reward", "num_tokens"}
+    prompts = [r["prompt"] for r in eval_run.eval_records]
+    answers = [r["answer"] for r in eval_run.eval_records]
+    assert all(r["prompt"] == prompts[r["problem"]] and r["answer"] == answers[r["problem"]] for r in rows)
+    correct = np.array([r["reward"] > 0.5 for r in rows])
+    assert 0 < correct.mean() and metrics["eval/accuracy"] == pytest.approx(correct.mean())
+    assert metrics["eval/response_length"] == pytest.approx(np.mean([r["num_tokens"] for r in rows]))
+    # A bounded log shows different problems first.
+    _, few = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 5"])
+    assert [(r["problem"], r["sample"]) for r in few] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1)]
+
+
+def test_eval_config_sets_k_temperature_and_length_apart_from_training(eval_run, tmp_path):
+    sampler = eval_run.engine.sampling
+    metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.samples_per_problem = 3", "EvalConfig.temperature = 0.0",
+                                                   "EvalConfig.max_new_tokens = 6",
+                                                   "EvalConfig.num_samples_logged = 100"])
+    assert "eval/avg@3" in metrics and "eval/avg@2" not in metrics and len(rows) == 4 * 3
+    assert max(r["num_tokens"] for r in rows) == 6
+    for i in range(4):  # greedy: the three samples of a problem are the same response
+        assert len({r["response"] for r in rows if r["problem"] == i}) == 1
+    assert eval_run.engine.sampling is sampler  # training's sampler is back after the evaluation
+    _, sampled = _evaluate(eval_run, tmp_path, ["EvalConfig.samples_per_problem = 3",
+                                                "EvalConfig.num_samples_logged = 100"])
+    assert any(len({r["response"] for r in sampled if r["problem"] == i}) > 1 for i in range(4))
+    longest = max(len(eval_run.encode(r)) for r in eval_run.eval_records)
+    _gin([f"EvalConfig.max_new_tokens = {64 - longest + 1}"])
+    try:
+        with pytest.raises(ValueError, match=f"EvalConfig.max_new_tokens=.*longest eval prompt .{longest} tokens"):
+            evaluate.evaluate_run(eval_run)
+    finally:
+        gin.clear_config()
+
+
+def _cli(args, extra=()):
+    gin.clear_config()
+    try:
+        evaluate.main([*args, *[f"--gin_param={p}" for p in [*BINDINGS, *extra]]])
+    finally:
+        gin.clear_config()
+
+
+def test_evaluate_reads_only_the_params(tmp_path, capsys):
+    """A checkpoint whose optimizer state has another structure and whose host state is gone still evaluates,
+    with exactly the checkpoint's params."""
+    saved = make_checkpoint(tmp_path / "run", 2, optimizer=optax.sgd(0.1, momentum=0.9))
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "2" / "extra")
+    _gin()
+    try:
+        run = setup.build(setup.TrainConfig(), checkpoint=tmp_path / "run" / "checkpoints" / "2")
+    finally:
+        gin.clear_config()
+    run.close()
+    got = dict(jax.tree_util.tree_leaves_with_path(run.engine.params))
+    for path, want in jax.tree_util.tree_leaves_with_path(saved):
+        np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want), err_msg=str(path))
+    _cli([f"--checkpoint={tmp_path / 'run'}", f"--samples_out={tmp_path / 'out' / 's.jsonl'}"],
+         ["EvalConfig.num_samples_logged = 3"])
+    out = capsys.readouterr().out
+    assert "4 problems x 2 samples: avg@2 = " in out
+    assert len((tmp_path / "out" / "s.jsonl").read_text().splitlines()) == 3
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("typo, message", [
+    ("runz", "No checkpoint under"), ("run/checkpoint", "No checkpoint under"),
+    ("run/checkpoints/9", r"No committed checkpoint for step 9 .*available steps: \[4\]"),
+])
+def test_a_mistyped_checkpoint_is_one_error_and_creates_nothing(tmp_path, capsys, typo, message):
+    make_checkpoint(tmp_path / "run", 4)
+    # A save still in flight and a step never committed (a run that is training): a reader leaves both alone.
+    (tmp_path / "run" / "checkpoints" / "6.orbax-checkpoint-tmp-123").mkdir()
+    (tmp_path / "run" / "checkpoints" / "5").mkdir()
+    before = _tree(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        _cli([f"--checkpoint={tmp_path / typo}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert err.count("error: ") == 1 and re.search(message, err), err
+    assert _tree(tmp_path) == before
+
+
+def test_a_training_run_can_skip_its_step_0_evaluation_and_logs_its_generations(tmp_path):
+    def run(workdir, extra):
+        gin.clear_config()
+        try:
+            train.main([f"--workdir={workdir}", "--gin_param=TrainConfig.num_steps = 0",
+                        *[f"--gin_param={p}" for p in [*BINDINGS, *extra]]])
+        finally:
+            gin.clear_config()
+        return read_metrics(workdir / "metrics.jsonl")
+
+    skipped = run(tmp_path / "skip", ["EvalConfig.at_start = False"])
+    assert skipped == [] and not (tmp_path / "skip" / "samples").exists()
+    evaluated = run(tmp_path / "eval", ["EvalConfig.num_samples_logged = 3"])
+    assert [m["step"] for m in evaluated] == [0] and "eval/avg@2" in evaluated[0]
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "samples" / "step_0.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["step"] == 0 and r["response"] is not None for r in rows)

@@ -1,0 +1,131 @@
+"""Export of a run's checkpoint to Hugging Face layout: transformers loads the trained params and the tokenizer."""
+
+import functools
+import re
+import sys
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from rollverify_jax import export
+from rollverify_jax.models import Tokenizer, load_pretrained
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_evaluate import POLICY, make_checkpoint  # noqa: E402  (the tiny run's checkpoint, params moved)
+
+TEXT = "Start 64. -9 -6. Compute. 64-9=55."
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run with checkpoints at steps 1 and 2 (different params); returns (workdir, {step: params})."""
+    workdir = tmp_path_factory.mktemp("run")
+    return workdir, {step: make_checkpoint(workdir, step) for step in (1, 2)}
+
+
+def _export(*args):
+    gin.clear_config()
+    try:
+        export.main([str(a) for a in args])
+    finally:
+        gin.clear_config()
+
+
+@functools.cache
+def _graphdef():
+    return nnx.split(load_pretrained(POLICY))[0]
+
+
+@jax.jit
+def _forward(params, tokens):
+    return nnx.merge(_graphdef(), params)(tokens)
+
+
+def _logits(params, tokens):
+    """The project's model with ``params`` (jitted: eager dispatch of a first call costs seconds)."""
+    return np.asarray(_forward(params, jnp.asarray(tokens, jnp.int32)))
+
+
+def _hf_logits(path, tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("which, step", [("run", 2), ("checkpoints/1", 1)])
+def test_export_loads_in_transformers_with_the_checkpoint_params(run_dir, tmp_path, capsys, which, step):
+    workdir, params = run_dir
+    checkpoint = workdir if which == "run" else workdir / which
+    _export(f"--checkpoint={checkpoint}", f"--out={tmp_path / 'hf'}")
+    assert f"exported step {step} of" in capsys.readouterr().out
+    tokens = np.asarray([Tokenizer.from_dir(POLICY).encode(TEXT)])
+    got = _hf_logits(tmp_path / "hf", tokens)
+    np.testing.assert_allclose(got, _logits(params[step], tokens), atol=1e-4, rtol=0)
+    initial = _logits(nnx.state(load_pretrained(POLICY), nnx.Param), tokens)
+    assert np.abs(got - initial).max() > 1e-2  # the params are the checkpoint's, not the initial policy's
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok(TEXT, add_special_tokens=False).input_ids == tokens[0].tolist()
+    assert hf_tok.eos_token == "<|endoftext|>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left behind
+
+
+def test_existing_output_needs_overwrite(run_dir, tmp_path, capsys):
+    workdir, params = run_dir
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        _export(f"--checkpoint={workdir}", f"--out={out}")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "--overwrite" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    _export(f"--checkpoint={workdir / 'checkpoints' / '1'}", f"--out={out}", "--overwrite")
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    tokens = np.asarray([Tokenizer.from_dir(POLICY).encode(TEXT)])
+    np.testing.assert_allclose(_hf_logits(out, tokens), _logits(params[1], tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("checkpoint, out, message", [
+    ("missing", "hf", "No checkpoint under"),
+    ("run/checkpoints/7", "hf", r"No committed checkpoint for step 7 .*available steps: \[1, 2\]"),
+    ("run", "file.txt", "is a file"),
+    ("hf_policy", "hf", "already in Hugging Face layout"),
+])
+def test_bad_input_is_one_error_and_writes_nothing(run_dir, tmp_path, capsys, checkpoint, out, message):
+    workdir, _ = run_dir
+    (tmp_path / "file.txt").write_text("")
+    (tmp_path / "hf_policy").mkdir()
+    (tmp_path / "hf_policy" / "config.json").write_text("{}")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    path = workdir / checkpoint.removeprefix("run/") if checkpoint.startswith("run") else tmp_path / checkpoint
+    with pytest.raises(SystemExit) as exit_info:
+        _export(f"--checkpoint={path}", f"--out={tmp_path / out}")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
+    assert re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch):
+    workdir, _ = run_dir
+
+    def broken(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(export, "copy_tokenizer", broken)
+    gin.clear_config()
+    with pytest.raises(OSError, match="disk full"):
+        export.export(workdir, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "keep.txt").write_text("mine")
+    with pytest.raises(OSError, match="disk full"):  # an export that would replace a directory keeps it
+        export.export(workdir, tmp_path / "old", overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["old"] and (tmp_path / "old" / "keep.txt").read_text() == "mine"
