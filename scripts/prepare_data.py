@@ -1,0 +1,360 @@
+"""Converts downloaded DAPO-Math-17k and AIME 2024 / 2025 files into the files the configs read.
+
+    python scripts/prepare_data.py raw/dapo-math-17k.parquet --output data/dapo-math-17k.parquet
+    python scripts/prepare_data.py raw/aime_2024.parquet --output data/aime-2024.jsonl
+    python scripts/prepare_data.py raw/aime2025-I.jsonl raw/aime2025-II.jsonl --output data/aime-2025.jsonl
+    python scripts/prepare_data.py raw/dapo-math-17k.parquet --format array_record --output data/tfds
+
+Inputs are parquet, JSONL or JSON (a list of objects) files, or directories holding them (a Hugging Face dataset
+download). The schema is detected from the columns (``--kind`` forces it):
+
+* DAPO-Math-17k: ``prompt`` (chat messages ``[{"role": "user", "content": ...}]`` or a string) and
+  ``reward_model.ground_truth``. Written in the same schema (the ``dapo_parquet`` / ``dapo_jsonl`` loaders read
+  it), one row per distinct prompt: the dataset repeats each of its ~17.9K problems about 100 times.
+* AIME: a problem column (``problem``, ``question``, ``Problem``, ``Question``) and an answer column (``answer``,
+  ``Answer``, else ``solution`` / ``Solution``, whose last ``\\boxed{...}`` is taken). Written as ``id``,
+  ``problem``, ``answer`` rows (the ``aime_jsonl`` / ``aime_parquet`` loaders read them and wrap each problem in
+  DAPO's prompt template).
+
+``--format array_record`` builds a TFDS array_record dataset of ``{prompt, answer}`` records under the output
+directory instead (read through grain by the ``tfds`` loader). Every output is written to a temporary name, read
+back through the project's loader, and only then renamed into place, so a failed run leaves no partial file.
+Errors print one ``error:`` line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rollverify_jax.data import datasets
+from rollverify_jax.data.rewards import extract_boxed
+
+Row = dict[str, Any]
+
+INPUT_SUFFIXES = (".parquet", ".jsonl", ".json")
+FORMATS = ("jsonl", "parquet", "array_record")
+PROBLEM_COLUMNS = ("problem", "question", "Problem", "Question")
+ANSWER_COLUMNS = ("answer", "Answer")
+SOLUTION_COLUMNS = ("solution", "Solution")
+ID_COLUMNS = ("id", "ID", "problem_idx", "idx")
+DAPO_COLUMNS = ("prompt", "reward_model")
+
+
+class PrepareError(ValueError):
+    """A problem with the inputs or arguments; the message names it and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading inputs.
+
+
+def input_files(inputs: Sequence[str]) -> list[Path]:
+    """The files to read: each input file, or every parquet/JSONL/JSON file under an input directory."""
+    files: list[Path] = []
+    for name in inputs:
+        path = Path(name)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.suffix in INPUT_SUFFIXES and p.is_file())
+            if not found:
+                raise PrepareError(f"no {'/'.join(INPUT_SUFFIXES)} files under the directory {name!r}")
+            files.extend(found)
+        elif not path.is_file():
+            raise PrepareError(f"input file not found: {name!r} (download the dataset first and pass its path)")
+        elif path.suffix not in INPUT_SUFFIXES:
+            raise PrepareError(f"{name!r}: unsupported input type {path.suffix!r}; expected {INPUT_SUFFIXES}")
+        else:
+            files.append(path)
+    return files
+
+
+def columns_of(path: Path) -> list[str]:
+    """Top-level column names: the parquet schema, or the keys of the first JSON row."""
+    if path.suffix == ".parquet":
+        try:
+            return list(pq.read_schema(path).names)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise PrepareError(f"{path} is not a readable parquet file: {e}") from e
+    for row in read_rows(path):
+        return list(row)
+    raise PrepareError(f"{path} has no rows")
+
+
+def read_rows(path: Path) -> Iterator[Row]:
+    """Rows of one input file as dicts, streamed (the full DAPO-Math-17k file has 1.79M rows)."""
+    if path.suffix == ".parquet":
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
+            yield from batch.to_pylist()
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    yield _json_object(line, f"{path}: line {number}")
+    else:
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise PrepareError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(value, list):
+            raise PrepareError(f"{path} must hold a JSON list of row objects, got {type(value).__name__}")
+        for i, row in enumerate(value):
+            if not isinstance(row, dict):
+                raise PrepareError(f"{path}: item {i} is not a JSON object")
+            yield row
+
+
+def _json_object(line: str, where: str) -> Row:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PrepareError(f"{where} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise PrepareError(f"{where} is not a JSON object")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schemas.
+
+
+def detect_kind(path: Path, columns: Sequence[str]) -> str:
+    """'dapo' or 'aime' from the columns; anything else is an unknown schema."""
+    if all(c in columns for c in DAPO_COLUMNS):
+        return "dapo"
+    if _first(columns, PROBLEM_COLUMNS) and _first(columns, ANSWER_COLUMNS + SOLUTION_COLUMNS):
+        return "aime"
+    raise PrepareError(
+        f"{path}: unknown schema with columns {list(columns)}; expected DAPO-Math-17k (prompt, reward_model) or an "
+        f"AIME set (one of {PROBLEM_COLUMNS} and one of {ANSWER_COLUMNS + SOLUTION_COLUMNS}); pass --kind with "
+        "--problem_column / --answer_column to name the columns"
+    )
+
+
+def _first(columns: Sequence[str], candidates: Sequence[str]) -> str | None:
+    return next((c for c in candidates if c in columns), None)
+
+
+def check_columns(path: Path, columns: Sequence[str], kind: str, problem_col: str | None, answer_col: str | None):
+    """The (problem, answer) columns an AIME file is read from; for DAPO, that its columns are there."""
+    if kind == "dapo":
+        missing = [c for c in DAPO_COLUMNS if c not in columns]
+        if missing:
+            raise PrepareError(f"{path}: missing column(s) {missing} for DAPO-Math-17k (columns: {list(columns)}); "
+                               "pass the DAPO-Math-17k file, or --kind aime for an AIME set")
+        return None, None
+    problem = problem_col or _first(columns, PROBLEM_COLUMNS)
+    answer = answer_col or _first(columns, ANSWER_COLUMNS) or _first(columns, SOLUTION_COLUMNS)
+    for role, name, candidates in (("problem", problem, PROBLEM_COLUMNS),
+                                   ("answer", answer, ANSWER_COLUMNS + SOLUTION_COLUMNS)):
+        if name is None or name not in columns:
+            raise PrepareError(f"{path}: missing the {role} column ({name or ' / '.join(candidates)}; columns: "
+                               f"{list(columns)}); name it with --{role}_column")
+    return problem, answer
+
+
+def dapo_row(row: Row, path: Path, where: str) -> Row:
+    """A DAPO-Math-17k row in the dataset's own schema, its fields checked as the loaders check them."""
+    prompt = datasets._prompt_text(datasets._get_field(row, "prompt", str(path), where), str(path), where)
+    truth = datasets._get_field(row, "reward_model.ground_truth", str(path), where)
+    answer = datasets._answer_text(truth, "reward_model.ground_truth", str(path), where)
+    if not answer:
+        raise PrepareError(f"{path}: {where}: field 'reward_model.ground_truth' is empty")
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    return {
+        "data_source": str(row.get("data_source") or "math_dapo"),
+        "prompt": [{"role": "user", "content": prompt}],
+        "ability": str(row.get("ability") or "MATH"),
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"index": str(extra.get("index", where.split()[-1]))},
+    }
+
+
+def aime_row(row: Row, path: Path, where: str, problem_col: str, answer_col: str, index: int) -> Row:
+    """An ``id, problem, answer`` row; a solution column gives its last ``\\boxed{}``."""
+    problem = row.get(problem_col)
+    if not isinstance(problem, str) or not problem.strip():
+        raise PrepareError(f"{path}: {where}: column {problem_col!r} must be a non-empty string")
+    answer = row.get(answer_col)
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise PrepareError(f"{path}: {where}: column {answer_col!r} must be a string or number, got {answer!r}")
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)
+    answer = str(answer).strip()
+    if answer_col in SOLUTION_COLUMNS and not re.fullmatch(r"-?\d+", answer):
+        boxed = extract_boxed(answer)
+        if boxed is None:
+            raise PrepareError(f"{path}: {where}: no \\boxed{{...}} answer in column {answer_col!r}; pass "
+                               "--answer_column with the column that holds the final answer")
+        answer = boxed
+    if re.fullmatch(r"0*\d+", answer):  # AIME answers are integers 000-999: "033" and "33" are one answer
+        answer = str(int(answer))
+    if not answer:
+        raise PrepareError(f"{path}: {where}: column {answer_col!r} is empty")
+    row_id = next((row[c] for c in ID_COLUMNS if row.get(c) is not None), index)
+    return {"id": str(row_id), "problem": problem.strip(), "answer": answer}
+
+
+def convert(files: Sequence[Path], kind: str, problem_col: str | None, answer_col: str | None,
+            keep_duplicates: bool) -> tuple[str, list[Row], int]:
+    """(kind, rows in the project's schema, rows read) over every input file."""
+    rows: list[Row] = []
+    seen: set[str] = set()
+    read = 0
+    for path in files:
+        columns = columns_of(path)
+        file_kind = detect_kind(path, columns) if kind == "auto" else kind
+        if rows and file_kind != kind:
+            raise PrepareError(f"{path} holds {file_kind} rows but the inputs before it hold {kind} rows; "
+                               "convert them separately")
+        kind = file_kind
+        problem, answer = check_columns(path, columns, kind, problem_col, answer_col)
+        for i, raw in enumerate(read_rows(path)):
+            where = f"row {i}"
+            row = dapo_row(raw, path, where) if kind == "dapo" else aime_row(raw, path, where, problem, answer, read)
+            read += 1
+            key = row["prompt"][0]["content"] if kind == "dapo" else row["problem"]
+            if kind == "dapo" and not keep_duplicates and key in seen:
+                continue
+            seen.add(key)
+            rows.append(row)
+    if not rows:
+        raise PrepareError(f"the inputs {[str(f) for f in files]} hold no rows")
+    return kind, rows, read
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing.
+
+
+def output_format(output: str, fmt: str | None) -> str:
+    """``--format``, else the output's extension (a directory output needs ``--format array_record``)."""
+    if fmt is not None:
+        return fmt
+    suffix = Path(output).suffix.lstrip(".")
+    if suffix in ("jsonl", "parquet"):
+        return suffix
+    raise PrepareError(f"cannot tell the output format of {output!r}: end it in .jsonl or .parquet, or pass "
+                       "--format array_record for a TFDS directory")
+
+
+def write_file(rows: Sequence[Row], path: Path, fmt: str) -> None:
+    """JSONL or parquet rows (parquet keeps DAPO's nested columns as structs and lists)."""
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+
+
+def loader_name(kind: str, fmt: str) -> str:
+    return f"{kind}_{fmt}"
+
+
+def write_atomic(rows: Sequence[Row], output: Path, kind: str, fmt: str) -> int:
+    """Writes a temporary file beside ``output``, reads it back with the project's loader, renames it into
+    place; returns the number of records the loader reads."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
+    try:
+        write_file(rows, tmp, fmt)
+        count = len(datasets.get_dataset(loader_name(kind, fmt), path=str(tmp)))
+        os.replace(tmp, output)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return count
+
+
+def write_array_record(rows: Sequence[Row], data_dir: Path, kind: str, config_name: str, split: str) -> int:
+    """Builds ``<data_dir>/math_prompts/<config_name>`` in a temporary directory beside it, reads it back through
+    grain, then swaps it into place (an existing build of that name is replaced)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".prepare_data.", dir=data_dir))
+    try:
+        source = scratch / "rows.jsonl"
+        write_file(rows, source, "jsonl")
+        datasets.build_tfds(str(source), loader_name(kind, "jsonl"), str(scratch / "build"), config_name, split)
+        count = len(datasets.load_tfds(str(scratch / "build"), config_name=config_name, split=split))
+        target = data_dir / "math_prompts" / config_name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        old = scratch / "previous"
+        if target.exists():
+            os.replace(target, old)
+        os.replace(scratch / "build" / "math_prompts" / config_name, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return count
+
+
+def gin_hint(kind: str, fmt: str, output: str, config_name: str, split: str) -> str:
+    """The bindings that point a config at the output."""
+    role = "train" if kind == "dapo" else "eval"
+    if fmt == "array_record":
+        name, kwargs = "tfds", {"data_dir": output, "config_name": config_name, "split": split}
+    else:
+        name, kwargs = loader_name(kind, fmt), {"path": output}
+    return f"TrainConfig.{role}_dataset = {name!r}\nTrainConfig.{role}_dataset_kwargs = {kwargs!r}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="+", help="parquet / JSONL / JSON files, or directories holding them")
+    ap.add_argument("--output", required=True, help="output file (.jsonl, .parquet) or TFDS data_dir")
+    ap.add_argument("--format", choices=FORMATS, default=None, help="default: the output's extension")
+    ap.add_argument("--kind", choices=("auto", "dapo", "aime"), default="auto", help="default: from the columns")
+    ap.add_argument("--problem_column", default=None, help="AIME: the column holding the problem text")
+    ap.add_argument("--answer_column", default=None, help="AIME: the column holding the final answer")
+    ap.add_argument("--keep_duplicates", action="store_true", help="DAPO: keep every repeat of a prompt")
+    ap.add_argument("--config_name", default=None, help="array_record: the build's name (default: the kind)")
+    ap.add_argument("--split", default="train", help="array_record: the split name (default: train)")
+    return ap.parse_args(argv)
+
+
+def prepare(args: argparse.Namespace) -> str:
+    """Runs the conversion; returns the report to print."""
+    fmt = output_format(args.output, args.format)
+    files = input_files(args.inputs)
+    kind, rows, read = convert(files, args.kind, args.problem_column, args.answer_column, args.keep_duplicates)
+    config_name = args.config_name or kind
+    if fmt == "array_record":
+        count = write_array_record(rows, Path(args.output), kind, config_name, args.split)
+    else:
+        count = write_atomic(rows, Path(args.output), kind, fmt)
+    dropped = f", {read - len(rows)} duplicate prompts dropped" if read != len(rows) else ""
+    return (f"wrote {args.output} ({fmt}): {count} {kind} problems from {read} rows of {len(files)} file(s)"
+            f"{dropped}\nin the gin config:\n{gin_hint(kind, fmt, args.output, config_name, args.split)}")
+
+
+def one_line(e: Exception) -> str:
+    """An error's text on one line, without the 'In call to configurable' lines gin appends."""
+    lines = [line.strip() for line in str(e).splitlines() if not line.startswith("  In call to configurable")]
+    return " ".join(line for line in lines if line)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        report = prepare(args)
+    except (ValueError, OSError) as e:  # PrepareError and DatasetSchemaError are ValueErrors
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""scripts/prepare_data.py: DAPO-Math-17k and AIME downloads in their public schemas become files the project's
+loaders read back; bad inputs end with one ``error:`` line and exit status 2, leaving no partial output."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import grain
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rollverify_jax.data.datasets import DAPO_TEMPLATE, PromptIterator, apply_dapo_template, get_dataset, load_tfds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _script():
+    """scripts/ is not a package: load the module from its file."""
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepare(*argv) -> None:
+    _script().main([str(a) for a in argv])
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dapo_rows(n: int, repeats: int) -> list[dict]:
+    """DAPO-Math-17k's layout: templated chat prompts, each problem repeated ``repeats`` times."""
+    return [{"data_source": "math_dapo",
+             "prompt": [{"role": "user", "content": apply_dapo_template(f"What is {i} + {i}?")}],
+             "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+             "extra_info": {"index": f"id-{i}-{r}"}} for r in range(repeats) for i in range(n)]
+
+
+def templated(problem: str, answer: str) -> dict:
+    return {"prompt": DAPO_TEMPLATE.replace("{problem}", problem), "answer": answer}
+
+
+def test_dapo_parquet_is_deduplicated_and_reads_back(tmp_path, capsys):
+    source = write_parquet(tmp_path / "dapo-math-17k.parquet", dapo_rows(5, repeats=3))
+    out = tmp_path / "data" / "dapo.parquet"
+    prepare(source, "--output", out)
+    expected = [templated(f"What is {i} + {i}?", str(2 * i)) for i in range(5)]
+    assert get_dataset("dapo_parquet", path=str(out)) == expected
+    row = pq.read_table(out).to_pylist()[1]
+    assert row["reward_model"] == {"ground_truth": "2", "style": "rule"} and row["extra_info"] == {"index": "id-1-0"}
+    report = capsys.readouterr().out
+    assert "5 dapo problems from 15 rows" in report and "10 duplicate prompts dropped" in report
+    assert f"TrainConfig.train_dataset_kwargs = {{'path': '{out}'}}" in report
+    assert [p.name for p in out.parent.iterdir()] == ["dapo.parquet"]  # no temporary file left
+
+
+def test_dapo_jsonl_string_prompts_keep_duplicates(tmp_path):
+    rows = [{"prompt": "Find x.", "reward_model": {"ground_truth": 7}}] * 2
+    out = tmp_path / "dapo.jsonl"
+    prepare(write_jsonl(tmp_path / "in.jsonl", rows), "--output", out, "--keep_duplicates")
+    assert get_dataset("dapo_jsonl", path=str(out)) == [templated("Find x.", "7")] * 2
+    assert json.loads(out.read_text().splitlines()[0])["prompt"] == [{"role": "user", "content": "Find x."}]
+
+
+def test_aime_2024_hf_layout_to_jsonl(tmp_path):
+    """HuggingFaceH4/aime_2024: id, problem, solution, answer, url, year; the answer column wins."""
+    rows = [{"id": 60 + i, "problem": f"Find {i}.", "solution": f"So \\boxed{{99{i}}}.", "answer": f"00{i}",
+             "url": "https://example.org", "year": "2024"} for i in range(3)]
+    out = tmp_path / "aime-2024.jsonl"
+    prepare(write_parquet(tmp_path / "train-00000-of-00001.parquet", rows), "--output", out)
+    assert get_dataset("aime_jsonl", path=str(out)) == [templated(f"Find {i}.", str(i)) for i in range(3)]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["60", "61", "62"]
+
+
+def test_aime_2025_two_jsonl_files_question_column_to_parquet(tmp_path):
+    part1 = write_jsonl(tmp_path / "aime2025-I.jsonl", [{"question": "Q1", "answer": 70}])
+    part2 = write_jsonl(tmp_path / "aime2025-II.jsonl", [{"question": "Q2", "answer": "588"}])
+    out = tmp_path / "aime-2025.parquet"
+    prepare(part1, part2, "--output", out)
+    assert get_dataset("aime_parquet", path=str(out)) == [templated("Q1", "70"), templated("Q2", "588")]
+
+
+def test_aime_capitalised_columns_json_list_in_a_directory(tmp_path):
+    (tmp_path / "download").mkdir()
+    (tmp_path / "download" / "aime.json").write_text(json.dumps([{"Problem": "P", "Answer": 33.0}]))
+    out = tmp_path / "aime.jsonl"
+    prepare(tmp_path / "download", "--output", out)
+    assert get_dataset("aime_jsonl", path=str(out)) == [templated("P", "33")]
+
+
+def test_aime_solution_column_gives_its_boxed_answer(tmp_path):
+    rows = [{"problem": "P", "solution": "Work. Hence \\boxed{\\frac{1}{2}}."}, {"problem": "Q", "solution": "042"}]
+    out = tmp_path / "aime.jsonl"
+    prepare(write_jsonl(tmp_path / "in.jsonl", rows), "--output", out)
+    assert [r["answer"] for r in get_dataset("aime_jsonl", path=str(out))] == ["\\frac{1}{2}", "42"]
+
+
+def test_named_columns(tmp_path):
+    rows = [{"text": "P", "label": "5"}]
+    out = tmp_path / "aime.jsonl"
+    prepare(write_jsonl(tmp_path / "in.jsonl", rows), "--output", out, "--kind", "aime",
+            "--problem_column", "text", "--answer_column", "label")
+    assert get_dataset("aime_jsonl", path=str(out)) == [templated("P", "5")]
+
+
+@pytest.fixture
+def tfds_tmp(tmp_path, monkeypatch):
+    """TFDS makes a scratch dir per fresh builder; keep it under tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def test_array_record_build_reads_through_grain(tmp_path, tfds_tmp, capsys):
+    source = write_parquet(tmp_path / "dapo.parquet", dapo_rows(4, repeats=2))
+    data_dir = tmp_path / "tfds"
+    prepare(source, "--output", data_dir, "--format", "array_record")
+    records = get_dataset("tfds", data_dir=str(data_dir), config_name="dapo")
+    assert isinstance(records, grain.MapDataset) and len(records) == 4
+    expected = [templated(f"What is {i} + {i}?", str(2 * i)) for i in range(4)]
+    assert sorted((records[i] for i in range(4)), key=lambda r: int(r["answer"])) == expected
+    assert len(PromptIterator(records, batch_size=3).next_batch()) == 3
+    assert "TrainConfig.train_dataset = 'tfds'" in capsys.readouterr().out
+    # A second build of the same name replaces the first; no scratch directory is left behind.
+    prepare(write_parquet(tmp_path / "dapo2.parquet", dapo_rows(2, repeats=1)), "--output", data_dir,
+            "--format", "array_record")
+    assert len(load_tfds(str(data_dir), config_name="dapo")) == 2
+    assert [p.name for p in data_dir.iterdir()] == ["math_prompts"]
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+
+def fails(capsys, *argv) -> str:
+    """Runs the script expecting exit status 2 and one ``error:`` line on stderr; returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare(*argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_unknown_schema(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "other.jsonl", [{"text": "x", "label": 1}])
+    err = fails(capsys, source, "--output", tmp_path / "out.jsonl")
+    assert "other.jsonl: unknown schema with columns ['text', 'label']" in err and "--problem_column" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_missing_columns(tmp_path, capsys):
+    aime = write_parquet(tmp_path / "aime.parquet", [{"problem": "P", "answer": "1"}])
+    err = fails(capsys, aime, "--kind", "dapo", "--output", tmp_path / "out.jsonl")
+    assert "aime.parquet: missing column(s) ['prompt', 'reward_model'] for DAPO-Math-17k" in err
+    err = fails(capsys, aime, "--answer_column", "Answer", "--output", tmp_path / "out.jsonl")
+    assert "missing the answer column (Answer;" in err and "--answer_column" in err
+
+
+def test_missing_file_and_bad_rows(tmp_path, capsys):
+    assert "input file not found: " in fails(capsys, tmp_path / "nope.parquet", "--output", tmp_path / "o.jsonl")
+    rows = [{"prompt": "p", "reward_model": {"ground_truth": "1"}}, {"prompt": "q", "reward_model": {"style": "r"}}]
+    err = fails(capsys, write_jsonl(tmp_path / "dapo.jsonl", rows), "--output", tmp_path / "o.jsonl")
+    assert "dapo.jsonl: row 1: missing field 'reward_model.ground_truth'" in err
+    no_box = write_jsonl(tmp_path / "sol.jsonl", [{"problem": "P", "solution": "no final answer"}])
+    assert "no \\boxed{...} answer in column 'solution'" in fails(capsys, no_box, "--output", tmp_path / "o.jsonl")
+    null = write_parquet(tmp_path / "null.parquet", [{"problem": "P", "answer": "1"}, {"problem": None, "answer": "2"}])
+    assert "null.parquet: row 1: column 'problem' must be" in fails(capsys, null, "--output", tmp_path / "o.jsonl")
+    assert "cannot tell the output format" in fails(capsys, null, "--output", tmp_path / "o.txt")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_failed_write_keeps_the_previous_output(tmp_path, capsys, monkeypatch):
+    source = write_jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": "1"}])
+    out = tmp_path / "aime-out.jsonl"
+    out.write_text("previous\n")
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("read-back failed")
+
+    monkeypatch.setattr(_script().datasets, "get_dataset", unreadable)
+    assert "read-back failed" in fails(capsys, source, "--output", out)
+    assert out.read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aime-out.jsonl", "aime.jsonl"]
