@@ -1,9 +1,16 @@
 """Validates a gin configuration without weights or accelerators: every configurable is built (so every
 range check runs), the model architecture is instantiated abstractly, and its parameters are laid out on an
-abstract mesh of the configured shape and device count."""
+abstract mesh of the configured shape and device count.
+
+It also opens what the run will read: the policy checkpoint directory (a missing one is said, with what belongs
+there, and the sizes are then those of the gin preset, labelled so), the tokenizer, and the train and eval data
+(every row's schema, and prompt lengths against the room the engine leaves for a prompt). Problems with the data
+or an incomplete checkpoint fail the dry run with one message listing them all.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -15,8 +22,9 @@ from jax.sharding import AbstractMesh, AxisType
 
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.checkpoint import CheckpointConfig
+from rollverify_jax.data.datasets import get_dataset, length_summary
 from rollverify_jax.data.rewards import get_reward_spec
-from rollverify_jax.models import Qwen3ForCausalLM, model_config
+from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer, model_config
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.filters import FilterConfig
@@ -25,7 +33,7 @@ from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.rollout.sampling import SamplingConfig
-from rollverify_jax.setup import cross_check_settings
+from rollverify_jax.setup import cross_check_settings, max_prompt_len, prompt_lengths
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 
@@ -37,6 +45,7 @@ def dry_run(train_cfg, num_devices: int) -> dict:
     learner_lib.make_optimizer()
     reward_name = gin.query_parameter("RewardScorer.name") if gin_bound("RewardScorer.name") else "math"
     get_reward_spec(reward_name)
+    policy, problems = check_policy(train_cfg)
     cfg = architecture(train_cfg)
     shape = mesh_shape()
     if -1 in shape:
@@ -56,12 +65,119 @@ def dry_run(train_cfg, num_devices: int) -> dict:
     rows = rollout.batch_groups * rollout.group_size
     kv_per_seq = kv_bytes_per_page(cfg, engine.page_size, engine.kv_dtype) * math.ceil(engine.max_seq_len /
                                                                                       engine.page_size)
+    tokenizer = load_tokenizer(train_cfg, cfg.vocab_size, problems)
+    data = {role: check_dataset(role, train_cfg, tokenizer, max_prompt_len(rollout, engine), problems)
+            for role in ("train", "eval")}
+    if problems:
+        raise ValueError(f"dry run found {len(problems)} problem(s): "
+                         + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, start=1)))
     return {"params": cfg.num_params(), "param_bytes_per_device": per_device, "mesh": dict(mesh.shape),
             "rows_per_step": rows, "kv_bytes_per_sequence": kv_per_seq,
             "kv_bytes_all_slots": kv_per_seq * engine.num_slots,
             "full_length_sequences_in_kv_budget":
                 (engine.kv_memory_bytes or kv_per_seq * engine.num_slots) // kv_per_seq,
-            "mode": rollout.mode, "loss": learner_cfg.loss_name}
+            "mode": rollout.mode, "loss": learner_cfg.loss_name, **policy, "data": data}
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+CHECKPOINT_CONTENTS = ("config.json, model.safetensors (or model-*.safetensors shards with "
+                       "model.safetensors.index.json), tokenizer.json, tokenizer_config.json, generation_config.json")
+
+
+def note(text: str) -> None:
+    """A finding that does not fail the dry run."""
+    print(f"dry run: {text}", flush=True)
+
+
+def message(e: Exception) -> str:
+    """An error's own text, without the 'In call to configurable' lines gin appends to it."""
+    return " ".join(line for line in str(e).splitlines() if not line.startswith("  In call to configurable"))
+
+
+def preset_name() -> str:
+    """The gin preset ``architecture`` falls back to (``model_config.preset``, else its default)."""
+    if gin_bound("model_config.preset"):
+        return gin.query_parameter("model_config.preset")
+    return inspect.signature(model_config).parameters["preset"].default
+
+
+def check_policy(train_cfg) -> tuple[dict, list[str]]:
+    """Where the architecture comes from, and whether the checkpoint a run loads is there.
+
+    A missing directory is a note, not a failure (a dry run sizes a config on a machine without the weights),
+    but it is said: the sizes then describe the preset. A directory lacking files is a problem: training
+    would stop on it.
+    """
+    preset = preset_name()
+    if train_cfg.policy_path is None:
+        note(f"TrainConfig.policy_path is None: a run starts from a random model_config() (preset {preset!r}).")
+        return {"policy": "none", "architecture": f"preset {preset!r} (no policy_path)"}, []
+    path = Path(train_cfg.policy_path)
+    if not path.is_dir():
+        note(f"the policy checkpoint directory {str(path)!r} is missing: put the policy's Hugging Face checkpoint "
+             f"there ({CHECKPOINT_CONTENTS}) or bind TrainConfig.policy_path to where it is; training cannot start "
+             f"without it. The sizes reported here are those of the gin preset {preset!r}, not of a checkpoint.")
+        return {"policy": "missing", "architecture": f"preset {preset!r} (checkpoint missing)"}, []
+    lacking = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if not any((path / f).is_file() for f in WEIGHT_FILES):
+        lacking.append(" or ".join(WEIGHT_FILES))
+    if lacking:
+        problem = (f"the policy checkpoint directory {str(path)!r} lacks {', '.join(lacking)}; it needs "
+                   f"{CHECKPOINT_CONTENTS} (an HF checkpoint directory as downloaded, not the HF cache's root)")
+        source = "checkpoint config.json" if "config.json" not in lacking else f"preset {preset!r} (no config.json)"
+        return {"policy": "incomplete", "architecture": source}, [problem]
+    return {"policy": "present", "architecture": f"checkpoint {path / 'config.json'}"}, []
+
+
+def load_tokenizer(train_cfg, vocab_size: int, problems: list[str]) -> Tokenizer | None:
+    """The run's tokenizer (``tokenizer_path``, else ``policy_path``), or None when its directory is absent."""
+    path = train_cfg.tokenizer_path or train_cfg.policy_path
+    if path is None:
+        problems.append("TrainConfig.tokenizer_path is required when policy_path is None (a run needs a tokenizer)")
+        return None
+    if not Path(path, "tokenizer.json").is_file():
+        note(f"prompt lengths are not checked: no tokenizer.json in {path!r} (TrainConfig.tokenizer_path, else "
+             "TrainConfig.policy_path).")
+        return None
+    try:
+        return Tokenizer.from_dir(path, model_vocab_size=vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        problems.append(f"tokenizer: {message(e)}")
+        return None
+
+
+def check_dataset(role: str, train_cfg, tokenizer: Tokenizer | None, max_len: int, problems: list[str]) -> dict:
+    """Opens a dataset as training will (every row's schema checked) and measures its prompts."""
+    name, kwargs = getattr(train_cfg, f"{role}_dataset"), getattr(train_cfg, f"{role}_dataset_kwargs")
+    label = f"{role} data {name!r}" + (f" ({kwargs['path']})" if "path" in kwargs else "")
+    try:
+        records = list(get_dataset(name, **kwargs))
+    except TypeError as e:  # a keyword the loader does not take
+        problems.append(f"{label}: TrainConfig.{role}_dataset_kwargs={kwargs} do not fit the loader: {message(e)}")
+        return {"dataset": name, "error": message(e)}
+    except (ValueError, FileNotFoundError) as e:  # DatasetSchemaError is a ValueError
+        problems.append(f"{label}: {message(e)}")
+        return {"dataset": name, "error": message(e)}
+    part = {"dataset": name, "records": len(records)}
+    if tokenizer is None:
+        note(f"{label}: {len(records)} prompts, schema OK.")
+        return part
+    try:
+        stats = length_summary(prompt_lengths(tokenizer, records, train_cfg.chat_template), max_len)
+    except ValueError as e:  # text the tokenizer cannot encode
+        problems.append(f"{label}: {message(e)}")
+        return part
+    part["prompt_tokens"] = stats
+    note(f"{label}: {len(records)} prompts, schema OK; prompt tokens min {stats['min']}, median {stats['p50']}, "
+         f"mean {stats['mean']}, p99 {stats['p99']}, max {stats['max']}; "
+         f"{stats['over_limit']} longer than the {max_len}-token limit.")
+    if stats["over_limit"] == len(records):
+        problems.append(f"{label}: every prompt is longer than {max_len} tokens (EngineConfig.max_seq_len - "
+                        "RolloutConfig.max_new_tokens); raise EngineConfig.max_seq_len or lower max_new_tokens")
+    elif stats["over_limit"]:
+        note(f"warning: {stats['over_limit']} of {len(records)} {role} prompts are longer than {max_len} tokens "
+             "(EngineConfig.max_seq_len - RolloutConfig.max_new_tokens); training drops them at start.")
+    return part
 
 
 def architecture(train_cfg):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import gin
@@ -17,7 +18,7 @@ import numpy as np
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.aot_config import AotConfig  # noqa: F401  (registers the gin configurable)
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
-from rollverify_jax.data.datasets import PromptIterator, get_dataset
+from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
 from rollverify_jax.models.hf import config_to_hf
@@ -126,15 +127,54 @@ def cross_check_settings(rollout: RolloutConfig, engine: EngineConfig, learner_c
     if filter_cfg.name != "none" and rollout.mode == "on_policy":
         raise ValueError(f"FilterConfig.name={filter_cfg.name!r} needs partial rollout: set RolloutConfig.mode = "
                          "'partial' (or 'rollverify'), or FilterConfig.name = 'none'.")
-    if rollout.max_new_tokens >= engine.max_seq_len:
-        raise ValueError(f"RolloutConfig.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
-                         f"EngineConfig.max_seq_len={engine.max_seq_len}.")
+    max_prompt_len(rollout, engine)
     rows = rollout.batch_groups * rollout.group_size
     batch_devices = mesh_shape["data"] * mesh_shape["fsdp"]
     if rows % batch_devices:
         raise ValueError(f"batch_groups x group_size = {rows} rows do not divide over data x fsdp = {batch_devices}.")
     if rows % learner_cfg.num_minibatches:
         raise ValueError(f"{rows} rows do not split into LearnerConfig.num_minibatches={learner_cfg.num_minibatches}.")
+
+
+def max_prompt_len(rollout: RolloutConfig, engine: EngineConfig) -> int:
+    """The longest prompt the scheduler admits: the context must still hold ``max_new_tokens`` after it."""
+    room = engine.max_seq_len - rollout.max_new_tokens
+    if room < 1:
+        raise ValueError(f"RolloutConfig.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
+                         f"EngineConfig.max_seq_len={engine.max_seq_len}.")
+    return room
+
+
+def prompt_lengths(tokenizer: Tokenizer, records: Sequence[dict], chat: bool, chunk: int = 4096) -> np.ndarray:
+    """Token counts of the prompts exactly as ``Run.encode`` encodes them; each distinct prompt is encoded
+    once (DAPO-Math-17k repeats its problems), in batches (``tokenizers`` runs them in Rust)."""
+    texts = [record["prompt"] for record in records]
+    unique = list(dict.fromkeys(texts))
+    counts: dict[str, int] = {}
+    for start in range(0, len(unique), chunk):
+        part = unique[start:start + chunk]
+        rendered = [tokenizer.apply_chat_template(t) if chat else t for t in part]
+        counts.update(zip(part, map(len, tokenizer.encode_batch(rendered)), strict=True))
+    return np.asarray([counts[t] for t in texts], dtype=np.int64)
+
+
+def load_prompts(role: str, name: str, kwargs: dict, tokenizer: Tokenizer, chat: bool, max_len: int) -> list[dict]:
+    """A dataset's records without the prompts longer than ``max_len`` tokens, dropped once here with a
+    warning: admitted mid-run, such a prompt would stop the run (the scheduler refuses it)."""
+    records = list(get_dataset(name, **kwargs))
+    if not records:
+        raise ValueError(f"{role.capitalize()} dataset {name!r} with {kwargs} is empty.")
+    lengths = prompt_lengths(tokenizer, records, chat)
+    kept, dropped = drop_long_prompts(records, lengths, max_len)
+    where = (f"longer than {max_len} tokens (the room EngineConfig.max_seq_len - RolloutConfig.max_new_tokens "
+             f"leaves; the longest has {int(lengths.max())})")
+    if not kept:
+        raise ValueError(f"Every prompt of the {role} dataset {name!r} with {kwargs} is {where}; raise "
+                         "EngineConfig.max_seq_len or lower RolloutConfig.max_new_tokens.")
+    if dropped:
+        print(f"warning: {role} dataset {name!r}: dropped {dropped} of {len(records)} prompts {where}; "
+              f"{len(kept)} remain.", flush=True)
+    return kept
 
 
 def load_policy(cfg: TrainConfig, mesh):
@@ -169,9 +209,11 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     rollout_cfg = RolloutConfig()
     engine = Engine(model, EngineConfig(), SamplingConfig(), eos_ids=tokenizer.eos_ids, mesh=mesh)
     scorer = RewardScorer()
-    eval_records = list(get_dataset(cfg.eval_dataset, **cfg.eval_dataset_kwargs))[: cfg.eval_size]
+    room = max_prompt_len(rollout_cfg, engine.config)
+    eval_records = load_prompts("eval", cfg.eval_dataset, cfg.eval_dataset_kwargs, tokenizer, cfg.chat_template,
+                                room)[: cfg.eval_size]
     if not eval_records:
-        raise ValueError(f"Eval dataset {cfg.eval_dataset!r} with {cfg.eval_dataset_kwargs} is empty.")
+        raise ValueError(f"TrainConfig.eval_size={cfg.eval_size} selects no eval problems.")
     run = Run(cfg=cfg, workdir=workdir, tokenizer=tokenizer, model=model, mesh=mesh, engine=engine, scorer=scorer,
               eval_records=eval_records)
     if checkpoint is not None and not hf_checkpoint:
@@ -190,9 +232,7 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
     run.train_step = learner_lib.make_train_step(graphdef, learner_cfg, optimizer, mesh, shardings)
     if learner_cfg.loss.kl_coef > 0:
         run.ref_params = jax.tree.map(lambda x: x.copy(), run.train_state.params)
-    records = list(get_dataset(cfg.train_dataset, **cfg.train_dataset_kwargs))
-    if not records:
-        raise ValueError(f"Train dataset {cfg.train_dataset!r} with {cfg.train_dataset_kwargs} is empty.")
+    records = load_prompts("train", cfg.train_dataset, cfg.train_dataset_kwargs, tokenizer, cfg.chat_template, room)
     run.iterator = PromptIterator(records, batch_size=1, seed=cfg.seed)
     scheduler = Scheduler(engine)
     run.manager = RolloutManager(rollout_cfg, scheduler, lambda: run.iterator.next_batch()[0], run.encode,

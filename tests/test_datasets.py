@@ -253,3 +253,21 @@ def test_bad_state_and_empty_source():
         it.set_state({"epoch": 0, "index": 5})
     with pytest.raises(ValueError, match="empty dataset"):
         PromptIterator([], batch_size=1)
+
+
+# -- prompt lengths against the engine's room for a prompt ---------------------------------------------------
+
+
+def test_length_summary_counts_prompts_over_the_limit():
+    stats = datasets.length_summary([5, 10, 11, 3, 10], max_prompt_len=10)
+    assert stats == {"count": 5, "min": 3, "mean": 7.8, "p50": 10, "p99": 11, "max": 11, "max_prompt_len": 10,
+                     "over_limit": 1}
+    assert datasets.length_summary([], 10) == {"count": 0, "max_prompt_len": 10, "over_limit": 0}
+
+
+def test_drop_long_prompts_keeps_order_and_the_boundary():
+    records = [{"prompt": str(i), "answer": str(i)} for i in range(5)]
+    kept, dropped = datasets.drop_long_prompts(records, [10, 11, 1, 10, 12], max_prompt_len=10)
+    assert [r["answer"] for r in kept] == ["0", "2", "3"] and dropped == 2
+    with pytest.raises(ValueError, match="5 records but 4 prompt lengths"):
+        datasets.drop_long_prompts(records, [1, 2, 3, 4], 10)

@@ -61,7 +61,10 @@ def apply_dapo_template(problem: str) -> str:
 def _check_file(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file not found: {path!r} (check the path bound in the gin config)")
+        raise FileNotFoundError(
+            f"dataset file not found: {path!r} (check the path bound in the gin config; "
+            "scripts/prepare_data.py converts DAPO-Math-17k and AIME downloads into it)"
+        )
     return path
 
 
@@ -355,6 +358,41 @@ def get_dataset(name: str, **kwargs) -> Sequence[Record]:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {sorted(DATASETS)}")
     return DATASETS[name](**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompt lengths against the room the engine leaves for a prompt.
+
+
+def length_summary(lengths: Sequence[int], max_prompt_len: int) -> dict[str, int | float]:
+    """Prompt-token statistics and how many exceed ``max_prompt_len`` (what a dry run reports and a start
+    filters)."""
+    values = np.asarray(lengths, dtype=np.int64)
+    if values.size == 0:
+        return {"count": 0, "max_prompt_len": int(max_prompt_len), "over_limit": 0}
+    return {
+        "count": int(values.size),
+        "min": int(values.min()),
+        "mean": round(float(values.mean()), 1),
+        "p50": int(np.percentile(values, 50, method="lower")),
+        "p99": int(np.percentile(values, 99, method="higher")),
+        "max": int(values.max()),
+        "max_prompt_len": int(max_prompt_len),
+        "over_limit": int((values > max_prompt_len).sum()),
+    }
+
+
+def drop_long_prompts(
+    records: Sequence[Record], lengths: Sequence[int], max_prompt_len: int
+) -> tuple[list[Record], int]:
+    """The records whose prompt fits ``max_prompt_len`` tokens, in order, and the number dropped.
+
+    Filtering once at start keeps an over-long prompt from failing the run when the scheduler admits it.
+    """
+    if len(records) != len(lengths):
+        raise ValueError(f"{len(records)} records but {len(lengths)} prompt lengths")
+    kept = [record for record, n in zip(records, lengths, strict=True) if n <= max_prompt_len]
+    return kept, len(records) - len(kept)
 
 
 # ----------------------------------------------------------------------------------------------------------
