@@ -37,7 +37,9 @@ from rollverify_jax.setup import cross_check_settings, max_prompt_len, prompt_le
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 
-def dry_run(train_cfg, num_devices: int) -> dict:
+def dry_run(train_cfg, num_devices: int | None = None) -> dict:
+    """Checks the whole configuration without weights. ``num_devices``: the device count the mesh is laid on
+    (None: the mesh shape's own product, 8 when it holds a -1)."""
     rollout, engine = RolloutConfig(), EngineConfig()
     SamplingConfig(), SwitchConfig(), VerifyConfig(), CheckpointConfig()
     learner_cfg = learner_lib.LearnerConfig().for_sampler(SamplingConfig().logp_temperature)
@@ -48,6 +50,8 @@ def dry_run(train_cfg, num_devices: int) -> dict:
     policy, problems = check_policy(train_cfg)
     cfg = architecture(train_cfg)
     shape = mesh_shape()
+    if num_devices is None:
+        num_devices = 8 if -1 in shape else math.prod(shape)
     if -1 in shape:
         shape[shape.index(-1)] = num_devices // math.prod(s for s in shape if s != -1)
     if math.prod(shape) != num_devices:
