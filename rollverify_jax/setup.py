@@ -17,10 +17,10 @@ import numpy as np
 
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.aot_config import AotConfig  # noqa: F401  (registers the gin configurable)
-from rollverify_jax.metrics import MetricsConfig  # noqa: F401  (registers it for evaluate and aot too)
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset
 from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.metrics import MetricsConfig  # noqa: F401  (registers it for evaluate and aot too)
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
 from rollverify_jax.models.hf import config_to_hf
 from rollverify_jax.rl import advantages as adv_lib

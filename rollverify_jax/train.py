@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
+from rollverify_jax import distributed
 from rollverify_jax.checkpoint import COMMIT_FILE
 from rollverify_jax.cli import run_cli
 from rollverify_jax.evaluate import EvalConfig, evaluate_run
@@ -78,7 +78,7 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
         keep &= ~scored.uniform
     batch["loss_mask"] *= keep[:, None].astype(np.float32)
     if run.ref_params is not None:
-        batch["ref_logp"] = np.asarray(learner_lib.compute_logprobs(
+        batch["ref_logp"] = distributed.fetch(learner_lib.compute_logprobs(
             run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
     return learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh), {"filter/kept_fraction": float(keep.mean())}
 
@@ -88,7 +88,7 @@ def learn(run: Run, batch: dict) -> dict:
     run.train_state, metrics = run.train_step(run.train_state, batch)
     run.step += 1
     run.engine.update_params(run.train_state.params, version=run.step)
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return {k: float(v) for k, v in distributed.fetch(metrics).items()}
 
 
 def train_one_step(run: Run) -> dict:
@@ -221,8 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=None, help="override runs_root/run_name")
     ap.add_argument("--dry_run", action="store_true", help="validate the configuration, load no weights")
     ap.add_argument("--distributed", action="store_true",
-                    help="multi-host: call jax.distributed.initialize() (every host runs the same command)")
-    ap.add_argument("--dry_run_devices", type=int, default=8, help="device count the dry run lays the mesh on")
+                    help="multi-host: join the other processes (every host runs the same command); without the "
+                         "three flags below JAX detects the cluster (TPU pod slice, SLURM)")
+    ap.add_argument("--coordinator_address", default=None, help="host:port of process 0 (implies --distributed)")
+    ap.add_argument("--num_processes", type=int, default=None, help="processes in the run (implies --distributed)")
+    ap.add_argument("--process_id", type=int, default=None, help="this process's index (implies --distributed)")
+    ap.add_argument("--dry_run_devices", type=int, default=None,
+                    help="device count the dry run lays the mesh on (default: the config's mesh, or 8)")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
     ap.add_argument("--allow_changed_settings", action="store_true",
                     help="resume even though run-defining settings differ from the checkpoint's (listed)")
@@ -233,9 +238,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args: argparse.Namespace) -> None:
-    if args.distributed:
-        jax.distributed.initialize()
     parse_gin(args.gin_file, args.gin_param)
+    if args.distributed or args.coordinator_address or args.num_processes is not None or args.process_id is not None:
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     cfg = TrainConfig()
     if args.dry_run:
         from rollverify_jax.dry_run import dry_run

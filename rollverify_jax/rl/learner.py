@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rollverify_jax import distributed
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import FlashConfig
 from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, chunked_scores, score_tokens
@@ -552,5 +553,10 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
         return new_state, {k: v.astype(jnp.float32) for k, v in out.items()}
 
     batch_shardings = mesh_lib.batch_sharding(mesh, 1)  # prefix for every [B, ...] entry of the batch dict
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+    step = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))
+    if jax.process_count() == 1:
+        return step
+    # Several processes: jit takes no numpy array for a sharding that spans other hosts' devices. Every host
+    # built the same batch, so each places the rows its own devices hold.
+    return lambda state, batch: step(state, distributed.to_global(batch, mesh))

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rollverify_jax import distributed
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import FlashConfig
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
@@ -434,14 +435,14 @@ class Engine:
             pad(sample_pos, np.int32),
             pad(gen_index, np.int32), pad(seeds, np.uint32), pad(max_new, np.int32), page_rows,
             pad([True] * n, bool))
-        tok, logp = jax.device_get((tok, logp))
+        tok, logp = distributed.fetch((tok, logp))
         return tok[:n], logp[:n]
 
     def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
         behaviour log-probs and the emitted mask."""
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
-        return jax.device_get(out)
+        return distributed.fetch(out)
 
     def sync_page_table(self) -> None:
         """Pushes the host page table to the device after pages were granted to running slots."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from rollverify_jax import distributed
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.trajectory import Trajectory
 
@@ -195,7 +196,7 @@ class Scheduler:
             by_fn[id(batch[i][1].keep_fn)].append(i)
         # Rows padded to the slot count and columns to the prefill's length bucket (unverified rows get length
         # 0), so the jitted verifier sees one shape per length bucket and compiles once for each.
-        logp = np.asarray(response_logp)
+        logp = distributed.fetch(response_logp)  # whole on every host: each decides the same cuts
         new_logp_all = np.zeros((max(logp.shape[0], self.engine.config.num_slots), logp.shape[1]), np.float32)
         new_logp_all[: logp.shape[0]] = logp
         for idx in by_fn.values():

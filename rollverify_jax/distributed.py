@@ -1,0 +1,67 @@
+"""Joining a multi-process JAX program: every host runs the same command, one process per host (or per GPU).
+
+``initialize`` wraps ``jax.distributed.initialize``: with no coordinator given, JAX detects the cluster itself
+(TPU pod slices through the TPU metadata, SLURM through its environment variables, ...); on CPU it switches the
+collectives to gloo, so several processes on one machine form one mesh (how the tests run multi-host). A dead
+peer is noticed within ``heartbeat_timeout_s`` and the survivors exit with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gin
+import jax
+import numpy as np
+
+
+@gin.configurable
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, heartbeat_timeout_s: int = 60,
+               initialization_timeout_s: int = 300) -> None:
+    """Connects this process to the others (before any other JAX call that touches devices)."""
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        raise ValueError("--coordinator_address, --num_processes and --process_id go together: give all three, "
+                         "or none to let JAX detect the cluster (TPU pod, SLURM).")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"--process_id={process_id} must be in [0, --num_processes={num_processes}).")
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               initialization_timeout=initialization_timeout_s)
+
+
+def is_main_process() -> bool:
+    """Process 0 writes what must be written once (metrics, configs, samples, exports)."""
+    return jax.process_index() == 0
+
+
+def fetch(tree):
+    """Device arrays -> host numpy, whole on every process. On one process ``jax.device_get``; on several, an
+    array sharded over other hosts' devices is all-gathered first (every process must call this together), so
+    every host decides from the same values."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(one, tree)
+
+
+def to_global(tree, mesh):
+    """Host numpy arrays that are equal on every process -> global arrays, rows over the mesh's batch axes (0-d
+    arrays replicated); each process fills only its own devices' shards."""
+    from rollverify_jax import mesh as mesh_lib
+
+    def one(x):
+        if isinstance(x, jax.Array):
+            return x
+        x = np.asarray(x)
+        sharding = mesh_lib.batch_sharding(mesh, x.ndim) if x.ndim else mesh_lib.replicated(mesh)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.tree.map(one, tree)
