@@ -8,6 +8,8 @@ peer is noticed within ``heartbeat_timeout_s`` and the survivors exit with an er
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import gin
@@ -65,3 +67,70 @@ def to_global(tree, mesh):
         sharding = mesh_lib.batch_sharding(mesh, x.ndim) if x.ndim else mesh_lib.replicated(mesh)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     return jax.tree.map(one, tree)
+
+
+def share_across_processes(compute, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items ``0..n-1`` dealt round-robin over the processes: ``compute(indices) -> (values [len], counts [k])``
+    runs on each process's share, and every process gets all ``n`` values and the counts summed over processes
+    (all processes call this together). One process computes everything."""
+    if jax.process_count() == 1:
+        return compute(np.arange(n))
+    from jax.experimental import multihost_utils
+
+    p, me = jax.process_count(), jax.process_index()
+    values, counts = compute(np.arange(me, n, p))
+    per = -(-n // p)
+    mine = np.zeros(per + len(counts), np.float64)
+    mine[: len(values)], mine[per:] = values, counts
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, per + k]
+    out = np.empty(n, np.float64)
+    for q in range(p):
+        share = np.arange(q, n, p)
+        out[share] = every[q, : len(share)]
+    return out, every[:, per:].sum(axis=0)
+
+
+class ProcessesDiverged(RuntimeError):
+    """Hosts decided differently from what should be the same values: continuing would train a different batch
+    on each host's devices."""
+
+
+def digest(value) -> int:
+    """A stable 63-bit hash of nested dicts / lists / numpy arrays / JSON scalars (arrays by dtype, shape, bytes)."""
+    h = hashlib.sha256()
+
+    def feed(v):
+        if isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(f"<{k}>".encode())
+                feed(v[k])
+        elif isinstance(v, list | tuple):
+            h.update(f"[{len(v)}".encode())
+            for item in v:
+                feed(item)
+        elif isinstance(v, np.ndarray | np.generic | jax.Array):
+            a = np.ascontiguousarray(np.asarray(v))
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(a.tobytes())
+        else:
+            h.update(json.dumps(v, default=repr).encode())
+    feed(value)
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def check_same_on_every_process(step: int, **decisions) -> None:
+    """Compares a hash of each named host-side decision across processes; raises ``ProcessesDiverged`` naming
+    those that differ. Every process calls it at the same point (it is a collective)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(decisions)
+    mine = np.asarray([digest(decisions[n]) for n in names], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, decisions]
+    differ = [n for i, n in enumerate(names) if (every[:, i] != every[0, i]).any()]
+    if differ:
+        raise ProcessesDiverged(
+            f"step {step}: the processes decided {', '.join(differ)} differently (hashes per process: "
+            f"{ {n: every[:, names.index(n)].tolist() for n in differ} }). Every host must run the same code, "
+            "config, data files and seeds; check that they read the same files and no host-local setting differs.")

@@ -14,8 +14,10 @@ from pathlib import Path
 import gin
 import jax
 import numpy as np
+from etils import epath
 
 from rollverify_jax import mesh as mesh_lib
+from rollverify_jax import storage
 from rollverify_jax.aot_config import AotConfig  # noqa: F401  (registers the gin configurable)
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset
@@ -91,7 +93,7 @@ class Run:
     """Everything a training or evaluation run holds, built by ``build``."""
 
     cfg: TrainConfig
-    workdir: Path | None
+    workdir: epath.Path | None
     tokenizer: Tokenizer
     model: object
     mesh: object
@@ -190,13 +192,15 @@ def model_fingerprint(model) -> dict:
                                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
 
 
-def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None = None,
+def build(cfg: TrainConfig, workdir: storage.PathLike | None = None, checkpoint: storage.PathLike | None = None,
           for_training: bool = False) -> Run:
     """Builds the policy, tokenizer, engine, data, learner and checkpointer from the gin configuration.
 
     With ``checkpoint`` (evaluation), the params come from an orbax checkpoint (a workdir or one of its
-    step directories) or from an HF-layout directory.
+    step directories, local or e.g. ``gs://``) or from an HF-layout directory (local: its safetensors are mapped).
     """
+    workdir = storage.as_path(workdir) if workdir is not None else None
+    checkpoint = storage.as_path(checkpoint) if checkpoint is not None else None
     mesh = mesh_lib.make_mesh()
     hf_checkpoint = checkpoint is not None and (checkpoint / "config.json").exists()
     if hf_checkpoint:
@@ -246,13 +250,15 @@ def build(cfg: TrainConfig, workdir: Path | None = None, checkpoint: Path | None
         _, run.train_state, extra = run.checkpointer.restore(abstract_state=abstract)
         check_resume_settings(extra.get("settings", {}), run_settings(run), allow=cfg.allow_changed_settings)
         load_run_state(run, extra)
+        print(f"resumed from checkpoint step {run.step}", flush=True)
     engine.update_params(run.train_state.params, version=run.step)
     return run
 
 
-def resolve_checkpoint(checkpoint: Path) -> tuple[Path, int | None]:
+def resolve_checkpoint(checkpoint: storage.PathLike) -> tuple[epath.Path, int | None]:
     """(workdir, step; None for its latest) of a workdir, its checkpoints/ dir, or checkpoints/<step>. Checks
     the directory is there before anything opens it (opening would create it), so a typo is one clear error."""
+    checkpoint = storage.as_path(checkpoint)
     if checkpoint.name.isdigit():  # <workdir>/checkpoints/<step>
         root, step = checkpoint.parent.parent, int(checkpoint.name)
     else:  # <workdir> or <workdir>/checkpoints
@@ -263,7 +269,7 @@ def resolve_checkpoint(checkpoint: Path) -> tuple[Path, int | None]:
     return root, step
 
 
-def restore_params(model, mesh, checkpoint: Path) -> tuple[int, object]:
+def restore_params(model, mesh, checkpoint: storage.PathLike) -> tuple[int, object]:
     """(step, params) of an orbax checkpoint (see ``resolve_checkpoint``), read read-only onto the shardings of
     ``model``'s params (an abstract model from ``nnx.eval_shape`` works): no optimizer state, no host state."""
     root, step = resolve_checkpoint(checkpoint)
@@ -276,7 +282,7 @@ def restore_params(model, mesh, checkpoint: Path) -> tuple[int, object]:
         return step, ckpt.restore_params(step, abstract)
 
 
-def _restore_params_only(run: Run, checkpoint: Path) -> None:
+def _restore_params_only(run: Run, checkpoint: epath.Path) -> None:
     """Evaluation from an orbax checkpoint: a workdir, its checkpoints/ dir, or checkpoints/<step>."""
     step, params = restore_params(run.model, run.mesh, checkpoint)
     run.engine.update_params(params, version=step)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
-from rollverify_jax import distributed
+from rollverify_jax import compile_cache, distributed, storage
 from rollverify_jax.checkpoint import COMMIT_FILE
 from rollverify_jax.cli import run_cli
 from rollverify_jax.evaluate import EvalConfig, evaluate_run
@@ -96,6 +96,10 @@ def train_one_step(run: Run) -> dict:
     phase = run.manager.run_phase()  # rollout, with paused trajectories verified inside their resume prefill
     scored = score(run, phase.groups)
     batch, select_metrics = select(run, scored)
+    # Several hosts: the batch (scheduling, cuts, rewards), the data position and the rollout state (cache,
+    # switching) are decided on each host and must agree before they become one global batch.
+    distributed.check_same_on_every_process(run.step, batch=batch, data=run.iterator.get_state(),
+                                            rollout=run.manager.state_dict())
     t1 = time.perf_counter()
     train_metrics = learn(run, batch)
     t2 = time.perf_counter()
@@ -107,13 +111,15 @@ def train_one_step(run: Run) -> dict:
             "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths))}
 
 
-def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> Path:
+def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> epath.Path:
     name = cfg.run_name or (Path(gin_files[0]).stem if gin_files else "default")
-    return Path(cfg.runs_root) / name
+    return storage.as_path(cfg.runs_root) / name
 
 
-def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
-    """Runs (or resumes) training in ``workdir``; returns the metrics written by this invocation."""
+def train(cfg: TrainConfig, workdir: storage.PathLike) -> list[dict]:
+    """Runs (or resumes) training in ``workdir`` (local or e.g. ``gs://``); returns the metrics written by this
+    invocation."""
+    workdir = storage.as_path(workdir)
     metrics_cfg = MetricsConfig()  # its settings are checked (wandb installed?) before any work
     fresh = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +127,7 @@ def train(cfg: TrainConfig, workdir: Path) -> list[dict]:
         run = build(cfg, workdir=workdir, for_training=True)
     except BaseException:
         if fresh:  # a configuration error leaves no half-made workdir behind
-            shutil.rmtree(workdir, ignore_errors=True)
+            storage.remove_tree(workdir)
         raise
     start = run.step
     save_operative_config(workdir)
@@ -190,15 +196,15 @@ def _check_numerics(step: int, metrics: dict, cfg: TrainConfig, bad_steps: list[
     return True
 
 
-def _storage_error(e: OSError, workdir: Path) -> None:
+def _storage_error(e: OSError, workdir: epath.Path) -> None:
     """A full or unwritable disk at save time: one message, the checkpoints already committed named, exit 2."""
     root = workdir / "checkpoints"
     committed = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / COMMIT_FILE).exists()) \
         if root.is_dir() else []
     kept = f"The committed checkpoints are intact (latest: step {committed[-1]})" if committed else \
         "No checkpoint was committed yet"
-    print(f"error: could not write to {workdir.resolve()}: {e}. {kept}; free space or fix the permissions, then "
-          "run the same command to resume.", file=sys.stderr, flush=True)
+    print(f"error: could not write to {storage.absolute(workdir)}: {e}. {kept}; free space or fix the permissions, "
+          "then run the same command to resume.", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -239,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
+    compile_cache.compilation_cache()  # before anything compiles
     if args.distributed or args.coordinator_address or args.num_processes is not None or args.process_id is not None:
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     cfg = TrainConfig()
@@ -249,8 +256,8 @@ def _main(args: argparse.Namespace) -> None:
         print("dry run OK: " + json.dumps(report))
         _compile_for_topology()
         return
-    workdir = Path(args.workdir) if args.workdir else workdir_for(cfg, args.gin_file)
-    print(f"workdir: {workdir.resolve()}")
+    workdir = storage.as_path(args.workdir) if args.workdir else workdir_for(cfg, args.gin_file)
+    print(f"workdir: {storage.absolute(workdir)}")
     try:
         metrics = train(cfg, workdir)
     except OSError as e:

@@ -29,11 +29,12 @@ def free_port() -> int:
 
 
 def launch(train_args: list[str], num_processes: int, devices_per_process: int, log_dir: Path,
-           module: str = "rollverify_jax.train", timeout_s: float | None = None) -> int:
+           module: str = "rollverify_jax.train", timeout_s: float | None = None,
+           extra_env: dict[str, str] | None = None) -> int:
     """Starts the processes, waits for all; the first failure stops the rest. Returns the exit status."""
     log_dir.mkdir(parents=True, exist_ok=True)
     address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, **(extra_env or {}), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
     procs = []
     for i in range(num_processes):

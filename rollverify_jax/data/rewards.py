@@ -32,6 +32,8 @@ from concurrent.futures.process import BrokenProcessPool
 import gin
 import numpy as np
 
+from rollverify_jax import distributed
+
 RewardFn = Callable[[str, str], float]
 
 _ANSWER_LINE = re.compile(r"Answer\s*:[ \t]*([^\n]*)", re.IGNORECASE)
@@ -304,6 +306,9 @@ class _Job:
     suspect: bool
 
 
+_COUNT_KEYS = ("timeouts", "errors", "pool_restarts")
+
+
 @gin.configurable
 class RewardScorer:
     """Scores a batch of responses; isolated rewards run in a recycled-on-hang process pool.
@@ -375,11 +380,18 @@ class RewardScorer:
                 "RewardScorer.overlong_buffer > 0 needs response_lengths (token counts) in score()"
             )
         start = time.perf_counter()
-        with self._lock:
-            if self.spec.isolated:
-                base, counts = self._grade_pooled(list(responses), [str(a) for a in answers])
-            else:
-                base, counts = self._grade_inline(list(responses), [str(a) for a in answers])
+
+        def grade(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            chosen, gold = [responses[i] for i in indices], [str(answers[i]) for i in indices]
+            with self._lock:
+                base, counts = (self._grade_pooled if self.spec.isolated else self._grade_inline)(chosen, gold)
+            return base, np.asarray([counts[k] for k in _COUNT_KEYS], np.float64)
+
+        # Several processes: each grades its share and all receive every grade, so each trajectory is graded
+        # once and every host sees the same rewards (a grade that times out on one host only cannot diverge).
+        base, summed = distributed.share_across_processes(grade, len(responses))
+        base = base.astype(np.float32)
+        counts = collections.Counter({k: int(v) for k, v in zip(_COUNT_KEYS, summed, strict=True) if v})
         penalties = self._penalties(response_lengths if overlong_penalty else None, len(responses))
         rewards = (base + penalties).astype(np.float32)
         self.totals.update(counts)

@@ -1,0 +1,89 @@
+"""One run as 2 JAX processes x 4 CPU devices (gloo collectives, a coordinator on 127.0.0.1) against the same
+run as 1 process x 8 devices: same mesh shape, seeds and data. The per-step metrics agree, the checkpoint is
+written once and restores on 2 processes, and the resumed 2-process run continues as the uninterrupted one."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import gin
+
+from rollverify_jax import train
+from rollverify_jax.data.synthetic import char_vocabulary
+from rollverify_jax.metrics import read_metrics
+from rollverify_jax.models import init_model, model_config
+from rollverify_jax.models.hf import save_pretrained
+from rollverify_jax.models.tokenizer import build_char_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("multihost_local", ROOT / "scripts" / "multihost_local.py")
+multihost_local = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(multihost_local)
+
+TIME_LIMIT_S = 420  # per multi-process launch: a hang fails the test instead of stalling the suite
+
+
+def _params(policy, steps):
+    return [f"TrainConfig.policy_path = '{policy}'", f"TrainConfig.num_steps = {steps}",
+            "TrainConfig.train_dataset_kwargs = {'n': 256, 'split': 'train', 'max_steps': 6}",
+            "TrainConfig.eval_dataset_kwargs = {'n': 8, 'split': 'test', 'max_steps': 6}",
+            "TrainConfig.eval_size = 4", "TrainConfig.eval_samples = 2", "TrainConfig.eval_every = 0",
+            "EvalConfig.at_start = False", "RewardScorer.name = 'exact'", "RolloutConfig.mode = 'rollverify'",
+            "RolloutConfig.batch_groups = 2", "RolloutConfig.group_size = 4", "RolloutConfig.max_new_tokens = 24",
+            "EngineConfig.num_slots = 16", "EngineConfig.page_size = 8", "EngineConfig.max_seq_len = 64",
+            "EngineConfig.steps_per_dispatch = 4", "OptimizerConfig.learning_rate = 3e-3",
+            "CheckpointConfig.save_interval_steps = 1", "CheckpointConfig.async_save = False",
+            "make_mesh.shape = (1, 8, 1)"]
+
+
+def _comparable(m: dict) -> dict:
+    """The metrics that must agree: everything but timings and throughput."""
+    return {k: v for k, v in m.items() if not (k.startswith("time/") or k.endswith(("_time", "per_s")))}
+
+
+def _same(x: float, y: float) -> bool:
+    """Equal within float tolerance (reductions split over processes add in another order); NaN equals NaN (a
+    rate with nothing to count)."""
+    return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_two_processes_match_one_and_resume(tmp_path):
+    policy = tmp_path / "policy"
+    tok = build_char_tokenizer(char_vocabulary(), ["<|endoftext|>", "<pad>"], policy, eos_tokens=["<|endoftext|>"],
+                               pad_token="<pad>")
+    save_pretrained(init_model(model_config("tiny", vocab_size=-(-tok.vocab_size // 8) * 8, num_hidden_layers=2),
+                               seed=3), policy)
+
+    gin.clear_config()
+    try:  # the reference: this process's 8 devices
+        train.main([f"--workdir={tmp_path / 'one'}", *[f"--gin_param={p}" for p in _params(policy, 2)]])
+    finally:
+        gin.clear_config()
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+
+    two = tmp_path / "two"
+    # The resumed launch compiles the programs the first one did: a compilation cache shared by the launches.
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    for steps in (1, 2):  # stopped after step 1, then resumed from its checkpoint
+        args = ["--traceback", f"--workdir={two}", *[f"--gin_param={p}" for p in _params(policy, steps)]]
+        status = multihost_local.launch(args, 2, 4, tmp_path / f"logs_{steps}", timeout_s=TIME_LIMIT_S,
+                                        extra_env=cache)
+        logs = "".join((tmp_path / f"logs_{steps}" / f"process_{i}.log").read_text() for i in range(2))
+        assert status == 0, logs[-4000:]
+    for i in range(2):  # both processes restored the checkpoint the first launch committed
+        assert "resumed from checkpoint step 1" in (tmp_path / "logs_2" / f"process_{i}.log").read_text()
+    got = read_metrics(two / "metrics.jsonl")
+
+    assert [m["step"] for m in got] == [m["step"] for m in one] == [1, 2]  # one writer, no step twice
+    for a, b in zip(one, got, strict=True):
+        a, b = _comparable(a), _comparable(b)
+        if a["step"] == 1:  # the first launch ended at step 1, so it evaluated there
+            b = {k: v for k, v in b.items() if not k.startswith("eval/")}
+        assert set(a) == set(b)
+        differ = {k: (a[k], b[k]) for k in a if not _same(a[k], b[k])}
+        assert not differ, differ
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["1", "2"]  # each step committed once
+    assert len((two / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((two / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
