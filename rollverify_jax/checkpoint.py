@@ -24,6 +24,13 @@ awaited before its first save). orbax *does* list a bare ``<step>`` directory wi
 (e.g. a half-finished copy of a checkpoint), so ``latest_step``/``all_steps`` here additionally require that file.
 A failed save is reported once: a later ``wait_until_finished``/``close`` does not raise it again.
 
+Storage: ``workdir`` is any ``etils.epath`` path (``rollverify_jax.storage``), e.g. ``gs://bucket/runs/x``. Every
+host reads and writes the same directory, so on several hosts it must be a filesystem they all share (a
+``gs://`` bucket, NFS, Lustre), never each host's local disk. On ``gs://`` orbax commits a step by writing
+``commit_success.txt`` into it (no tmp directory, no rename); the commit-file checks below cover that too.
+Only process 0 moves a damaged or uncommitted step aside (every host waits for it), so hosts never race to
+rename the same directory.
+
 Faults met on resume, each said in one line and none deleting a user's data silently:
 
 - an interrupted save (a ``<step>.orbax-checkpoint-tmp-*`` directory) is named, then removed by orbax;
@@ -41,7 +48,6 @@ import json
 import re
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import gin
@@ -49,6 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from rollverify_jax import storage
 
 COMMIT_FILE = "commit_success.txt"
 ITEM_NAMES = ("state", "extra", "meta")
@@ -131,12 +140,12 @@ def _fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> l
 class Checkpointer:
     """Saves and restores (state, extra) under ``<workdir>/checkpoints``; every host calls every method."""
 
-    def __init__(self, workdir: str | Path, config: CheckpointConfig | None = None,
+    def __init__(self, workdir: storage.PathLike, config: CheckpointConfig | None = None,
                  model_fingerprint: Mapping[str, Any] | None = None, read_only: bool = False):
         """``read_only`` (evaluation, export): creates, removes and moves nothing on disk, so a reader never
         deletes the in-flight save of a run that is still training, nor makes a directory for a mistyped path."""
         self.config = config if config is not None else CheckpointConfig()
-        self.directory = Path(workdir).absolute() / "checkpoints"
+        self.directory = storage.absolute(workdir) / "checkpoints"
         # Normalised through JSON (tuples -> lists) so it compares equal to what a restore reads back.
         self.model_fingerprint: dict[str, Any] = json.loads(json.dumps(encode_extra(dict(model_fingerprint or {}),
                                                                                     "model_fingerprint")))
@@ -156,7 +165,13 @@ class Checkpointer:
     # -- faults found on disk -------------------------------------------------------------------------------------
 
     def _report_interrupted_saves(self) -> None:
-        """Names each save that never committed, and moves bare uncommitted step directories aside."""
+        """Names each save that never committed, and moves bare uncommitted step directories aside (process 0
+        does; the others wait for it, so every host then lists the same steps)."""
+        if _is_primary():
+            self._move_uncommitted_aside()
+        _sync("rollverify_checkpoint_scanned")
+
+    def _move_uncommitted_aside(self) -> None:
         if not self.directory.is_dir():
             return
         for path in sorted(self.directory.iterdir()):
@@ -166,7 +181,7 @@ class Checkpointer:
                 aside = self._set_aside(int(path.name), "uncommitted")
                 _say(f"checkpoint: step {path.name} has no {COMMIT_FILE} (never committed); moved to {aside.name}")
 
-    def _set_aside(self, step: int, why: str) -> Path:
+    def _set_aside(self, step: int, why: str) -> epath.Path:
         """Renames ``<step>`` to ``<step>.<why>`` (``.<why>-1``, ... if taken): out of orbax's step list, kept."""
         aside = self.directory / f"{step}.{why}"
         n = 0
@@ -257,10 +272,12 @@ class Checkpointer:
             try:
                 return self._restore_step(candidate, abstract_state)
             except _Unreadable as e:
-                aside = self._set_aside(candidate, "corrupt")
+                if _is_primary():
+                    aside = self._set_aside(candidate, "corrupt")
+                    _say(f"checkpoint: step {candidate} cannot be read ({e}); moved to {aside.name}, trying the "
+                         "previous step")
+                _sync(f"rollverify_checkpoint_{candidate}_set_aside")
                 self._manager.reload()
-                _say(f"checkpoint: step {candidate} cannot be read ({e}); moved to {aside.name}, trying the "
-                     "previous step")
         raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
@@ -336,6 +353,18 @@ class _Unreadable(Exception):
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _sync(name: str) -> None:
+    """Every process waits here until all have arrived (nothing to wait for on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _say(message: str) -> None:

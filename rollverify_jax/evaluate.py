@@ -15,15 +15,14 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import gin
 import jax
 import numpy as np
 
+from rollverify_jax import compile_cache, storage
 from rollverify_jax.cli import run_cli
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.rl.partial_rollout import RolloutConfig
@@ -123,14 +122,11 @@ def logged_rows(rows: list[dict], n: int) -> list[dict]:
     return sorted(rows, key=lambda r: (r["sample"], r["problem"]))[:n]
 
 
-def write_samples(path: Path, rows: list[dict], step: int) -> None:
-    """JSONL of ``rows`` (with the step), written to a temporary file and renamed, so a reader never sees half."""
+def write_samples(path: storage.PathLike, rows: list[dict], step: int) -> None:
+    """JSONL of ``rows`` (with the step), written so that a reader never sees half of it (``storage``)."""
+    path = storage.as_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps({"step": step, **row}) + "\n")
-    os.replace(tmp, path)
+    storage.write_text_atomically(path, "".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
 
 
 def eval_settings(run: Run) -> tuple[int, int, SamplingConfig]:
@@ -146,7 +142,7 @@ def eval_settings(run: Run) -> tuple[int, int, SamplingConfig]:
     return k, max_new, cfg.sampling(run.engine.sampling)
 
 
-def evaluate_run(run: Run, samples_path: Path | None = None) -> dict:
+def evaluate_run(run: Run, samples_path: storage.PathLike | None = None) -> dict:
     """Held-out evaluation of a built run's current policy (eval set from TrainConfig, sampling from EvalConfig).
 
     ``EvalConfig.num_samples_logged`` generations go to ``samples_path`` (default: the run's
@@ -182,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
-    checkpoint = Path(args.checkpoint)
+    compile_cache.compilation_cache()
+    checkpoint = storage.as_path(args.checkpoint)
     if not (checkpoint / "config.json").exists():
         resolve_checkpoint(checkpoint)  # a mistyped path fails here, before the policy is loaded
     cfg = TrainConfig()
@@ -190,7 +187,7 @@ def _main(args: argparse.Namespace) -> None:
         cfg = dataclasses.replace(cfg, eval_size=args.num_problems)
     run = build(cfg, checkpoint=checkpoint)
     try:
-        result = evaluate_run(run, Path(args.samples_out) if args.samples_out else None)
+        result = evaluate_run(run, args.samples_out)
     finally:
         run.close()
     k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]

@@ -6,6 +6,9 @@ weights and ``config.json`` (``models.hf.save_pretrained``) and the tokenizer fi
 from, so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
 load it, and so do ``evaluate --checkpoint=DIR`` and ``TrainConfig.policy_path``. Everything is written into a
 temporary directory next to ``DIR`` and renamed at the end: a failed export leaves nothing half-written.
+
+The run may live on any ``etils.epath`` filesystem (``--checkpoint=gs://bucket/runs/x`` is read in place); ``DIR``
+is local, since the rename at the end needs a filesystem that has one (copy the export to a bucket afterwards).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from etils import epath
 from flax import nnx
 
 from rollverify_jax import mesh as mesh_lib
+from rollverify_jax import storage
 from rollverify_jax.cli import run_cli
 from rollverify_jax.models import model_config, save_pretrained
 from rollverify_jax.models.hf import config_from_hf
@@ -34,15 +39,20 @@ TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.
                    "generation_config.json")
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuses to replace a file, or a non-empty directory without ``overwrite``, before any work is done."""
+def check_out_dir(out: storage.PathLike, overwrite: bool) -> None:
+    """Refuses a non-local directory, a file, or a non-empty directory without ``overwrite``, before any work is
+    done."""
+    if not storage.is_local(out):
+        raise ValueError(f"--out={out} is not a local path: export writes a local directory and renames it at the "
+                         "end; copy the result to the bucket afterwards (e.g. gcloud storage cp -r).")
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={out} is a file; pass a directory.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out={out} exists and is not empty; pass --overwrite to replace it, or another --out.")
 
 
-def run_policy_path(root: Path, cfg: TrainConfig) -> str | None:
+def run_policy_path(root: epath.Path, cfg: TrainConfig) -> str | None:
     """The policy directory the run trained from: its ``policy.txt`` (written at every start of training), else
     ``TrainConfig.policy_path`` of the gin configuration."""
     saved = root / "policy.txt"
@@ -55,7 +65,7 @@ def abstract_policy(policy_path: str | None, cfg: TrainConfig) -> Qwen3ForCausal
     if policy_path is None:
         model_cfg = model_config()
     else:
-        cfg_file = Path(policy_path) / "config.json"
+        cfg_file = storage.as_path(policy_path) / "config.json"
         if not cfg_file.exists():
             raise FileNotFoundError(f"No config.json in the run's policy directory {policy_path}.")
         model_cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=cfg.param_dtype,
@@ -63,20 +73,22 @@ def abstract_policy(policy_path: str | None, cfg: TrainConfig) -> Qwen3ForCausal
     return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0)))
 
 
-def tokenizer_dir(policy_path: str | None, cfg: TrainConfig) -> Path:
+def tokenizer_dir(policy_path: str | None, cfg: TrainConfig) -> epath.Path:
     """The run's tokenizer directory (``TrainConfig.tokenizer_path``, else the policy's), checked to hold one."""
     path = cfg.tokenizer_path or policy_path
     if path is None:
         raise ValueError("TrainConfig.tokenizer_path is required when the run's policy_path is None.")
-    if not (Path(path) / TOKENIZER_FILE).exists():
+    path = storage.as_path(path)
+    if not (path / TOKENIZER_FILE).exists():
         raise FileNotFoundError(f"No {TOKENIZER_FILE} in the run's tokenizer directory {path}.")
-    return Path(path)
+    return path
 
 
-def copy_tokenizer(src: Path, dst: Path) -> None:
+def copy_tokenizer(src: epath.Path, dst: Path) -> None:
+    """The tokenizer files of ``src`` (any epath filesystem) into the local directory ``dst``."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+            (dst / name).write_bytes((src / name).read_bytes())
 
 
 def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
@@ -98,10 +110,11 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def export(checkpoint: Path, out: Path, overwrite: bool = False) -> int:
+def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool = False) -> int:
     """Writes the params of ``checkpoint`` (a workdir or a step directory) to ``out`` in HF layout with the
     run's tokenizer; returns the step exported. Every input is checked before anything is written."""
     check_out_dir(out, overwrite)
+    checkpoint, out = storage.as_path(checkpoint), Path(out)
     if (checkpoint / "config.json").exists():
         raise ValueError(f"--checkpoint={checkpoint} is already in Hugging Face layout; export reads a training "
                          "workdir or one of its checkpoints/<step> directories.")
@@ -136,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
-    step = export(Path(args.checkpoint), Path(args.out), args.overwrite)
+    step = export(args.checkpoint, args.out, args.overwrite)
     print(f"exported step {step} of {args.checkpoint} to {args.out}")
 
 

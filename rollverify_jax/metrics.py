@@ -8,6 +8,10 @@ every record to Weights & Biases (the optional ``wandb`` extra).
 Non-finite values (NaN, +-inf) are written as ``null`` so any JSON reader (jq, pandas, a browser) can parse the
 file; ``read_metrics`` reads ``null`` back as ``float('nan')``. TensorBoard receives the true value.
 Only process 0 writes (every host runs the same program and computes the same replicated metrics).
+
+The workdir may be any ``etils.epath`` path (``rollverify_jax.storage``): on an object store such as ``gs://``,
+which cannot append, ``metrics.jsonl`` is rewritten whole at every record (one object write, never half a file),
+and TensorBoard writes through tensorboardX's own ``gs://`` support (needs ``google-cloud-storage``).
 """
 
 from __future__ import annotations
@@ -17,15 +21,16 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import gin
 import jax
 import numpy as np
+from etils import epath
+
+from rollverify_jax import storage
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -101,7 +106,7 @@ def _json_value(value: int | float | str) -> int | float | str | None:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _read_lines(path: epath.Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) pairs; a line that does not parse (cut off by a crash mid-write) is skipped with a warning."""
     records = []
     if not path.exists():
@@ -122,14 +127,36 @@ def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return records
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_metrics(path: storage.PathLike) -> list[dict[str, Any]]:
     """Records of ``metrics.jsonl`` (``path`` is the file or its workdir); ``null`` values come back as NaN."""
-    path = Path(path)
+    path = storage.as_path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"No metrics file at {path}; is this a workdir written by MetricsWriter?")
     return [{k: float("nan") if v is None else v for k, v in r.items()} for _, r in _read_lines(path)]
+
+
+class _JsonlFile:
+    """Lines appended to a JSONL file: through an open handle on a local disk; on an object store, which cannot
+    append, by rewriting the whole object per line (each write is complete and visible at once)."""
+
+    def __init__(self, path: epath.Path):
+        self.path = path
+        self._handle = path.open("a") if storage.is_local(path) else None
+        self._lines = None if self._handle is not None else [line for line, _ in _read_lines(path)]
+
+    def append(self, line: str) -> None:
+        if self._handle is not None:
+            self._handle.write(line + "\n")
+            self._handle.flush()
+            return
+        self._lines.append(line)
+        self.path.write_text("".join(f"{x}\n" for x in self._lines))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
 
 
 class MetricsWriter:
@@ -140,9 +167,9 @@ class MetricsWriter:
     ``open_wandb``) receives every record too, and is finished on close.
     """
 
-    def __init__(self, workdir: str | Path, use_tensorboard: bool = True, resume_step: int | None = None,
+    def __init__(self, workdir: storage.PathLike, use_tensorboard: bool = True, resume_step: int | None = None,
                  active: bool | None = None, wandb_run: Any = None):
-        self.workdir = Path(workdir)
+        self.workdir = storage.as_path(workdir)
         self.path = self.workdir / METRICS_FILE
         self.tensorboard_dir = self.workdir / TENSORBOARD_DIR
         self.use_tensorboard = use_tensorboard
@@ -155,7 +182,7 @@ class MetricsWriter:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             self._truncate_file(resume_step)
-        self._file = self.path.open("a")
+        self._file = _JsonlFile(self.path)
         self._open_tensorboard(purge_step=resume_step)
 
     def _open_tensorboard(self, purge_step: int | None) -> None:
@@ -169,10 +196,8 @@ class MetricsWriter:
     def _truncate_file(self, step: int) -> int:
         records = _read_lines(self.path)
         kept = [line for line, r in records if int(r.get("step", -1)) < step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("w") as f:
-            f.writelines(line + "\n" for line in kept)
-        os.replace(tmp, self.path)  # atomic: a crash here leaves the old or the new file, never half of one
+        # A crash here leaves the old or the new file, never half of one.
+        storage.write_text_atomically(self.path, "".join(line + "\n" for line in kept))
         return len(records) - len(kept)
 
     def truncate_after(self, step: int) -> int:
@@ -183,7 +208,7 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
         dropped = self._truncate_file(step)
-        self._file = self.path.open("a")
+        self._file = _JsonlFile(self.path)
         if self._tb is not None:
             self._tb.close()
             self._open_tensorboard(purge_step=step)
@@ -201,8 +226,7 @@ class MetricsWriter:
         if self._file is None:
             raise RuntimeError(f"MetricsWriter for {self.path} is closed.")
         line = json.dumps({k: _json_value(v) for k, v in record.items()}, allow_nan=False)
-        self._file.write(line + "\n")
-        self._file.flush()
+        self._file.append(line)
         if self._tb is not None:
             for name, value in record.items():  # an undefined value (NaN: nothing to measure) is no point
                 if name != "step" and not isinstance(value, str) and math.isfinite(value):
@@ -349,7 +373,7 @@ def open_progress(config: MetricsConfig, total_steps: int | None = None, start_s
     return ProgressBar(total_steps=total_steps, start_step=start_step, disable=style == "none", force=style == "bar")
 
 
-def open_wandb(config: MetricsConfig, workdir: str | Path, start_step: int = 0) -> Any:
+def open_wandb(config: MetricsConfig, workdir: storage.PathLike, start_step: int = 0) -> Any:
     """A W&B run for ``MetricsWriter(wandb_run=...)``, or None when ``wandb_project`` is unset or off process 0.
     wandb is imported only here, so runs without it never need the package."""
     if config.wandb_project is None or not _is_primary():
@@ -359,20 +383,21 @@ def open_wandb(config: MetricsConfig, workdir: str | Path, start_step: int = 0) 
     except ImportError as e:
         raise MissingExtraError(f"MetricsConfig.wandb_project is set but wandb cannot be imported ({e}): "
                                 f"{WANDB_INSTALL}") from e
-    workdir = Path(workdir)
+    where = storage.absolute(workdir)
+    # wandb keeps its files on a local disk: beside the run when the workdir is local, else in wandb's default.
     return wandb.init(project=config.wandb_project, entity=config.wandb_entity,
-                      name=config.wandb_run_name or workdir.resolve().name, dir=str(workdir),
-                      config={"workdir": str(workdir.resolve()), "start_step": int(start_step),
+                      name=config.wandb_run_name or where.name, dir=str(workdir) if storage.is_local(workdir) else None,
+                      config={"workdir": str(where), "start_step": int(start_step),
                               "gin": gin.config_str()})
 
 
-def save_operative_config(workdir: str | Path) -> tuple[Path, Path]:
+def save_operative_config(workdir: storage.PathLike) -> tuple[epath.Path, epath.Path]:
     """Writes the gin config in effect so a run can be reproduced from its workdir alone.
 
     ``operative_config.gin`` holds the parameters of configurables that were actually called (so call this after
     the model, optimizer and data have been built); ``config.gin`` holds every binding that was parsed.
     """
-    workdir = Path(workdir)
+    workdir = storage.as_path(workdir)
     operative, parsed = workdir / OPERATIVE_CONFIG_FILE, workdir / CONFIG_FILE
     if _is_primary():
         workdir.mkdir(parents=True, exist_ok=True)
