@@ -87,3 +87,39 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["1", "2"]  # each step committed once
     assert len((two / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((two / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+_DIES_OR_WAITS = """
+import os, sys, time
+import jax
+from rollverify_jax import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout_s=5)
+x = jax.numpy.ones(4)
+if jax.process_index() == 1:
+    os._exit(9)  # dies without a word, as a preempted host does
+from jax.experimental import multihost_utils
+multihost_utils.sync_global_devices("never reached by process 1")
+time.sleep(600)
+"""
+
+
+def test_a_dead_process_stops_the_others_within_the_heartbeat(tmp_path):
+    """The survivor of a crashed peer exits with the distributed runtime's error instead of hanging in a
+    collective (heartbeat 5 s)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    address = f"127.0.0.1:{multihost_local.free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _DIES_OR_WAITS, address, str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    start = time.monotonic()
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and time.monotonic() - start < 120
+    assert "another task died" in out or "unhealthy" in out, out[-3000:]
