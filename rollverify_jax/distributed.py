@@ -40,6 +40,14 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def barrier(name: str) -> None:
+    """Every process waits here for the others (no-op on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def fetch(tree):
     """Device arrays -> host numpy, whole on every process. On one process ``jax.device_get``; on several, an
     array sharded over other hosts' devices is all-gathered first (every process must call this together), so

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import gin
+import numpy as np
 
 from rollverify_jax import train
 from rollverify_jax.data.synthetic import char_vocabulary
@@ -123,3 +124,48 @@ def test_a_dead_process_stops_the_others_within_the_heartbeat(tmp_path):
             p.kill()
     assert procs[0].returncode != 0 and time.monotonic() - start < 120
     assert "another task died" in out or "unhealthy" in out, out[-3000:]
+
+
+_SAVES = """
+import sys
+import numpy as np
+from rollverify_jax import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout_s=30)
+import jax
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.models import init_model, model_config
+from rollverify_jax.models.hf import save_pretrained
+mesh = mesh_lib.make_mesh((1, 4, 1))  # 2 devices per process: every parameter spans both processes
+model = mesh_lib.shard_model(init_model(model_config("tiny", num_hidden_layers=2), seed=7), mesh)
+assert not model.layers[0].mlp.gate_proj[...].is_fully_addressable
+save_pretrained(model, sys.argv[3], max_shard_bytes=200_000)
+print("saved by", jax.process_index(), flush=True)
+"""
+
+
+def test_save_pretrained_gathers_to_process_zero(tmp_path):
+    """Parameters sharded across 2 processes are gathered and written once, by process 0, equal to the same
+    model saved by one process."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    address = f"127.0.0.1:{multihost_local.free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVES, address, str(i), str(tmp_path / "two")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    save_pretrained(init_model(model_config("tiny", num_hidden_layers=2), seed=7), tmp_path / "one",
+                    max_shard_bytes=200_000)
+    names = sorted(f.name for f in (tmp_path / "one").iterdir())
+    assert sorted(f.name for f in (tmp_path / "two").iterdir()) == names and len(names) > 3  # several shards
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temporary directory left
+    for name in names:
+        if name.endswith(".safetensors"):
+            want, got = load_file(tmp_path / "one" / name), load_file(tmp_path / "two" / name)
+            assert want.keys() == got.keys()
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k])

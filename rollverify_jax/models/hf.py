@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rollverify_jax import distributed
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, resolve_dtype
 
@@ -294,51 +295,74 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_d
 
 
 def _hf_tensors(model: Qwen3ForCausalLM):
-    """Yields (HF name, numpy array in HF layout) for every tensor of the model."""
+    """Yields (HF name, numpy array in HF layout) for every tensor of the model, whole on every process (on
+    several processes each tensor is all-gathered: every process must iterate)."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for p, tensor in hf_tensor_map(model.cfg).items():
-        yield from tensor.write(np.asarray(jax.device_get(flat[p][...])))
+        yield from tensor.write(np.asarray(distributed.fetch(flat[p][...])))
 
 
 def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
     """Writes ``config.json`` and safetensors in HF layout, sharded with an index past ``max_shard_bytes``.
 
-    Files are written to a temporary directory next to ``path`` and moved in only when all succeeded, so a
-    failure leaves nothing half-written.
+    Each shard is written as soon as it is full, so the host holds at most one shard, not the model. Files go
+    to a temporary directory next to ``path`` and are moved in only when all succeeded, so a failure leaves
+    nothing half-written. On several processes every process gathers the tensors and process 0 writes.
     """
+    writer = distributed.is_main_process()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = None
+    if writer:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        shards: list[dict[str, np.ndarray]] = [{}]
-        sizes = [0]
-        for name, arr in _hf_tensors(model):
-            if sizes[-1] and sizes[-1] + arr.nbytes > max_shard_bytes:
-                shards.append({})
-                sizes.append(0)
-            shards[-1][name] = arr
-            sizes[-1] += arr.nbytes
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / _SINGLE), metadata=meta)
-        else:
-            n = len(shards)
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata=meta)
-                weight_map.update({k: fname for k in shard})
-            index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
-            (tmp / _INDEX).write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
-        path.mkdir(exist_ok=True)
-        for stale in [_SINGLE, _INDEX, *[f.name for f in path.glob("model-*-of-*.safetensors")]]:
-            (path / stale).unlink(missing_ok=True)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-            os.replace(f, path / f.name)
+        written: list[tuple[Path, list[str]]] = []  # (file, tensor names), in order
+        shard: dict[str, np.ndarray] = {}
+        size = total = 0
+
+        def flush():
+            if shard:
+                written.append((tmp / f"shard-{len(written):05d}.safetensors", list(shard)))
+                save_file(shard, str(written[-1][0]), metadata={"format": "pt"})
+                shard.clear()
+
+        for name, arr in _hf_tensors(model):  # every process: the gathers are collective
+            if not writer:
+                continue
+            if size and size + arr.nbytes > max_shard_bytes:
+                flush()
+                size = 0
+            shard[name] = arr
+            size += arr.nbytes
+            total += arr.nbytes
+        if writer:
+            flush()
+            _finish_shards(tmp, written, total)
+            (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+            path.mkdir(exist_ok=True)
+            for stale in [_SINGLE, _INDEX, *[f.name for f in path.glob("model-*-of-*.safetensors")]]:
+                (path / stale).unlink(missing_ok=True)
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+                os.replace(f, path / f.name)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    distributed.barrier("save_pretrained")  # every process returns once the files are in place
+
+
+def _finish_shards(tmp: Path, written: list[tuple[Path, list[str]]], total: int) -> None:
+    """Names the shard files as HF does (one ``model.safetensors``, or ``model-i-of-n`` with an index)."""
+    if len(written) == 1:
+        os.replace(written[0][0], tmp / _SINGLE)
+        return
+    n, weight_map = len(written), {}
+    for i, (file, names) in enumerate(written):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(file, tmp / fname)
+        weight_map.update({k: fname for k in names})
+    index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
+    (tmp / _INDEX).write_text(json.dumps(index, indent=2))
 
 
 def param_count(model: nnx.Module) -> int:
