@@ -22,7 +22,7 @@ import gin
 import jax
 import numpy as np
 
-from rollverify_jax import compile_cache, storage
+from rollverify_jax import compile_cache, distributed, storage
 from rollverify_jax.cli import run_cli
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.rl.partial_rollout import RolloutConfig
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples_out", default=None,
                     help="write EvalConfig.num_samples_logged generations to this JSONL file")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
+    distributed.add_cli_flags(ap)
     args = ap.parse_args(argv)
     if args.k:
         args.gin_param.append(f"EvalConfig.samples_per_problem = {args.k}")
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
+    distributed.initialize_from_flags(args)
     compile_cache.compilation_cache()
     checkpoint = storage.as_path(args.checkpoint)
     if not (checkpoint / "config.json").exists():

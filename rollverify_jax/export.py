@@ -24,8 +24,8 @@ from pathlib import Path
 from etils import epath
 from flax import nnx
 
+from rollverify_jax import distributed, storage
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax import storage
 from rollverify_jax.cli import run_cli
 from rollverify_jax.models import model_config, save_pretrained
 from rollverify_jax.models.hf import config_from_hf
@@ -131,7 +131,11 @@ def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool 
         save_pretrained(trained, tmp)
         copy_tokenizer(tok_dir, tmp)
 
-    write_atomically(out, write)
+    if distributed.is_main_process():
+        write_atomically(out, write)
+    else:  # several processes: this one joins the gathers of each tensor; process 0 writes
+        save_pretrained(trained, out)
+    distributed.barrier("export")
     return step
 
 
@@ -143,12 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gin_file", action="append", default=[], help="the run's gin config (repeatable)")
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.param_dtype=...")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of an input error")
+    distributed.add_cli_flags(ap)
     args = ap.parse_args(argv)
     run_cli(lambda: _main(args), args.traceback)
 
 
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
+    distributed.initialize_from_flags(args)
     step = export(args.checkpoint, args.out, args.overwrite)
     print(f"exported step {step} of {args.checkpoint} to {args.out}")
 

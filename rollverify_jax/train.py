@@ -131,7 +131,8 @@ def train(cfg: TrainConfig, workdir: storage.PathLike) -> list[dict]:
         raise
     start = run.step
     save_operative_config(workdir)
-    (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
+    if distributed.is_main_process():
+        (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
     # Rows past the restored checkpoint are redone, so they are dropped first (with no checkpoint, every row is:
     # a run killed after its step-0 evaluation would otherwise log step 0 twice).
     writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1 if start else 0,
@@ -226,12 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.num_steps=5")
     ap.add_argument("--workdir", default=None, help="override runs_root/run_name")
     ap.add_argument("--dry_run", action="store_true", help="validate the configuration, load no weights")
-    ap.add_argument("--distributed", action="store_true",
-                    help="multi-host: join the other processes (every host runs the same command); without the "
-                         "three flags below JAX detects the cluster (TPU pod slice, SLURM)")
-    ap.add_argument("--coordinator_address", default=None, help="host:port of process 0 (implies --distributed)")
-    ap.add_argument("--num_processes", type=int, default=None, help="processes in the run (implies --distributed)")
-    ap.add_argument("--process_id", type=int, default=None, help="this process's index (implies --distributed)")
+    distributed.add_cli_flags(ap)
     ap.add_argument("--dry_run_devices", type=int, default=None,
                     help="device count the dry run lays the mesh on (default: the config's mesh, or 8)")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
@@ -246,8 +242,7 @@ def main(argv: list[str] | None = None) -> None:
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
     compile_cache.compilation_cache()  # before anything compiles
-    if args.distributed or args.coordinator_address or args.num_processes is not None or args.process_id is not None:
-        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    distributed.initialize_from_flags(args)
     cfg = TrainConfig()
     if args.dry_run:
         from rollverify_jax.dry_run import dry_run

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ GiB = 2**30
 def compile_config(config: str, report: Path) -> dict | None:
     cmd = [sys.executable, "-m", "rollverify_jax.aot", f"--gin_file={config}", f"--json={report}"]
     print("$ " + " ".join(cmd[1:]), flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # No compilation cache: the table's compile times are compiles, not cache loads.
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "ROLLVERIFY_COMPILATION_CACHE": "0"})
     print("\n".join(x for x in done.stdout.splitlines() if x.strip()), flush=True)
     if not report.exists():
         print(done.stderr[-3000:], file=sys.stderr)

@@ -5,6 +5,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # no persistent cache unless a test asks for one
 
 import pytest  # noqa: E402  (after the environment above, which must precede JAX's import)
 
