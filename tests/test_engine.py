@@ -10,6 +10,7 @@ from flax import nnx
 
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rollout import engine as engine_lib
 
 CFG = EngineConfig(num_slots=4, page_size=8, max_seq_len=64, steps_per_dispatch=4)
 
@@ -132,3 +133,19 @@ def test_sharded_engine_gives_same_tokens(model, sampling_engine):
 def test_bad_sampling_parameters(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kw)
+
+
+def test_decode_over_live_pages_equals_decode_over_the_whole_table(model, sampling_engine, monkeypatch):
+    """Attention over the page-table columns some slot holds (a power-of-two bucket, here 4 of 8 pages while
+    every sequence is under 32 tokens) samples the same tokens with the same log mu as over all 8 columns."""
+    whole = Engine(model, dataclasses.replace(CFG, live_pages=False), sampling_engine.sampling, eos_ids=(3,))
+    widths = []
+    generate = engine_lib._generate_jit
+    monkeypatch.setattr(engine_lib, "_generate_jit", lambda *a: widths.append(a[4]) or generate(*a))
+    live = _run(sampling_engine, _requests(6, seed=9, max_new=(10, 40)))
+    full = _run(whole, _requests(6, seed=9, max_new=(10, 40)))
+    assert sampling_engine.live_page_buckets() == [4, 8]
+    assert 4 in widths and 8 in widths and None in widths  # short and long dispatches; the whole table
+    for a, b in zip(live, full, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)

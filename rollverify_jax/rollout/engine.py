@@ -43,6 +43,7 @@ class EngineConfig:
     min_prefill_len: int = 32
     page_reservation: str = "incremental"  # 'incremental': pages as sequences grow; 'full': prompt + max new
     logits_chunk: int | None = None  # resume prefill scores log-probs this many positions at a time (None: all)
+    live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
@@ -172,7 +173,9 @@ class _DecodeAttention:
             pos, valid = lengths[:, None], active[:, None]
             kp = paged_cache.write_kv(kp, k, pos, table, valid, offset)
             vp = paged_cache.write_kv(vp, v, pos, table, valid, offset)
-            out = paged_attention(q[:, 0] * scale, kp, vp, lengths + 1, table - offset, platform=lay.platform)
+            # A slot is never longer than its table's pages (inactive slots' lengths are clamped to them).
+            seen = jnp.minimum(lengths + 1, table.shape[1] * kp.shape[2])
+            out = paged_attention(q[:, 0] * scale, kp, vp, seen, table - offset, platform=lay.platform)
             return out[:, None].astype(q.dtype), kp, vp
 
         rows = lay.heads_spec(slots=True)
@@ -249,11 +252,14 @@ def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots,
     return state, (tok, logp)
 
 
-def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
+def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int, live_pages: int | None = None):
+    """``num_steps`` decode steps. ``live_pages``: no slot holds more pages than this during the dispatch, so
+    attention reads only those columns of the page table (a bucket; None: all of them)."""
     model = nnx.merge(static.graphdef, params)
+    table = state.page_table if live_pages is None else state.page_table[:, :live_pages]
 
     def step(state: DecodeState, _):
-        attn = _DecodeAttention(state.pages, state.page_table, state.lengths, state.active, static.layout)
+        attn = _DecodeAttention(state.pages, table, state.lengths, state.active, static.layout)
         hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None], attention=attn,
                                         mesh=static.layout.mesh)
         logits = model.logits_from_hidden(hidden[:, 0])
@@ -274,7 +280,7 @@ def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int):
 
 _prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 7), donate_argnums=(2,))
 _insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,))
-_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3), donate_argnums=(2,))
+_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4), donate_argnums=(2,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -388,7 +394,9 @@ class Engine:
                 self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros,
                                             zeros, zeros, zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32),
                                             zeros.astype(bool))
-        self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
+        for live in self.live_page_buckets() if self.config.live_pages else [None]:
+            self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
+                                          live)
         self.state = _deactivate_fn(self.state, np.zeros((self.config.num_slots,), bool))
         self.sync_page_table()
 
@@ -441,8 +449,24 @@ class Engine:
     def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
         behaviour log-probs and the emitted mask."""
-        self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch)
+        live = self.live_pages() if self.config.live_pages else None
+        self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
+                                        live)
         return distributed.fetch(out)
+
+    def live_page_buckets(self) -> list[int]:
+        """The page-table widths decode compiles for: powers of two from 4 pages up to a full sequence."""
+        pps = self.allocator.pages_per_seq
+        out = [min(4, pps)]
+        while out[-1] < pps:
+            out.append(min(2 * out[-1], pps))
+        return out
+
+    def live_pages(self) -> int:
+        """The smallest bucket that holds every slot's pages: decode attends over live pages only, not over the
+        whole page table (on CPU and GPU the reference attention gathers what the table lists)."""
+        most = max((len(p) for p in self.allocator.owned.values()), default=1)
+        return next(b for b in self.live_page_buckets() if b >= most)
 
     def sync_page_table(self) -> None:
         """Pushes the host page table to the device after pages were granted to running slots."""

@@ -58,7 +58,7 @@ def sample_tokens(logits: jax.Array, seeds: jax.Array, token_index: jax.Array,
     """logits: float32[B, V] -> (tokens int32[B], behaviour log-prob float32[B]).
 
     The log-prob is the full softmax of logits / T at the sampled token (no top-p/top-k truncation; a
-    known bias when they are on, see METHOD.md section 2).
+    known bias when they are on, see docs/method.md).
     """
     logits = logits.astype(jnp.float32)
     logp_all = jax.nn.log_softmax(logits / cfg.logp_temperature, axis=-1)
