@@ -34,11 +34,10 @@ def rollout(engine: Engine, reqs: list[Trajectory]) -> tuple[float, int]:
     sched = Scheduler(engine)
     t0 = time.perf_counter()
     sched.submit(reqs)
-    done = 0
-    while done < len(reqs):
-        sched.step()
-        done += len(sched.pop_finished())
-    return time.perf_counter() - t0, sum(r.max_new_tokens for r in reqs)
+    sched.run()
+    finished = sched.take_finished()
+    assert len(finished) == len(reqs)
+    return time.perf_counter() - t0, sum(t.num_tokens for t in finished)
 
 
 def main() -> None:
