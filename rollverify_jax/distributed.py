@@ -145,13 +145,14 @@ def digest(value) -> int:
 
 def check_same_on_every_process(step: int, **decisions) -> None:
     """Compares a hash of each named host-side decision across processes; raises ``ProcessesDiverged`` naming
-    those that differ. Every process calls it at the same point (it is a collective)."""
+    those that differ. Every process calls it at the same point (it is a collective). A decision may be given as
+    a function that returns it, so one process never builds what it would not compare."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
     names = sorted(decisions)
-    mine = np.asarray([digest(decisions[n]) for n in names], np.int64)
+    mine = np.asarray([digest(v() if callable(v) else v) for v in (decisions[n] for n in names)], np.int64)
     every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, decisions]
     differ = [n for i, n in enumerate(names) if (every[:, i] != every[0, i]).any()]
     if differ:

@@ -98,8 +98,8 @@ def train_one_step(run: Run) -> dict:
     batch, select_metrics = select(run, scored)
     # Several hosts: the batch (scheduling, cuts, rewards), the data position and the rollout state (cache,
     # switching) are decided on each host and must agree before they become one global batch.
-    distributed.check_same_on_every_process(run.step, batch=batch, data=run.iterator.get_state(),
-                                            rollout=run.manager.state_dict())
+    distributed.check_same_on_every_process(run.step, batch=lambda: batch, data=run.iterator.get_state,
+                                            rollout=run.manager.state_dict)
     t1 = time.perf_counter()
     train_metrics = learn(run, batch)
     t2 = time.perf_counter()

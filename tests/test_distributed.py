@@ -93,3 +93,12 @@ def test_initialize_flags_go_together():
         distributed.initialize("127.0.0.1:1234", None, None)
     with pytest.raises(ValueError, match=r"--process_id=2 must be in \[0, --num_processes=2\)"):
         distributed.initialize("127.0.0.1:1234", 2, 2)
+
+
+def test_decisions_given_as_functions_are_built_only_on_several_processes(monkeypatch):
+    built = []
+    distributed.check_same_on_every_process(1, rollout=lambda: built.append(1) or {"cache": []})
+    assert built == []  # one process: nothing to compare, nothing built
+    world = FakeWorld(monkeypatch, 2)
+    with pytest.raises(distributed.ProcessesDiverged, match="rollout"):
+        world.run(lambda: distributed.check_same_on_every_process(1, rollout=lambda: {"cache": [world.me]}))
