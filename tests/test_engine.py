@@ -136,16 +136,18 @@ def test_bad_sampling_parameters(kw, match):
 
 
 def test_decode_over_live_pages_equals_decode_over_the_whole_table(model, sampling_engine, monkeypatch):
-    """Attention over the page-table columns some slot holds (a power-of-two bucket, here 4 of 8 pages while
-    every sequence is under 32 tokens) samples the same tokens with the same log mu as over all 8 columns."""
-    whole = Engine(model, dataclasses.replace(CFG, live_pages=False), sampling_engine.sampling, eos_ids=(3,))
+    """Attention over the page-table columns some slot holds (a bucket: 4, 8 or all 16 pages of 4 tokens) samples
+    the same tokens with the same log mu as over all 16 columns."""
+    cfg = dataclasses.replace(CFG, page_size=4)
+    live_engine = Engine(model, cfg, sampling_engine.sampling, eos_ids=(3,))
+    whole = Engine(model, dataclasses.replace(cfg, live_pages=False), sampling_engine.sampling, eos_ids=(3,))
     widths = []
     generate = engine_lib._generate_jit
     monkeypatch.setattr(engine_lib, "_generate_jit", lambda *a: widths.append(a[4]) or generate(*a))
-    live = _run(sampling_engine, _requests(6, seed=9, max_new=(10, 40)))
+    live = _run(live_engine, _requests(6, seed=9, max_new=(10, 40)))
     full = _run(whole, _requests(6, seed=9, max_new=(10, 40)))
-    assert sampling_engine.live_page_buckets() == [4, 8]
-    assert 4 in widths and 8 in widths and None in widths  # short and long dispatches; the whole table
+    assert live_engine.live_page_buckets() == [4, 8, 16] and sampling_engine.live_page_buckets() == [8]
+    assert {4, 8, 16, None} <= set(widths)  # short and long dispatches; the whole table
     for a, b in zip(live, full, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)

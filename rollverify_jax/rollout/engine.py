@@ -394,9 +394,10 @@ class Engine:
                 self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros,
                                             zeros, zeros, zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32),
                                             zeros.astype(bool))
-        for live in self.live_page_buckets() if self.config.live_pages else [None]:
-            self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
-                                          live)
+        # Decode over the smallest live-page bucket; wider ones compile when a sequence first needs them (most
+        # workloads never reach the widest).
+        self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
+                                      self.live_page_buckets()[0] if self.config.live_pages else None)
         self.state = _deactivate_fn(self.state, np.zeros((self.config.num_slots,), bool))
         self.sync_page_table()
 
@@ -455,12 +456,13 @@ class Engine:
         return distributed.fetch(out)
 
     def live_page_buckets(self) -> list[int]:
-        """The page-table widths decode compiles for: powers of two from 4 pages up to a full sequence."""
+        """The page-table widths decode compiles for, ascending: the full table halved while at least 4 pages
+        remain (20 pages: 5, 10, 20). Tables under 16 pages are read whole (one compile; little to save)."""
         pps = self.allocator.pages_per_seq
-        out = [min(4, pps)]
-        while out[-1] < pps:
-            out.append(min(2 * out[-1], pps))
-        return out
+        out = [pps]
+        while pps >= 16 and out[-1] // 2 >= 4:
+            out.append(-(-out[-1] // 2))
+        return out[::-1]
 
     def live_pages(self) -> int:
         """The smallest bucket that holds every slot's pages: decode attends over live pages only, not over the
