@@ -71,7 +71,8 @@ def main() -> None:
         f"\n\nFixed-length workload: {args.new} new tokens per sequence (EOS off), prompts of 24-32 tokens, "
         f"`{POLICY}`, T = 1, {args.steps_per_dispatch} decode steps per dispatch, page size 16, context 320; "
         f"medians of {args.rounds} interleaved rounds. `EngineConfig.live_pages` on: decode attention reads the "
-        "page-table columns some slot holds, rounded up to a power of two; off: all 20 columns.")
+        "page-table columns some slot holds, rounded up to a bucket (halvings of the table: 5, 10 or 20 "
+        "columns); off: all 20 columns.")
     benchlib.write_section("Decode: attention over live pages (bench_decode.py)", body)
 
 
