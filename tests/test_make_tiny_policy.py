@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
+
+from conftest import load_script
 
 from rollverify_jax.data.synthetic import SyntheticTask, char_vocabulary
 from rollverify_jax.models.hf import load_pretrained
@@ -16,16 +15,6 @@ from rollverify_jax.models.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "assets" / "tiny_policy"
 EOS = "<|endoftext|>"
-
-
-@functools.cache
-def _load_script():
-    """scripts/ is not a package; load the module from its file (registered, as its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_policy", ROOT / "scripts" / "make_tiny_policy.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _check_policy_dir(path: Path) -> None:
@@ -55,7 +44,7 @@ def _sampled_accuracy(readme: str) -> float:
 
 
 def test_script_writes_a_loadable_policy(tmp_path):
-    script = _load_script()
+    script = load_script("make_tiny_policy")
     out = tmp_path / "policy"
     report = script.main([
         "--steps", "3", "--seed", "1", "--out", str(out), "--batch-rows", "2", "--eval-problems", "4",
@@ -69,7 +58,7 @@ def test_script_writes_a_loadable_policy(tmp_path):
 
 
 def test_max_lengths_bound_the_task():
-    script = _load_script()
+    script = load_script("make_tiny_policy")
     task = SyntheticTask(seed=0, **script.TASK_KWARGS)
     prompt_max, solution_max = script.max_lengths(task)
     samples = [task.sample(i) for i in range(2000)]
@@ -87,7 +76,7 @@ def test_evaluation_samples_with_the_package_engine():
 
     from rollverify_jax.models.qwen3 import init_model, model_config
 
-    script = _load_script()
+    script = load_script("make_tiny_policy")
     tokenizer = Tokenizer.from_dir(ASSET)
     model = init_model(model_config("tiny", vocab_size=-(-tokenizer.vocab_size // 8) * 8, num_hidden_layers=2), seed=3)
     sampler = script.Sampler(model, tokenizer, prompt_len=16, max_new=6, slots=4)

@@ -2,13 +2,12 @@
 run as 1 process x 8 devices: same mesh shape, seeds and data. The per-step metrics agree, the checkpoint is
 written once and restores on 2 processes, and the resumed 2-process run continues as the uninterrupted one."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import gin
 import numpy as np
+from conftest import load_script
 
 from rollverify_jax import train
 from rollverify_jax.data.synthetic import char_vocabulary
@@ -17,11 +16,7 @@ from rollverify_jax.models import init_model, model_config
 from rollverify_jax.models.hf import save_pretrained
 from rollverify_jax.models.tokenizer import build_char_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("multihost_local", ROOT / "scripts" / "multihost_local.py")
-multihost_local = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(multihost_local)
-
+multihost_local = load_script("multihost_local")
 TIME_LIMIT_S = 420  # per multi-process launch: a hang fails the test instead of stalling the suite
 
 

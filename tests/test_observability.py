@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import io
 import json
 import math
@@ -15,6 +13,7 @@ from pathlib import Path
 import gin
 import jax.numpy as jnp
 import pytest
+from conftest import load_script
 
 from rollverify_jax import metrics as metrics_lib
 from rollverify_jax.cli import is_user_error
@@ -213,16 +212,6 @@ def test_wandb_extra_is_pinned_in_pyproject():
 # scripts/plot_run.py and scripts/compare.py
 
 
-@functools.cache
-def _script(name: str):
-    """scripts/ is not a package; load the module from its file."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _write_run(path: Path, rows: list[dict]) -> Path:
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -242,7 +231,7 @@ def _rollverify_rows(steps: int = 4) -> list[dict]:
 
 
 def test_plot_run_writes_a_png_per_topic_and_skips_what_a_run_lacks(tmp_path, capsys):
-    plot_run = _script("plot_run")
+    plot_run = load_script("plot_run")
     a = _write_run(tmp_path / "runs" / "rollverify", _rollverify_rows())
     # An on-policy run of an older version: no entropy, no verification metrics, no rollout/*, no eval.
     b = _write_run(tmp_path / "runs" / "onpolicy", [{"step": s, "reward/mean": 0.2, "time/step": 1.0,
@@ -261,7 +250,7 @@ def test_plot_run_writes_a_png_per_topic_and_skips_what_a_run_lacks(tmp_path, ca
 
 
 def test_plot_run_leaves_out_a_figure_no_run_has(tmp_path, capsys):
-    plot_run = _script("plot_run")
+    plot_run = load_script("plot_run")
     run = _write_run(tmp_path / "r", [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.25}])
     written, notes = plot_run.plot_runs([str(run)])
     assert [p.name for p in written] == ["reward.png"] and written[0].parent == run / "plots"
@@ -269,7 +258,7 @@ def test_plot_run_leaves_out_a_figure_no_run_has(tmp_path, capsys):
 
 
 def test_plot_run_series_and_time_split():
-    plot_run = _script("plot_run")
+    plot_run = load_script("plot_run")
     rows = _rollverify_rows(4)
     steps, values = plot_run.series(rows, "verify/acceptance")
     assert steps.tolist() == [1, 3] and values.tolist() == [0.9, 0.9]  # cycles that verified something only
@@ -282,7 +271,7 @@ def test_plot_run_series_and_time_split():
 
 @pytest.mark.parametrize("case", ["missing", "no_metrics", "empty"])
 def test_plot_run_bad_input_is_one_error_line(tmp_path, capsys, case):
-    plot_run = _script("plot_run")
+    plot_run = load_script("plot_run")
     good = _write_run(tmp_path / "good", _rollverify_rows(2))
     bad = tmp_path / "bad"
     if case != "missing":
@@ -297,7 +286,7 @@ def test_plot_run_bad_input_is_one_error_line(tmp_path, capsys, case):
 
 
 def test_compare_keeps_its_default_modes():
-    compare = _script("compare")
+    compare = load_script("compare")
     assert compare.entries(None, None) == {m: f"configs/tiny_{m}.gin" for m in
                                            ["onpolicy", "partial", "staleness", "opsfilter", "rollverify"]}
     assert compare.entries(["gspo"], None) == {"gspo": "configs/tiny_gspo.gin"}
@@ -305,7 +294,7 @@ def test_compare_keeps_its_default_modes():
 
 
 def test_compare_config_lists(tmp_path, monkeypatch):
-    compare = _script("compare")
+    compare = load_script("compare")
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.gin").write_text("")
     (tmp_path / "x.gin").write_text("")
@@ -320,7 +309,7 @@ def test_compare_config_lists(tmp_path, monkeypatch):
 
 
 def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
-    compare = _script("compare")
+    compare = load_script("compare")
     base, variant = tmp_path / "base.gin", tmp_path / "variant.gin"
     base.write_text("")
     variant.write_text("")

@@ -3,10 +3,7 @@ loaders read back; bad inputs end with one ``error:`` line and exit status 2, le
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -14,24 +11,13 @@ import grain
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import load_script
 
 from rollverify_jax.data.datasets import DAPO_TEMPLATE, PromptIterator, apply_dapo_template, get_dataset, load_tfds
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@functools.cache
-def _script():
-    """scripts/ is not a package: load the module from its file."""
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def prepare(*argv) -> None:
-    _script().main([str(a) for a in argv])
+    load_script("prepare_data").main([str(a) for a in argv])
 
 
 def write_parquet(path: Path, rows: list[dict]) -> Path:
@@ -191,7 +177,7 @@ def test_a_failed_write_keeps_the_previous_output(tmp_path, capsys, monkeypatch)
     def unreadable(*args, **kwargs):
         raise ValueError("read-back failed")
 
-    monkeypatch.setattr(_script().datasets, "get_dataset", unreadable)
+    monkeypatch.setattr(load_script("prepare_data").datasets, "get_dataset", unreadable)
     assert "read-back failed" in fails(capsys, source, "--output", out)
     assert out.read_text() == "previous\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aime-out.jsonl", "aime.jsonl"]
