@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.models import flash_attention
 
 Array = jax.Array
@@ -318,15 +319,14 @@ class SparseMoE(nnx.Module):
         weights = (self.router[...].astype(dt), self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
                    self.down_proj[...].astype(dt))
         if mesh is None or mesh.size == 1:
-            logits, top_e, top_w = self._routing(x.reshape(-1, x.shape[-1]), weights[0])
-            out = _expert_mlps(x.reshape(-1, x.shape[-1]), top_e, top_w, *weights[1:], first_expert=0)
+            flat = x.reshape(-1, x.shape[-1])
+            logits, top_e, top_w = self._routing(flat, weights[0])
+            out = _expert_mlps(flat, top_e, top_w, *weights[1:], first_expert=0)
             return out.reshape(x.shape), logits.reshape(*x.shape[:2], -1)
-        from rollverify_jax import mesh as mesh_lib  # the one place that knows the rules
-
         gate_spec = mesh_lib.logical_to_spec(self.gate_proj.get_metadata()["logical_axes"],
                                              self.gate_proj.shape, mesh)
         ep, inner = _as_axes(gate_spec[0]), _as_axes(gate_spec[2])
-        rows = _axes_dividing(mesh, ("data", "fsdp"), x.shape[0]) or ()
+        rows = _axes_dividing(mesh, mesh_lib.BATCH_AXES, x.shape[0]) or ()
         gathered = tuple(a for a in ep if a in rows)  # tokens split here: all-gather, then reduce-scatter
         summed = tuple(a for a in ep if a not in rows) + inner  # tokens already whole here: sum the outputs
         chunk = expert_parallel_chunk()
