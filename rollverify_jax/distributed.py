@@ -16,8 +16,6 @@ import gin
 import jax
 import numpy as np
 
-from rollverify_jax import mesh as mesh_lib
-
 
 @gin.configurable
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -85,6 +83,9 @@ def fetch(tree):
 def to_global(tree, mesh):
     """Host numpy arrays that are equal on every process -> global arrays, rows over the mesh's batch axes (0-d
     arrays replicated); each process fills only its own devices' shards."""
+    # Imported here: the reward graders' worker processes import this module and need no Flax.
+    from rollverify_jax import mesh as mesh_lib
+
     def one(x):
         if isinstance(x, jax.Array):
             return x
