@@ -1,0 +1,113 @@
+"""What each piece of a training step costs, in seconds: the simulator's cost model.
+
+    decode dispatch (k steps, m active slots, A attended tokens at its start)
+        = k * (decode_step_s + decode_slot_s * m + decode_ctx_token_s * A)
+    admission round (one prefill + insert of the requests admitted together)
+        = prefill_call_s + prefill_token_s * (prompt + cached tokens)
+          + (prefill_logp_token_s + verify_token_s) * cached tokens that are verified
+    train step (sequences of p + L_i tokens)
+        = train_step_s + train_token_s * sum_i (p + L_i) + train_attn_s * sum_i (p + L_i)^2
+    every step also pays step_overhead_s (grading, packing, host bookkeeping)
+
+Costs come from measured rates (``calibrate.fit_costs`` on a run's ``metrics.jsonl``) or from a roofline of the
+compiled programs (``RooflineCosts``: XLA cost analysis of the real config's decode, prefill and train step,
+at stated chip peaks and efficiencies). Pure Python: importing this never imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of work (all default 0: a model with nothing bound costs nothing)."""
+
+    decode_step_s: float = 0.0  # per decode step (weights read, fixed-shape work, host per dispatch / k)
+    decode_slot_s: float = 0.0  # per active slot per decode step
+    decode_ctx_token_s: float = 0.0  # per attended (cached) token per decode step
+    prefill_call_s: float = 0.0  # per admission round that prefills anything
+    prefill_token_s: float = 0.0  # per prefilled token (prompt + cached prefix)
+    prefill_logp_token_s: float = 0.0  # extra per verified cached token (the log-probs of the resume prefill)
+    verify_token_s: float = 0.0  # two-stage verification per verified cached token
+    train_step_s: float = 0.0  # per train step
+    train_token_s: float = 0.0  # per trained token (prompt + response)
+    train_attn_s: float = 0.0  # per (sequence length)^2 of every trained sequence (causal attention)
+    step_overhead_s: float = 0.0  # per step: grading, batch building, host work outside the above
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"CostModel.{f.name}={v!r} must be a number >= 0 (seconds).")
+
+    def decode(self, dispatches: int, steps_per_dispatch: int, active: int, attended0: int) -> float:
+        """``dispatches`` consecutive dispatches with the same ``active`` slots, every one generating
+        ``steps_per_dispatch`` tokens per slot, the first starting with ``attended0`` attended tokens (each
+        later one with ``active * steps_per_dispatch`` more). Closed form of the per-dispatch sum."""
+        n, k, m = dispatches, steps_per_dispatch, active
+        attended = n * attended0 + m * k * n * (n - 1) // 2  # sum over the dispatches of A at their start
+        return k * (n * (self.decode_step_s + self.decode_slot_s * m) + self.decode_ctx_token_s * attended)
+
+    def prefill(self, tokens: int, verified_tokens: int) -> float:
+        if tokens == 0 and verified_tokens == 0:
+            return 0.0
+        return (self.prefill_call_s + self.prefill_token_s * tokens
+                + (self.prefill_logp_token_s + self.verify_token_s) * verified_tokens)
+
+    def train(self, seq_lengths) -> float:
+        total = sum(int(x) for x in seq_lengths)
+        squares = sum(int(x) ** 2 for x in seq_lengths)
+        return self.train_step_s + self.train_token_s * total + self.train_attn_s * squares
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RooflineCosts:
+    """A cost model from the compiled programs of a real config (``python -m rollverify_jax.aot``, recorded in
+    docs/scale.md and its JSON reports) and a chip's public peaks. Per chip, all chips working in parallel:
+
+    - decode step: ``max(decode_flops / (peak * mfu), decode_bytes / (bandwidth * hbm_efficiency))`` from the
+      decode program's cost analysis (its loop body: one step over every slot; the Pallas paged-attention
+      kernel is a custom call whose page reads the analysis does not count), plus the KV reads per attended
+      token: ``kv_bytes_per_token / num_devices / (bandwidth * hbm_efficiency)`` (slots and KV heads are
+      spread over every chip).
+    - prefill token: ``prefill_flops_per_token / (num_devices * peak * mfu)``; the verification log-probs
+      (full-vocabulary projection of every cached token) add ``2 * hidden * vocab`` FLOPs per token.
+    - train: forward ``2 * (active params + head)`` FLOPs per token, attention ``attn_flops_per_token_ctx *
+      length`` per token, times ``train_passes`` (4 with full remat: forward, recomputed forward, backward x 2).
+    """
+
+    num_devices: int = 16
+    peak_flops: float = 459e12  # bf16 dense per chip (TPU v5p)
+    hbm_bandwidth: float = 2.765e12  # bytes/s per chip (TPU v5p)
+    mfu: float = 0.5  # achieved share of peak FLOPs in prefill and training
+    hbm_efficiency: float = 0.7  # achieved share of HBM bandwidth in decode
+    decode_flops: float = 0.0  # per chip per decode step (cost analysis)
+    decode_bytes: float = 0.0  # per chip per decode step (cost analysis)
+    kv_bytes_per_token: float = 0.0  # K and V of one token, all layers and KV heads
+    prefill_flops_per_token: float = 0.0  # whole slice, per prefilled token (cost analysis / tokens compiled)
+    logp_flops_per_token: float = 0.0  # whole slice, the log-prob projection of one verified token
+    train_flops_per_token: float = 0.0  # forward, whole slice: 2 * (active params + head)
+    attn_flops_per_token_ctx: float = 0.0  # forward attention per token per token of context
+    train_passes: float = 4.0
+    decode_host_s: float = 0.0  # per decode step, host and dispatch overhead
+    step_overhead_s: float = 0.0
+
+    def cost_model(self) -> CostModel:
+        flops = self.num_devices * self.peak_flops * self.mfu
+        bw = self.hbm_bandwidth * self.hbm_efficiency
+        step = max(self.decode_flops / (self.peak_flops * self.mfu), self.decode_bytes / bw) + self.decode_host_s
+        return CostModel(
+            decode_step_s=step,
+            decode_ctx_token_s=self.kv_bytes_per_token / self.num_devices / bw,
+            prefill_token_s=self.prefill_flops_per_token / flops,
+            prefill_logp_token_s=self.logp_flops_per_token / flops,
+            train_token_s=self.train_passes * self.train_flops_per_token / flops,
+            # causal attention of a sequence of length L: sum_t attn * t ~ attn * L^2 / 2
+            train_attn_s=self.train_passes * self.attn_flops_per_token_ctx / 2 / flops,
+            step_overhead_s=self.step_overhead_s,
+        )

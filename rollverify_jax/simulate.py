@@ -1,0 +1,264 @@
+"""Predicts wall-clock and device-days of a run in each rollout mode, without running it.
+
+    python -m rollverify_jax.simulate --gin_file=configs/tiny_rollverify.gin [--gin_param=...] [--steps N]
+        [--calibrate_from RUN_DIR ...] [--json out.json]
+
+A discrete-event replay of the scheduler and training loop (``rollverify_jax/sim/replay.py``) over the run's
+shape (B, G, slots, steps per dispatch, response cap, switching: read from its gin config) for on-policy,
+naive partial and RollVerify, with a cost model (``rollverify_jax/sim/costs.py``): measured rates fitted on
+runs (``--calibrate_from``: their ``metrics.jsonl``), or the compiled programs' roofline (``SimConfig.costs =
+'roofline'`` with ``RooflineCosts`` bound, configs/sim/*.gin). With ``--calibrate_from``, the response lengths
+and RollVerify's acceptance per step come from those runs too, and the prediction for every run given is
+printed beside its measured wall-clock. docs/results/simulator.md has the equations and the calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import gin
+
+from rollverify_jax.cli import run_cli
+from rollverify_jax.sim import calibrate as cal
+from rollverify_jax.sim.costs import CostModel, RooflineCosts
+from rollverify_jax.sim.replay import CUT_MODELS, MODES, AcceptanceModel, LengthModel, Workload, simulate
+
+COST_SOURCES = ("costs", "roofline")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """The simulator's own settings (the run's shape comes from the run's gin configurables).
+
+    costs: 'costs' (the ``CostModel`` bindings) or 'roofline' (``RooflineCosts`` bindings); ``--calibrate_from``
+    replaces either with rates fitted on the runs. Lengths: ``lengths`` (explicit, cycled) or a lognormal
+    (``length_median``, ``length_sigma``) capped at ``RolloutConfig.max_new_tokens``. Acceptance per step:
+    ``acceptance_trace`` or ``acceptance_start + acceptance_slope * (step - 1)``.
+    """
+
+    modes: tuple = MODES
+    num_steps: int | None = None  # None: TrainConfig.num_steps
+    num_devices: int | None = None  # None: the product of make_mesh.shape (-1 counts as 1)
+    prompt_len: int = 128
+    lengths: tuple | None = None
+    length_median: float = 64.0
+    length_sigma: float = 1.0
+    seed: int = 0
+    acceptance_trace: tuple | None = None
+    acceptance_start: float = 1.0
+    acceptance_slope: float = 0.0
+    cut_model: str = "fraction"
+    costs: str = "costs"
+    skip_steps: int = 1  # calibration: leading steps left out (they compile)
+
+    def __post_init__(self):
+        for m in self.modes:
+            if m not in MODES:
+                raise ValueError(f"SimConfig.modes: unknown mode {m!r}; known: {list(MODES)}.")
+        if self.costs not in COST_SOURCES:
+            raise ValueError(f"SimConfig.costs={self.costs!r}; choose one of {list(COST_SOURCES)}.")
+        if self.cut_model not in CUT_MODELS:
+            raise ValueError(f"SimConfig.cut_model={self.cut_model!r}; choose one of {list(CUT_MODELS)}.")
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"SimConfig.num_steps={self.num_steps} must be >= 1.")
+        if self.num_devices is not None and self.num_devices < 1:
+            raise ValueError(f"SimConfig.num_devices={self.num_devices} must be >= 1.")
+        if self.skip_steps < 0 or self.prompt_len < 0:
+            raise ValueError("SimConfig.skip_steps and SimConfig.prompt_len must be >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What the simulator reads from the run's own configurables."""
+
+    mode: str
+    batch_groups: int
+    group_size: int
+    max_new_tokens: int
+    queue_groups: int
+    num_slots: int
+    steps_per_dispatch: int
+    switch_window: int
+    switch_threshold: float
+    switching: bool
+    verify_finished: bool
+    num_steps: int
+    mesh_shape: tuple
+
+    def workload(self, mode: str, prompt_len: int) -> Workload:
+        return Workload(mode=mode, batch_groups=self.batch_groups, group_size=self.group_size,
+                        num_slots=self.num_slots, steps_per_dispatch=self.steps_per_dispatch,
+                        max_new_tokens=self.max_new_tokens, prompt_len=prompt_len, queue_groups=self.queue_groups,
+                        switch_window=self.switch_window, switch_threshold=self.switch_threshold,
+                        switching=self.switching, verify_finished=self.verify_finished)
+
+
+def read_run_shape() -> RunShape:
+    """The run's settings from the parsed gin config (imports the training configurables, not a model)."""
+    from rollverify_jax.rl.partial_rollout import RolloutConfig
+    from rollverify_jax.rollout.engine import EngineConfig
+    from rollverify_jax.setup import TrainConfig
+    from rollverify_jax.verify import SwitchConfig, VerifyConfig
+
+    r, e, s, v = RolloutConfig(), EngineConfig(), SwitchConfig(), VerifyConfig()
+    try:
+        mesh = tuple(gin.query_parameter("make_mesh.shape"))
+    except ValueError:
+        mesh = (1, -1, 1)
+    return RunShape(mode=r.mode, batch_groups=r.batch_groups, group_size=r.group_size,
+                    max_new_tokens=r.max_new_tokens, queue_groups=r.queue_groups, num_slots=e.num_slots,
+                    steps_per_dispatch=e.steps_per_dispatch, switch_window=s.window, switch_threshold=s.threshold,
+                    switching=s.enabled, verify_finished=v.verify_finished, num_steps=TrainConfig().num_steps,
+                    mesh_shape=mesh)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Everything one simulation of a mode needs, after calibration."""
+
+    costs: CostModel
+    prompt_len: int
+    length_kwargs: dict
+    acceptance_kwargs: dict
+    num_devices: int
+    notes: dict
+
+
+def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData]) -> Inputs:
+    devices = cfg.num_devices or math.prod(max(1, int(x)) for x in shape.mesh_shape)
+    costs = RooflineCosts().cost_model() if cfg.costs == "roofline" else CostModel()
+    prompt = cfg.prompt_len
+    lengths = ({"lengths": list(cfg.lengths)} if cfg.lengths else
+               {"median": cfg.length_median, "sigma": cfg.length_sigma, "seed": cfg.seed})
+    accept = ({"trace": list(cfg.acceptance_trace)} if cfg.acceptance_trace else
+              {"start": cfg.acceptance_start, "slope": cfg.acceptance_slope})
+    accept.update(cut_model=cfg.cut_model, seed=cfg.seed)
+    notes = {}
+    if runs:
+        n = shape.batch_groups * shape.group_size
+        fit_runs = [r for r in runs if r.mode == "on_policy"] or runs
+        prompt = cal.prompt_len(runs, n, cfg.skip_steps)
+        costs, fit = cal.fit_costs(fit_runs, shape.num_slots, shape.steps_per_dispatch, n, prompt, cfg.skip_steps)
+        verify_runs = [r for r in runs if r.mode == "rollverify"]
+        if verify_runs:  # verification rate from the RollVerify runs (the fit runs may have none)
+            _, vfit = cal.fit_costs(verify_runs + fit_runs, shape.num_slots, shape.steps_per_dispatch, n, prompt,
+                                    cfg.skip_steps)
+            ver = [r for run in verify_runs for r in run.used(cfg.skip_steps) if r.get("verify/num_verified")]
+            vtok = sum(r["verify/tokens_total"] for r in ver)
+            if vtok:
+                costs = dataclasses.replace(costs, verify_token_s=sum(r["time/verify"] for r in ver) / vtok)
+            trace = cal.acceptance_trace(verify_runs[0])
+            accept.update(trace=trace)
+            accept.pop("start", None)
+            accept.pop("slope", None)
+            notes["acceptance_trace_from"] = str(verify_runs[0].path)
+        mean, mean_max = cal.length_stats(runs, cfg.skip_steps)
+        median, sigma = cal.fit_lognormal(mean, mean_max, n, shape.max_new_tokens)
+        lengths = {"median": median, "sigma": sigma, "seed": cfg.seed}
+        notes.update(fit_runs=[str(r.path) for r in fit_runs], fit=fit, length_mean=mean, length_max_mean=mean_max,
+                     length_median=median, length_sigma=sigma, prompt_len=prompt)
+    return Inputs(costs, prompt, lengths, accept, devices, notes)
+
+
+def run_mode(mode: str, shape: RunShape, inputs: Inputs, num_steps: int):
+    w = shape.workload(mode, inputs.prompt_len)
+    lengths = LengthModel(shape.max_new_tokens, **inputs.length_kwargs)
+    return simulate(w, inputs.costs, lengths, AcceptanceModel(**inputs.acceptance_kwargs), num_steps)
+
+
+def format_table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["mode"] == "on_policy"), None)
+    out = ["| mode | steps | wall (h) | s / step | rollout share | slot util. | acceptance | switch step | "
+           "device-days | speed-up vs on-policy |", "| --- " * 10 + "|"]
+    for r in rows:
+        speed = f"{base['wall_s'] / r['wall_s']:.2f}x" if base and r["wall_s"] > 0 else "-"
+        acc = "-" if math.isnan(r["acceptance"]) else f"{r['acceptance']:.3f}"
+        out.append(f"| {r['mode']} | {r['steps']} | {r['wall_s'] / 3600:.3f} | {r['step_s_mean']:.2f} | "
+                   f"{r['rollout_fraction']:.2f} | {r['slot_utilization']:.2f} | {acc} | "
+                   f"{r['switch_step'] if r['switch_step'] >= 0 else '-'} | {r['device_days']:.4g} | {speed} |")
+    return "\n".join(out)
+
+
+def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], skip: int) -> list[dict]:
+    """Predicted vs measured wall-clock of every run, over its steps after ``skip``."""
+    out = []
+    for run in runs:
+        n = run.steps[-1]["step"]
+        res = run_mode(run.mode, shape, inputs, n)
+        pred = sum(s.step_s for s in res.steps if s.step > skip)
+        meas = sum(r["time/step"] for r in run.used(skip))
+        out.append({"run": str(run.path), "mode": run.mode, "steps": f"{skip + 1}-{n}", "predicted_s": pred,
+                    "measured_s": meas, "error": pred / meas - 1.0, "predicted_switch": res.switch_step,
+                    "measured_switch": cal.switch_step(run)})
+    return out
+
+
+def format_calibration(rows: list[dict]) -> str:
+    out = ["| run | mode | steps | predicted (s) | measured (s) | error | switch step (pred. / meas.) |",
+           "| --- " * 7 + "|"]
+    for r in rows:
+        sw = f"{r['predicted_switch']} / {r['measured_switch']}" if r["mode"] == "rollverify" else "-"
+        out.append(f"| `{r['run']}` | {r['mode']} | {r['steps']} | {r['predicted_s']:.1f} | {r['measured_s']:.1f} | "
+                   f"{100 * r['error']:+.1f}% | {sw} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. SimConfig.length_sigma=1.2")
+    ap.add_argument("--steps", type=int, default=None, help="steps to predict (default: SimConfig.num_steps, "
+                    "else TrainConfig.num_steps)")
+    ap.add_argument("--calibrate_from", nargs="+", default=[], metavar="RUN_DIR",
+                    help="runs whose metrics.jsonl give the rates, lengths and acceptance (and are compared)")
+    ap.add_argument("--json", default=None, help="write the predictions (and calibration) here")
+    ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
+    args = ap.parse_args(argv)
+    run_cli(lambda: _main(args), args.traceback)
+
+
+def _main(args: argparse.Namespace) -> None:
+    if not args.gin_file:
+        raise ValueError("--gin_file is required: the run's config (e.g. configs/tiny_rollverify.gin).")
+    for f in args.gin_file:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"gin file {f} does not exist.")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps={args.steps} must be >= 1.")
+    runs = [cal.read_run(p) for p in args.calibrate_from]  # bad run directories fail before any import
+    from rollverify_jax.setup import parse_gin
+
+    parse_gin(args.gin_file, args.gin_param)
+    cfg, shape = SimConfig(), read_run_shape()
+    inputs = build_inputs(cfg, shape, runs)
+    steps = args.steps or cfg.num_steps or shape.num_steps
+    rows = [{**run_mode(m, shape, inputs, steps).summary(inputs.num_devices)} for m in cfg.modes]
+    print(f"{', '.join(args.gin_file)}: B={shape.batch_groups} G={shape.group_size} slots={shape.num_slots} "
+          f"k={shape.steps_per_dispatch} max_new_tokens={shape.max_new_tokens} prompt={inputs.prompt_len} "
+          f"devices={inputs.num_devices} lengths={inputs.length_kwargs}")
+    print(format_table(rows))
+    report = {"config": args.gin_file, "gin_params": args.gin_param, "shape": dataclasses.asdict(shape),
+              "costs": dataclasses.asdict(inputs.costs), "lengths": inputs.length_kwargs,
+              "prompt_len": inputs.prompt_len, "notes": inputs.notes, "modes": rows}
+    if runs:
+        calib = calibration_rows(shape, inputs, runs, cfg.skip_steps)
+        print("\nCalibration (fitted on the on-policy steps of: " + ", ".join(inputs.notes["fit_runs"]) + ")")
+        print(format_calibration(calib))
+        report["calibration"] = calib
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+
+
+def _json_default(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return str(x)
+
+
+if __name__ == "__main__":
+    main()
