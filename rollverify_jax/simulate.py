@@ -55,6 +55,9 @@ class SimConfig:
     cut_model: str = "fraction"
     costs: str = "costs"
     skip_steps: int = 1  # calibration: leading steps left out (they compile)
+    # calibration: 'by_mode' fits the rates on the on-policy runs and compares every run's steps after
+    # skip_steps; 'odd_even' fits each run's rates on its own odd steps and compares its even steps
+    fit_split: str = "by_mode"
 
     def __post_init__(self):
         for m in self.modes:
@@ -68,6 +71,8 @@ class SimConfig:
             raise ValueError(f"SimConfig.num_steps={self.num_steps} must be >= 1.")
         if self.num_devices is not None and self.num_devices < 1:
             raise ValueError(f"SimConfig.num_devices={self.num_devices} must be >= 1.")
+        if self.fit_split not in ("by_mode", "odd_even"):
+            raise ValueError(f"SimConfig.fit_split={self.fit_split!r}; choose 'by_mode' or 'odd_even'.")
         if self.skip_steps < 0 or self.prompt_len < 0:
             raise ValueError("SimConfig.skip_steps and SimConfig.prompt_len must be >= 0.")
 
@@ -184,15 +189,27 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], skip: int) -> list[dict]:
-    """Predicted vs measured wall-clock of every run, over its steps after ``skip``."""
+def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], skip: int,
+                     split: str = "by_mode") -> list[dict]:
+    """Predicted vs measured wall-clock of every run, over its steps after ``skip`` (``split='odd_even'``: each
+    run's rates fitted on its own odd steps, compared on its even steps)."""
     out = []
     for run in runs:
         n = run.steps[-1]["step"]
-        res = run_mode(run.mode, shape, inputs, n)
-        pred = sum(s.step_s for s in res.steps if s.step > skip)
-        meas = sum(r["time/step"] for r in run.used(skip))
-        out.append({"run": str(run.path), "mode": run.mode, "steps": f"{skip + 1}-{n}", "predicted_s": pred,
+        compared = {r["step"] for r in run.used(skip)}
+        if split == "odd_even":
+            odd = {s for s in compared if s % 2 == 1}
+            compared -= odd
+            costs, _ = cal.fit_costs([run], shape.num_slots, shape.steps_per_dispatch,
+                                     shape.batch_groups * shape.group_size, inputs.prompt_len, skip, odd,
+                                     on_policy_only=False)
+            res = run_mode(run.mode, shape, dataclasses.replace(inputs, costs=costs), n)
+        else:
+            res = run_mode(run.mode, shape, inputs, n)
+        pred = sum(s.step_s for s in res.steps if s.step in compared)
+        meas = sum(r["time/step"] for r in run.steps if r["step"] in compared)
+        which = f"{skip + 1}-{n}" if split == "by_mode" else f"even of {skip + 1}-{n}"
+        out.append({"run": str(run.path), "mode": run.mode, "steps": which, "predicted_s": pred,
                     "measured_s": meas, "error": pred / meas - 1.0, "predicted_switch": res.switch_step,
                     "measured_switch": cal.switch_step(run)})
     return out
@@ -246,8 +263,11 @@ def _main(args: argparse.Namespace) -> None:
               "costs": dataclasses.asdict(inputs.costs), "lengths": inputs.length_kwargs,
               "prompt_len": inputs.prompt_len, "notes": inputs.notes, "modes": rows}
     if runs:
-        calib = calibration_rows(shape, inputs, runs, cfg.skip_steps)
-        print("\nCalibration (fitted on the on-policy steps of: " + ", ".join(inputs.notes["fit_runs"]) + ")")
+        calib = calibration_rows(shape, inputs, runs, cfg.skip_steps, cfg.fit_split)
+        how = ("each run's rates fitted on its own odd steps, compared on its even steps"
+               if cfg.fit_split == "odd_even"
+               else "fitted on the on-policy steps of: " + ", ".join(inputs.notes["fit_runs"]))
+        print(f"\nCalibration ({how})")
         print(format_calibration(calib))
         report["calibration"] = calib
     if args.json:

@@ -77,22 +77,22 @@ def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
 
 
 def fit_costs(runs: list[RunData], num_slots: int, steps_per_dispatch: int, batch_sequences: int,
-              prompt: int, skip: int = 1) -> tuple[CostModel, dict]:
-    """Least-squares rates from the on-policy steps of ``runs`` (after ``skip`` steps, which compile):
+              prompt: int, skip: int = 1, steps=None, on_policy_only: bool = True) -> tuple[CostModel, dict]:
+    """Least-squares rates from the steps of ``runs`` after ``skip`` (they compile) and in ``steps`` (None: all),
+    on-policy steps only unless ``on_policy_only`` is False:
 
         time/rollout = decode_dispatch_s * dispatches + prefill_token_s * prefill_tokens
         time/train   = train_step_s + train_token_s * (loss_tokens + B G prompt)
         overhead     = mean(time/step - time/rollout - time/verify - time/train)
         verify_token_s = sum time/verify / sum verify/tokens_total (over steps that verified, any mode)
     """
-    on = [r for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
+    on = [r for run in runs for r in run.used(skip) if (r.get("mode/on_policy") or not on_policy_only)
+          and (steps is None or r["step"] in steps)]
     if len(on) < 2:
-        raise ValueError("calibration needs at least 2 on-policy steps after the skipped ones in the fit runs.")
+        raise ValueError("calibration needs at least 2 steps to fit on (after the skipped ones) in the fit runs.")
     x = np.asarray([[dispatches(r, num_slots, steps_per_dispatch), r["rollout/prefill_tokens"]] for r in on])
     y = np.asarray([r["time/rollout"] for r in on])
-    (a_disp, p_tok), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if p_tok < 0:  # prefill indistinguishable from zero: decode takes it all
-        a_disp, p_tok = float(np.sum(x[:, 0] * y) / np.sum(x[:, 0] ** 2)), 0.0
+    a_disp, p_tok = _nonneg_lstsq(x, y)
     toks = np.asarray([r["train/loss_tokens"] + batch_sequences * prompt for r in on])
     ttrain = np.asarray([r["time/train"] for r in on])
     if np.ptp(toks) > 0:
@@ -102,7 +102,8 @@ def fit_costs(runs: list[RunData], num_slots: int, steps_per_dispatch: int, batc
     if t0 < 0 or t1 < 0:  # a negative coefficient: per-token only
         t0, t1 = 0.0, float(ttrain.sum() / toks.sum())
     overhead = statistics.fmean(r["time/step"] - r["time/rollout"] - r["time/verify"] - r["time/train"] for r in on)
-    ver = [r for run in runs for r in run.used(skip) if r.get("verify/num_verified")]
+    ver = [r for run in runs for r in run.used(skip)
+           if r.get("verify/num_verified") and (steps is None or r["step"] in steps)]
     vtok = sum(r["verify/tokens_total"] for r in ver)
     verify_token_s = sum(r["time/verify"] for r in ver) / vtok if vtok else 0.0
     costs = CostModel(decode_step_s=float(a_disp) / steps_per_dispatch, prefill_token_s=float(p_tok),
@@ -112,6 +113,19 @@ def fit_costs(runs: list[RunData], num_slots: int, steps_per_dispatch: int, batc
            "rollout_rmse_s": float(np.sqrt(np.mean((x @ np.asarray([a_disp, p_tok]) - y) ** 2))),
            "verify_steps": len(ver)}
     return costs, fit
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Two non-negative coefficients: the unconstrained fit, else the better one-variable fit."""
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    fits = []
+    for j in range(2):
+        c = float(np.sum(x[:, j] * y) / max(np.sum(x[:, j] ** 2), 1e-30))
+        coef = (c, 0.0) if j == 0 else (0.0, c)
+        fits.append((float(np.sum((x @ np.asarray(coef) - y) ** 2)), coef))
+    return min(fits)[1]
 
 
 # -- response lengths ------------------------------------------------------------------------------------
