@@ -351,7 +351,7 @@ def run(args) -> int:
             workers[name] = Worker(name, pythons[name], worker_env(name, cache))
             versions[name] = workers[name].call("setup", **setup_kw)
             log(f"  {LABEL[name]} ready in {versions[name]['seconds']:.1f} s: "
-                + ", ".join(f"{k} {v}" for k, v in versions[name].items() if k not in ("seconds", "eos_ids")))
+                + ", ".join(f"{k} {v}" for k, v in versions[name].items() if k not in ("ok", "seconds", "eos_ids")))
 
         log("correctness check")
         check_line = check(workers, distinct, args.max_new)
@@ -487,7 +487,7 @@ def report(args, systems, versions, rates, lengths, startup, grpo, check_line, p
     lens = ", ".join(f"{LABEL[s]} mean {mean_len[(s, 'rl')]:.0f} / max {max_len[(s, 'rl')]}" for s in systems)
     vers = "; ".join(
         f"{LABEL[s]} " + ", ".join(f"{k} {v}" for k, v in versions[s].items()
-                                   if k not in ("seconds", "eos_ids", "cache", "threads", "omp_wait_policy"))
+                                   if k not in ("ok", "seconds", "eos_ids", "cache", "threads", "omp_wait_policy"))
         for s in systems)
     grpo_note = ""
     omp = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")

@@ -115,8 +115,11 @@ def _version() -> str:
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "rollverify_jax"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+        return f"{head} + uncommitted changes to rollverify_jax/" if dirty else head
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
