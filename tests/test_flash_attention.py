@@ -83,3 +83,12 @@ def test_auto_picks_the_platform_kernel_and_bad_settings_fail():
         fa.FlashConfig(impl="flash")
     with pytest.raises(ValueError, match="multiples of 128"):
         fa.FlashConfig(block_q=100)
+
+
+@pytest.mark.parametrize("block", [32, 64, 128, 256])
+def test_block_causal_reference_equals_the_dense_mask(qkv, block):
+    """T = 200: blocks of 32 and 64 leave a short last block, 128 two unequal ones, 256 a single block."""
+    q, k, v, segments, _ = qkv
+    dense = fa.reference_attention(q, k, v, fa.causal_mask(T, segments))
+    got = fa.block_causal_reference(q, k, v, segments, block)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=2e-6, rtol=2e-6)

@@ -212,12 +212,6 @@ class CausalAttention:
     mesh: Any = None
 
     def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array:
-        t = q.shape[1]
-        if self.impl == "reference":
-            mask = flash_attention.causal_mask(t, self.segments)
-            if self.valid is not None:
-                mask = mask & self.valid[:, None, :]
-            return dot_product_attention(q, k, v, mask)
         segments = self.segments
         if self.valid is not None:  # padding keys become a segment of their own, which real queries never see
             base = jnp.ones(q.shape[:2], jnp.int32) if segments is None else segments

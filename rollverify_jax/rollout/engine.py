@@ -369,36 +369,24 @@ class Engine:
     # ------------------------------------------------------------------------------------------------
     # JetStream-shaped API (host side)
 
-    def buckets(self) -> tuple[list[int], list[int]]:
-        """(row buckets, length buckets) that prefill pads to."""
-        c = self.config
-        rows, lengths = [1], [min(c.min_prefill_len, c.max_seq_len)]
-        while rows[-1] < c.num_slots:
-            rows.append(min(2 * rows[-1], c.num_slots))
-        while lengths[-1] < c.max_seq_len:
-            lengths.append(min(2 * lengths[-1], c.max_seq_len))
-        return rows, lengths
-
-    def warmup(self) -> None:
-        """Compiles every prefill/insert bucket and the decode loop up front, so no request pays a compile.
-        Dummy rows write only to the scratch page and activate no slot."""
-        rows, lengths = self.buckets()
+    def warmup(self, prompt_len: int | None = None) -> None:
+        """Compiles the programs a first admission uses: prefill and insert for a full batch of new prompts of
+        up to ``prompt_len`` tokens (default: the shortest length bucket), and decode over the smallest
+        live-page bucket. Every other shape (fewer rows, longer resumed sequences, the log-prob prefill of a
+        resume, wider live pages) compiles the first time it is used, so a run compiles only the shapes it
+        needs; with the persistent compilation cache a restart compiles none. Dummy rows write only to the
+        scratch page and activate no slot."""
+        n = self.config.num_slots
+        t = self.prefill_bucket(prompt_len or 1)
         pps = self.allocator.pages_per_seq
-        for n in rows:
-            ones, zeros = np.ones((n,), np.int32), np.zeros((n,), np.int32)
-            for t in lengths:
-                for with_logp in (False, True):
-                    self.state, prefix = _prefill_jit(self._static(), self.params, self.state,
-                                                      np.zeros((n, t), np.int32), ones, np.zeros((n, pps), np.int32),
-                                                      ones, with_logp)
-                self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros,
-                                            zeros, zeros, zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32),
-                                            zeros.astype(bool))
-        # Decode over the smallest live-page bucket; wider ones compile when a sequence first needs them (most
-        # workloads never reach the widest).
+        ones, zeros = np.ones((n,), np.int32), np.zeros((n,), np.int32)
+        self.state, prefix = _prefill_jit(self._static(), self.params, self.state, np.zeros((n, t), np.int32), ones,
+                                          np.zeros((n, pps), np.int32), ones, False)
+        self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros, zeros, zeros,
+                                    zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32), zeros.astype(bool))
         self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
                                       self.live_page_buckets()[0] if self.config.live_pages else None)
-        self.state = _deactivate_fn(self.state, np.zeros((self.config.num_slots,), bool))
+        self.state = _deactivate_fn(self.state, np.zeros((n,), bool))
         self.sync_page_table()
 
     def prefill_bucket(self, num_tokens: int) -> int:
