@@ -1,0 +1,693 @@
+"""Device check for one GPU: the GPU kernels against the jnp references, the engine end to end, throughput.
+
+Sections (each in its own try/except; the JSON report is rewritten after every section, so a run cut short
+still leaves what it measured):
+
+- ``env``: versions, devices.
+- ``prefill_attention``: ``causal_attention(..., 'cudnn')`` (cuDNN fused, ``jax.nn.dot_product_attention``) vs
+  the 'reference' on packed rows (segments + padding), bf16 (cuDNN has no float32 kernel: the float32 attempt is
+  recorded), forward and gradients, against the reference computed in float32 on the same bf16-rounded inputs;
+  the bf16 reference's own error is the baseline the tolerance is set from.
+- ``paged_attention``: ``paged_attention(..., impl='pallas_gpu')`` (Pallas GPU kernel, compiled, not interpret)
+  vs ``paged_attention_reference``, float32 and bf16, plus per-call times.
+- ``engine_greedy``: Engine + Scheduler, greedy, on the tiny policy (``assets/tiny_policy``, else the random
+  'tiny' preset): every generated token must be the argmax of a teacher-forced forward of the model over the
+  engine's own sequence (up to a tolerance: ``regret`` = max logit - logit of the chosen token). Cases: float32
+  with impl auto (cuDNN prefill), float32 with the reference prefill, bf16 compute with auto, and the Pallas
+  decode kernel (float32 and bf16).
+- ``decode_throughput``: generated tokens/s of the engine (the bench_decode.py workload: prompts of 24-32
+  tokens, ``--new-tokens`` each, EOS off, T = 1) on a random bigger model, bf16, at each ``--concurrency``, with
+  the reference paged attention and, when the kernel worked above, 'pallas_gpu'; compile time separately.
+- ``train_step``: one GRPO train step (forward + backward + AdamW) of the learner on a packed long-tailed batch,
+  float32 params and bf16 compute, with the 'cudnn' attention impl (and the 'reference' one for comparison).
+
+Device run (from the repo root; the wheels in .whl are the pure-Python packages the device lacks):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && XLA_PYTHON_CLIENT_MEM_FRACTION=.5 python3 scripts/check_gpu.py --out $OUT/gpu_check.json
+
+CPU test of every code path (interpret-mode Pallas, XLA's dot_product_attention in place of cuDNN):
+
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/check_gpu.py --allow-cpu --small --out /tmp/gpu_check_cpu.json
+"""  # noqa: E501  (the device command above is kept on one line, to be copied whole)
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `import rollverify_jax` without an install
+os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # measure compiles; write no cache into the tree
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from rollverify_jax import mesh as mesh_lib  # noqa: E402
+from rollverify_jax.models import flash_attention as fa  # noqa: E402
+from rollverify_jax.models import init_model, load_pretrained, model_config  # noqa: E402
+from rollverify_jax.rl import learner  # noqa: E402
+from rollverify_jax.rl.batch import build_batch  # noqa: E402
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory  # noqa: E402
+from rollverify_jax.rollout.attention import paged_attention, paged_attention_reference  # noqa: E402
+
+POLICY = ROOT / "assets" / "tiny_policy"
+T0 = time.perf_counter()
+
+# Sizes: (device default, --small). A flag given explicitly wins over both.
+SIZES = {
+    "attn_batch": (4, 2), "attn_len": (2048, 96), "attn_heads": (32, 4), "attn_kv_heads": (8, 2),
+    "attn_head_dim": (128, 32),
+    "paged_batch": (64, 3), "paged_heads": (8, 8), "paged_kv_heads": (2, 2), "paged_head_dim": (128, 32),
+    "paged_page_size": (16, 4), "paged_pages_per_seq": (64, 8),
+    "engine_requests": (12, 6), "engine_slots": (8, 4),
+    "bench_preset": ("bench_100m", "tiny"), "concurrency": ([64, 256], [8]), "new_tokens": (128, 16),
+    "decode_rounds": (2, 1), "train_rows": (64, 8), "train_width": (1024, 128), "train_iters": (3, 1),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_check.json", help="JSON report path")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (CPU test of the code paths)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU test)")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="wall-clock budget: the throughput measurements still to run past it are skipped")
+    ap.add_argument("--sections", nargs="+", default=None,
+                    help="run only these sections (env always runs): prefill_attention paged_attention "
+                         "engine_greedy decode_throughput train_step")
+    for name, (default, _) in SIZES.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, list):
+            ap.add_argument(flag, type=int, nargs="+", default=None)
+        else:
+            ap.add_argument(flag, type=type(default), default=None)
+    args = ap.parse_args()
+    for name, (default, small) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.small else default)
+    return args
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+def err_text(e: BaseException, lines: int = 25) -> dict:
+    tb = traceback.format_exc().rstrip().splitlines()
+    return {"error": f"{type(e).__name__}: {e}"[:3000], "traceback": "\n".join(tb[-lines:])}
+
+
+def max_abs(a, b, where=None) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if where is not None:
+        a, b = a[where], b[where]
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def max_mag(a, where=None) -> float:
+    a = np.asarray(a, np.float32)
+    if where is not None:
+        a = a[where]
+    return float(np.max(np.abs(a))) if a.size else 0.0
+
+
+def timed(fn, *a, iters: int = 10) -> tuple[float, float]:
+    """(first-call seconds incl. compile, median seconds of ``iters`` further calls)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*a))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+_PAGED = {"impl": "auto"}
+
+
+def use_kernels(prefill: str = "auto", paged: str = "auto") -> None:
+    """Binds the prefill (FlashConfig.impl, part of the engine's jit key) and paged-decode implementations for
+    the code built next. The paged impl is a gin default read at trace time, not part of the engine's jit key:
+    when it changes, compiled code is dropped."""
+    gin.clear_config()
+    gin.bind_parameter("FlashConfig.impl", prefill)
+    gin.bind_parameter("paged_attention.impl", paged)
+    gin.bind_parameter("paged_attention.interpret", paged == "pallas_gpu" and not on_gpu())
+    if paged != _PAGED["impl"]:
+        jax.clear_caches()
+        _PAGED["impl"] = paged
+
+
+def reset_kernels() -> None:
+    use_kernels("auto", "auto")
+    gin.clear_config()
+
+
+def precision(name: str | None):
+    """``jax.default_matmul_precision(name)`` as a context (none when ``name`` is None or JAX lacks it)."""
+    fn = getattr(jax, "default_matmul_precision", None)
+    return fn(name) if name and fn is not None else contextlib.nullcontext()
+
+
+def over_budget(args) -> bool:
+    return elapsed() > args.budget_s
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def section_env(args) -> dict:
+    import flax
+    import optax
+
+    devices = jax.devices()
+    out = {
+        "python": sys.version.split()[0], "platform": platform.platform(), "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(), "flax": flax.__version__,
+        "optax": optax.__version__, "gin": getattr(gin, "__version__", "?"), "backend": jax.default_backend(),
+        "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in devices], "num_devices": len(devices),
+        "small": args.small,
+    }
+    try:
+        from jax._src.lib import cuda_versions  # noqa: PLC0415  (private: present only with the CUDA plugin)
+
+        out["cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
+    except Exception as e:  # noqa: BLE001
+        out["cudnn"] = f"unknown ({type(e).__name__})"
+    return out
+
+
+def _jaxlib_version() -> str:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _packed_segments(b: int, t: int) -> np.ndarray:
+    """Rows packed with 3 segments each (ids 1..3) of different total lengths, then padding (0)."""
+    fracs = [1.0, 0.73, 0.31, 0.04]
+    segments = np.zeros((b, t), np.int32)
+    for i in range(b):
+        n = max(8, int(t * fracs[i % len(fracs)]))
+        cuts = np.sort(np.random.default_rng(i).choice(np.arange(1, n), size=2, replace=False))
+        segments[i, :n] = 1 + np.searchsorted(cuts, np.arange(n), side="right")
+    return segments
+
+
+def section_prefill_attention(args) -> dict:
+    b, t, hq, hkv, d = args.attn_batch, args.attn_len, args.attn_heads, args.attn_kv_heads, args.attn_head_dim
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, t, hq, d), jnp.float32)
+    k = jax.random.normal(keys[1], (b, t, hkv, d), jnp.float32)
+    v = jax.random.normal(keys[2], (b, t, hkv, d), jnp.float32)
+    seg_np = _packed_segments(b, t)
+    segments = jnp.asarray(seg_np)
+    real = seg_np > 0
+    weights = jnp.asarray(real, jnp.float32)[..., None, None]
+    gpu = on_gpu()
+    out: dict = {"shape": dict(batch=b, len=t, q_heads=hq, kv_heads=hkv, head_dim=d),
+                 "real_tokens": int(real.sum()), "kernel": "cudnn" if gpu else "xla (implementation=None; CPU)"}
+
+    def kernel(q, k, v, seg):
+        if gpu:
+            return fa.causal_attention(q, k, v, seg, "cudnn")
+        return fa.cudnn_attention(q, k, v, seg, implementation=None)
+
+    def reference(q, k, v, seg):
+        return fa.causal_attention(q, k, v, seg, "reference")
+
+    def loss(fn, seg):
+        return lambda q, k, v: jnp.sum(weights * fn(q, k, v, seg).astype(jnp.float32) ** 2)
+
+    grad = {name: jax.jit(jax.grad(loss(fn, segments), argnums=(0, 1, 2)))
+            for name, fn in (("kernel", kernel), ("reference", reference))}
+    fwd = {name: jax.jit(fn) for name, fn in (("kernel", kernel), ("reference", reference))}
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (qb, kb, vb))  # the bf16 inputs, exactly, in float32
+
+    # bf16: kernel vs float32 reference on the same inputs; the bf16 reference's error is the baseline.
+    with precision("highest"):  # on GPU, float32 matmuls may otherwise run in TF32
+        truth = fwd["reference"](q32, k32, v32, segments)
+        plain_truth = fwd["reference"](q32, k32, v32, None)
+        g_truth = grad["reference"](q32, k32, v32)
+        truth32 = fwd["reference"](q, k, v, segments)
+    got = fwd["kernel"](qb, kb, vb, segments)
+    base = fwd["reference"](qb, kb, vb, segments)
+    scale = max_mag(truth, real)
+    e_k, e_b = max_abs(got, truth, real), max_abs(base, truth, real)
+    tol = max(3 * e_b, 2e-2 * scale)
+    bf16 = {"fwd_max_abs_err": e_k, "fwd_ref_bf16_max_abs_err": e_b, "fwd_max_abs_ref": scale, "fwd_tol": tol,
+            "fwd_ok": bool(e_k <= tol)}
+    # No segments: plain causal (the kernel's own causal mask, no dense mask).
+    e_plain = max_abs(fwd["kernel"](qb, kb, vb, None), plain_truth)
+    bf16.update(fwd_no_segments_max_abs_err=e_plain, fwd_no_segments_ok=bool(e_plain <= tol))
+    # Gradients.
+    g_got = grad["kernel"](qb, kb, vb)
+    g_base = grad["reference"](qb, kb, vb)
+    grads_ok = True
+    for name, gt, gk, gb in zip("qkv", g_truth, g_got, g_base, strict=True):
+        e_k, e_b, mag = max_abs(gk, gt), max_abs(gb, gt), max_mag(gt)
+        gtol = max(3 * e_b, 2e-2 * mag)
+        bf16[f"grad_{name}_max_abs_err"], bf16[f"grad_{name}_ref_bf16_max_abs_err"] = e_k, e_b
+        bf16[f"grad_{name}_max_abs_ref"], bf16[f"grad_{name}_tol"] = mag, gtol
+        grads_ok &= bool(e_k <= gtol and np.isfinite(np.asarray(gk, np.float32)).all())
+    bf16["grads_ok"] = grads_ok
+    out["bfloat16"] = bf16
+    # Times (forward; forward + backward) at this shape, bf16.
+    try:
+        for name in ("kernel", "reference"):
+            c, s = timed(fwd[name], qb, kb, vb, segments, iters=5)
+            cg, sg = timed(grad[name], qb, kb, vb, iters=5)
+            out[f"time_{name}"] = {"fwd_s": s, "fwd_first_s": c, "fwd_bwd_s": sg, "fwd_bwd_first_s": cg}
+    except Exception as e:  # noqa: BLE001
+        out["time_error"] = err_text(e)
+    # float32: cuDNN has no float32 flash kernel (expected: NotImplementedError); XLA's path runs on CPU.
+    try:
+        got32 = fwd["kernel"](q, k, v, segments)
+        e32 = max_abs(got32, truth32, real)
+        out["float32"] = {"supported": True, "fwd_max_abs_err": e32, "fwd_ok": bool(e32 <= 1e-3)}
+    except Exception as e:  # noqa: BLE001
+        out["float32"] = {"supported": False, "error": f"{type(e).__name__}: {e}"[:600]}
+    out["status"] = "ok" if bf16["fwd_ok"] and bf16["fwd_no_segments_ok"] and grads_ok else "fail"
+    return out
+
+
+def _paged_case(seed, b, hq, hkv, d, page, pps):
+    rng = np.random.default_rng(seed)
+    num_pages = b * pps + 1  # page 0 is nobody's
+    lengths = rng.integers(1, page * pps + 1, size=b).astype(np.int32)
+    lengths[0], lengths[-1] = page * pps, 1  # a full table and a single token
+    table = rng.permutation(np.arange(1, num_pages))[: b * pps].reshape(b, pps).astype(np.int32)
+    k_pages = rng.normal(size=(hkv, num_pages, page, d)).astype(np.float32)
+    v_pages = rng.normal(size=(hkv, num_pages, page, d)).astype(np.float32)
+    q = (rng.normal(size=(b, hq, d)) * d ** -0.5).astype(np.float32)  # already scaled, as the kernels expect
+    return q, k_pages, v_pages, lengths, table
+
+
+def section_paged_attention(args, state: dict) -> dict:
+    b, hq, hkv, d = args.paged_batch, args.paged_heads, args.paged_kv_heads, args.paged_head_dim
+    page, pps = args.paged_page_size, args.paged_pages_per_seq
+    q, kp, vp, lengths, table = map(jnp.asarray, _paged_case(0, b, hq, hkv, d, page, pps))
+    interpret = not on_gpu()
+    out: dict = {"shape": dict(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, page_size=page, pages_per_seq=pps,
+                               num_pages=int(kp.shape[1])), "interpret": interpret}
+    ref = jax.jit(paged_attention_reference)
+    pallas = jax.jit(lambda *a: paged_attention(*a, impl="pallas_gpu", interpret=interpret))
+    ok_all = True
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        res: dict = {}
+        qd, kd, vd = (x.astype(dtype) for x in (q, kp, vp))
+        with precision("highest"):
+            want = ref(*(x.astype(jnp.float32) for x in (qd, kd, vd)), lengths, table)
+        base = max_abs(ref(qd, kd, vd, lengths, table), want)
+        try:
+            got = pallas(qd, kd, vd, lengths, table)
+            e = max_abs(got, want)
+            tol = 5e-3 if dtype == jnp.float32 else max(3 * base, 2e-2 * max_mag(want))
+            res.update(max_abs_err=e, ref_same_dtype_max_abs_err=base, max_abs_ref=max_mag(want), tol=tol,
+                       ok=bool(e <= tol))
+            ok_all &= res["ok"]
+            try:
+                iters = 3 if interpret else 20
+                c_ref, s_ref = timed(ref, qd, kd, vd, lengths, table, iters=iters)
+                c_pal, s_pal = timed(pallas, qd, kd, vd, lengths, table, iters=iters)
+                res.update(reference_s=s_ref, pallas_s=s_pal, reference_first_s=c_ref, pallas_first_s=c_pal)
+            except Exception as e:  # noqa: BLE001
+                res["time_error"] = err_text(e)
+        except Exception as e:  # noqa: BLE001  (e.g. the kernel does not lower on this jax / GPU)
+            res.update(err_text(e), ok=False)
+            ok_all = False
+        out[name] = res
+    state["pallas_ok"] = ok_all
+    out["status"] = "ok" if ok_all else "fail"
+    return out
+
+
+def _tiny_model(compute_dtype: str):
+    if (POLICY / "config.json").exists():
+        return load_pretrained(POLICY, compute_dtype=compute_dtype), str(POLICY.relative_to(ROOT))
+    return init_model(model_config("tiny", dtype=compute_dtype), seed=0), "random tiny preset"
+
+
+def _run_engine(engine: Engine, reqs: list[Trajectory]) -> list[Trajectory]:
+    sched = Scheduler(engine)
+    sched.submit(reqs)
+    sched.run()
+    done = sorted(sched.take_finished(), key=lambda t: t.uid)
+    if len(done) != len(reqs):
+        raise RuntimeError(f"{len(done)} of {len(reqs)} requests finished")
+    return done
+
+
+def _greedy_case(args, compute_dtype: str, prefill: str, paged: str, matmul_precision: str | None,
+                 tol: float) -> dict:
+    use_kernels(prefill, paged)
+    model, source = _tiny_model(compute_dtype)
+    vocab = model.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    reqs = [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, vocab, size=rng.integers(6, 21)).astype(np.int32),
+                       seed=1000 + i, max_new_tokens=int(rng.integers(24, 41))) for i in range(args.engine_requests)]
+    cfg = EngineConfig(num_slots=args.engine_slots, page_size=8, max_seq_len=64, steps_per_dispatch=4)
+    res: dict = {"model": source, "compute_dtype": compute_dtype, "prefill_impl": prefill, "paged_impl": paged,
+                 "matmul_precision": matmul_precision or "default", "tol": tol}
+    with precision(matmul_precision):
+        engine = Engine(model, cfg, SamplingConfig(greedy=True), eos_ids=())
+        res["prefill_kernel"] = engine._static().kernel()["impl"]
+        t0 = time.perf_counter()
+        trajs = _run_engine(engine, reqs)
+        res["engine_s"] = time.perf_counter() - t0
+        width = max(len(t.prompt) + t.num_tokens for t in trajs)
+        x = np.zeros((len(trajs), width), np.int32)
+        for i, t in enumerate(trajs):
+            x[i, : len(t.prompt) + t.num_tokens] = np.concatenate([t.prompt, t.tokens])
+        graphdef, params = nnx.split(model)
+        # Teacher forcing with the model's own forward (reference attention); causal: right padding is unseen.
+        logits = np.asarray(jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, x), np.float32)
+    regrets, exact, total = [], 0, 0
+    for i, t in enumerate(trajs):
+        p = len(t.prompt)
+        rows = logits[i, p - 1: p - 1 + t.num_tokens]
+        chosen = rows[np.arange(t.num_tokens), t.tokens]
+        regrets.append(rows.max(axis=-1) - chosen)
+        exact += int((rows.argmax(axis=-1) == np.asarray(t.tokens)).sum())
+        total += t.num_tokens
+    regret = np.concatenate(regrets)
+    res.update(tokens=total, argmax_equal=exact, argmax_equal_frac=exact / total, max_regret=float(regret.max()),
+               tokens_over_tol=int((regret > tol).sum()), ok=bool(regret.max() <= tol))
+    return res
+
+
+def section_engine_greedy(args, state: dict) -> dict:
+    cases = [
+        # name, compute dtype, prefill impl, paged impl, matmul precision, tolerance on the regret
+        ("float32_auto", "float32", "auto", "auto", "highest", 1e-3),  # on GPU: cuDNN has no float32 kernel
+        ("float32_reference_prefill", "float32", "reference", "auto", "highest", 1e-3),
+        ("bfloat16_auto", "bfloat16", "auto", "auto", None, 0.15),
+        ("float32_pallas_decode", "float32", "reference", "pallas_gpu", "highest", 1e-2),
+        ("bfloat16_pallas_decode", "bfloat16", "auto", "pallas_gpu", None, 0.15),
+    ]
+    out: dict = {"cases": {}}
+    ok = True
+    for name, dtype, prefill, paged, matmul_precision, tol in cases:
+        print(f"   engine case {name}", flush=True)
+        try:
+            res = _greedy_case(args, dtype, prefill, paged, matmul_precision, tol)
+        except Exception as e:  # noqa: BLE001
+            res = {"ok": False, **err_text(e)}
+        out["cases"][name] = res
+        ok &= res["ok"]
+        print(f"     -> {_case_line(res)}", flush=True)
+    reset_kernels()
+    out["status"] = "ok" if ok else "fail"
+    return out
+
+
+def _case_line(res: dict) -> str:
+    if "error" in res:
+        return "ERROR " + res["error"].splitlines()[0][:160]
+    return (f"{'ok' if res['ok'] else 'FAIL'}: {res['argmax_equal']}/{res['tokens']} tokens = argmax, max regret "
+            f"{res['max_regret']:.3g} (tol {res['tol']:g}), prefill {res['prefill_kernel']}")
+
+
+def _bench_requests(n: int, new: int, seed: int, vocab: int) -> list[Trajectory]:
+    rng = np.random.default_rng(seed)
+    hi = min(vocab, 30_000)
+    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, hi, size=rng.integers(24, 33)).astype(np.int32),
+                       seed=seed * 100_000 + i, max_new_tokens=new) for i in range(n)]
+
+
+def _decode_run(args, model, n: int, max_len: int, prefill: str) -> dict:
+    """Compile (warm-up + one rollout), then ``decode_rounds`` timed rollouts of n requests."""
+    vocab = model.cfg.vocab_size
+    ecfg = EngineConfig(num_slots=n, page_size=16, max_seq_len=max_len, steps_per_dispatch=8, kv_dtype="bfloat16")
+    engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=())
+    run: dict = {"prefill_kernel": engine._static().kernel()["impl"]}
+    t0 = time.perf_counter()
+    engine.warmup()
+    _run_engine(engine, _bench_requests(n, args.new_tokens, 999, vocab))  # compiles every shape used below
+    run["compile_and_first_rollout_s"] = time.perf_counter() - t0
+    rates = []
+    for r in range(args.decode_rounds):
+        t0 = time.perf_counter()
+        done = _run_engine(engine, _bench_requests(n, args.new_tokens, r, vocab))
+        rates.append(sum(t.num_tokens for t in done) / (time.perf_counter() - t0))
+    run.update(tokens_per_s=statistics.median(rates), tokens_per_s_rounds=rates, tokens_per_round=n * args.new_tokens)
+    return run
+
+
+def section_decode_throughput(args, state: dict) -> dict:
+    cfg = model_config(args.bench_preset, param_dtype="bfloat16", dtype="bfloat16")
+    model = init_model(cfg, seed=0)
+    out: dict = {"model": args.bench_preset, "params": cfg.num_params(), "dtype": "bfloat16 params and compute",
+                 "kv_dtype": "bfloat16", "new_tokens": args.new_tokens, "runs": []}
+    impls = ["reference"] + (["pallas_gpu"] if state.get("pallas_ok") else [])
+    if not state.get("pallas_ok"):
+        out["pallas_gpu"] = "skipped: the kernel did not pass paged_attention"
+    max_len = -(-(32 + args.new_tokens) // 64) * 64  # pages of 16: live-page buckets stay multiples of 4
+    ok = True
+    prefill = "auto"
+    for impl in impls:
+        use_kernels(prefill, impl)
+        for n in args.concurrency:
+            run = {"paged_impl": impl, "concurrent": n, "prefill_impl": prefill}
+            if over_budget(args):
+                run["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
+                out["runs"].append(run)
+                continue
+            try:
+                run.update(_decode_run(args, model, n, max_len, prefill))
+            except Exception as e:  # noqa: BLE001
+                run.update(err_text(e))
+                ok = False
+                if prefill == "auto":  # the prefill kernel may be what failed: measure decode on the reference
+                    prefill = "reference"
+                    use_kernels(prefill, impl)
+                    try:
+                        run["retry_with_reference_prefill"] = _decode_run(args, model, n, max_len, prefill)
+                    except Exception as e2:  # noqa: BLE001
+                        run["retry_with_reference_prefill"] = err_text(e2)
+            out["runs"].append(run)
+            print(f"   {_run_line(run)}", flush=True)
+    reset_kernels()
+    out["status"] = "ok" if ok else "fail"
+    return out
+
+
+def _run_line(run: dict) -> str:
+    head = f"{run['paged_impl']:>10} x {run['concurrent']:>4} concurrent: "
+    if "error" in run:
+        retry = run.get("retry_with_reference_prefill")
+        tail = ""
+        if retry:
+            tail = (f"; with reference prefill: {retry['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in retry
+                    else "; reference prefill: ERROR " + retry["error"].splitlines()[0][:100])
+        return head + "ERROR " + run["error"].splitlines()[0][:160] + tail
+    if "skipped" in run:
+        return head + "skipped (" + run["skipped"] + ")"
+    return head + (f"{run['tokens_per_s']:.0f} tok/s (compile + first rollout "
+                   f"{run['compile_and_first_rollout_s']:.1f} s)")
+
+
+def _train_batch(rows: int, width: int, vocab: int) -> dict:
+    """Long-tailed rows like RL's: prompts of 32-96 tokens, responses lognormal (median ~width/5), cut to fit."""
+    rng = np.random.default_rng(7)
+    trajs = []
+    for i in range(rows):
+        p = int(rng.integers(min(32, width // 4), min(97, width // 2)))
+        r = int(np.clip(rng.lognormal(np.log(width / 5), 0.7), 4, width - p))
+        trajs.append(Trajectory(uid=i, group_id=i // 8, prompt=rng.integers(4, vocab, size=p).astype(np.int32),
+                                seed=0, max_new_tokens=r, tokens=rng.integers(4, vocab, size=r).tolist(),
+                                logps=(-rng.exponential(1.0, size=r)).tolist()))
+    advantages = rng.normal(size=rows).astype(np.float32)
+    return build_batch(trajs, advantages, max_len=width)
+
+
+def section_train_step(args, state: dict) -> dict:
+    cfg = model_config(args.bench_preset, param_dtype="float32", dtype="bfloat16")
+    model = init_model(cfg, seed=0)
+    mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-5))
+    graphdef = learner.split_params(model)[0]
+    shardings = learner.train_state_shardings(model, optimizer, mesh)
+    lcfg = learner.LearnerConfig()
+    batch = learner.pack_for_learner(_train_batch(args.train_rows, args.train_width, cfg.vocab_size), lcfg, mesh)
+    out: dict = {"model": args.bench_preset, "params": cfg.num_params(), "dtype": "float32 params, bfloat16 compute",
+                 "rows": args.train_rows, "width": args.train_width,
+                 "real_tokens": int(np.asarray(batch["attention_mask"]).sum()),
+                 "packed_shape": list(np.asarray(batch["packed_tokens"]).shape), "runs": []}
+    impls = ["cudnn", "reference"] if on_gpu() else ["reference"]
+    if not on_gpu():
+        out["note"] = "CPU: 'cudnn' cannot run here; the reference impl exercises the same step code"
+    ok = True
+    for impl in impls:
+        run: dict = {"attention_impl": impl}
+        if over_budget(args) and impl != impls[0]:
+            run["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
+            out["runs"].append(run)
+            continue
+        try:
+            step = learner.make_train_step(graphdef, lcfg, optimizer, mesh, shardings, flash=fa.FlashConfig(impl=impl))
+            train_state = learner.init_train_state(model, optimizer, mesh, seed=0)
+            t0 = time.perf_counter()
+            train_state, m = step(train_state, batch)
+            jax.block_until_ready(m)
+            run["compile_and_first_step_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(args.train_iters):
+                t0 = time.perf_counter()
+                train_state, m = step(train_state, batch)
+                jax.block_until_ready(m)
+                times.append(time.perf_counter() - t0)
+            metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
+            run.update(step_s=statistics.median(times), step_s_all=times, loss=metrics.get("loss"),
+                       grad_norm=metrics.get("grad_norm"), skipped_updates=metrics.get("train/skipped_updates"))
+            run["finite"] = bool(np.isfinite(run["loss"]) and np.isfinite(run["grad_norm"]))
+            ok &= run["finite"]
+            del train_state
+        except Exception as e:  # noqa: BLE001
+            run.update(err_text(e))
+            ok = False
+        out["runs"].append(run)
+        print(f"   {_train_line(run)}", flush=True)
+    out["status"] = "ok" if ok else "fail"
+    return out
+
+
+def _train_line(run: dict) -> str:
+    head = f"{run['attention_impl']:>10}: "
+    if "error" in run:
+        return head + "ERROR " + run["error"].splitlines()[0][:160]
+    if "skipped" in run:
+        return head + "skipped (" + run["skipped"] + ")"
+    return head + (f"step {run['step_s']:.3f} s (compile + first {run['compile_and_first_step_s']:.1f} s), "
+                   f"loss {run['loss']:.4g}, grad norm {run['grad_norm']:.4g}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def write_report(report: dict, path: str) -> None:
+    report["elapsed_s"] = round(elapsed(), 2)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(path)
+
+
+def run_section(report: dict, name: str, fn, args, *extra) -> None:
+    print(f"== {name} (at {elapsed():.0f} s)", flush=True)
+    t0 = time.perf_counter()
+    try:
+        res = fn(args, *extra) or {}
+        res.setdefault("status", "ok")
+    except Exception as e:  # noqa: BLE001
+        res = {"status": "error", **err_text(e)}
+        print("   ERROR " + res["error"].splitlines()[0][:300], flush=True)
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    report["sections"][name] = res
+    write_report(report, args.out)
+    print(f"   {name}: {res['status']} ({res['seconds']:.1f} s)", flush=True)
+
+
+def summary(report: dict) -> str:
+    s = report["sections"]
+    lines = ["", "==== summary ===="]
+    env = s.get("env", {})
+    lines.append(f"jax {env.get('jax')} / jaxlib {env.get('jaxlib')}, backend {env.get('backend')}, "
+                 f"devices {env.get('devices')}, cudnn {env.get('cudnn')}")
+    for name, res in s.items():
+        if name == "env":
+            continue
+        lines.append(f"{name}: {res.get('status')} ({res.get('seconds', 0):.1f} s)"
+                     + (f"  ERROR {res['error'].splitlines()[0][:200]}" if "error" in res else ""))
+        if name == "prefill_attention" and "bfloat16" in res:
+            b = res["bfloat16"]
+            lines.append(f"  bf16 fwd err {b['fwd_max_abs_err']:.3g} (bf16 ref {b['fwd_ref_bf16_max_abs_err']:.3g}, "
+                         f"tol {b['fwd_tol']:.3g}); no-segments {b['fwd_no_segments_max_abs_err']:.3g}; grads "
+                         + ", ".join(f"d{x} {b[f'grad_{x}_max_abs_err']:.3g}/{b[f'grad_{x}_tol']:.3g}" for x in "qkv"))
+            f32 = res.get("float32", {})
+            lines.append("  float32: " + (f"err {f32.get('fwd_max_abs_err'):.3g}" if f32.get("supported")
+                                          else f"unsupported: {str(f32.get('error'))[:160]}"))
+            for impl in ("kernel", "reference"):
+                if f"time_{impl}" in res:
+                    t = res[f"time_{impl}"]
+                    lines.append(f"  {impl}: fwd {t['fwd_s'] * 1e3:.2f} ms, fwd+bwd {t['fwd_bwd_s'] * 1e3:.2f} ms")
+        if name == "paged_attention":
+            for dt in ("float32", "bfloat16"):
+                r = res.get(dt, {})
+                if "error" in r:
+                    lines.append(f"  {dt}: ERROR {r['error'].splitlines()[0][:200]}")
+                elif r:
+                    t = (f", reference {r['reference_s'] * 1e3:.3f} ms vs pallas {r['pallas_s'] * 1e3:.3f} ms"
+                         if "pallas_s" in r else "")
+                    lines.append(f"  {dt}: err {r['max_abs_err']:.3g} (tol {r['tol']:.3g}) "
+                                 f"{'ok' if r['ok'] else 'FAIL'}{t}")
+        if name == "engine_greedy":
+            for case, r in res.get("cases", {}).items():
+                lines.append(f"  {case}: {_case_line(r)}")
+        if name == "decode_throughput":
+            for r in res.get("runs", []):
+                lines.append(f"  {_run_line(r)}")
+        if name == "train_step":
+            lines.append(f"  {res.get('model')} packed {res.get('packed_shape')}, {res.get('real_tokens')} real tokens")
+            for r in res.get("runs", []):
+                lines.append(f"  {_train_line(r)}")
+    lines.append(f"total {report.get('elapsed_s', elapsed()):.1f} s; report: {report.get('out')}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    report: dict = {"args": vars(args), "out": args.out, "sections": {}}
+    run_section(report, "env", lambda a: section_env(a), args)
+    if not on_gpu() and not args.allow_cpu:
+        report["error"] = f"no GPU: JAX backend is {jax.default_backend()!r} ({jax.devices()}); --allow-cpu to test"
+        write_report(report, args.out)
+        print("ERROR: " + report["error"], file=sys.stderr)
+        return 2
+    state: dict = {}
+    sections = [("prefill_attention", section_prefill_attention, ()),
+                ("paged_attention", section_paged_attention, (state,)),
+                ("engine_greedy", section_engine_greedy, (state,)),
+                ("train_step", section_train_step, (state,)),
+                ("decode_throughput", section_decode_throughput, (state,))]
+    for name, fn, extra in sections:
+        if args.sections and name not in args.sections:
+            continue
+        run_section(report, name, fn, args, *extra)
+    write_report(report, args.out)
+    print(summary(report), flush=True)
+    failed = [n for n, r in report["sections"].items() if r.get("status") != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
