@@ -23,9 +23,10 @@ from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Schedul
 POLICY = "assets/tiny_policy"
 
 
-def requests(n: int, new: int, seed: int) -> list[Trajectory]:
+def requests(n: int, new: int, seed: int, vocab: int = 40) -> list[Trajectory]:
+    """Random in-vocabulary prompts (ids 4 and up: the tiny policy's special tokens are 0-3)."""
     rng = np.random.default_rng(seed)
-    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 60, size=rng.integers(24, 33)).astype(np.int32),
+    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, vocab, size=rng.integers(24, 33)).astype(np.int32),
                        seed=seed * 100_000 + i, max_new_tokens=new) for i in range(n)]
 
 

@@ -35,8 +35,9 @@ def test_reference_matches_dense_attention():
     np.testing.assert_allclose(got, _dense(*case), atol=1e-5)
 
 
-def test_gpu_pallas_kernel_interpret_matches_reference():
-    q, k, v, lengths, table = _paged_case(seed=1, b=2, hq=16, hkv=1, d=16, page=4, pages_per_seq=4)
+@pytest.mark.parametrize("pages_per_seq", [4, 5])  # 5: no block of 2 divides the table; the kernel takes 1s
+def test_gpu_pallas_kernel_interpret_matches_reference(pages_per_seq):
+    q, k, v, lengths, table = _paged_case(seed=1, b=2, hq=16, hkv=1, d=16, page=4, pages_per_seq=pages_per_seq)
     want = np.asarray(paged_attention_reference(q, k, v, lengths, table))
     got = paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jnp.asarray(table),
                           impl="pallas_gpu", pages_per_compute_block=2, interpret=True)

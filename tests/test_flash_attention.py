@@ -92,3 +92,12 @@ def test_block_causal_reference_equals_the_dense_mask(qkv, block):
     dense = fa.reference_attention(q, k, v, fa.causal_mask(T, segments))
     got = fa.block_causal_reference(q, k, v, segments, block)
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=2e-6, rtol=2e-6)
+
+
+def test_cudnn_impl_takes_xla_attention_for_float32(qkv):
+    """cuDNN's kernel refuses float32: the 'cudnn' impl runs float32 rows through XLA's implementation (which is
+    what runs here on CPU), equal to the reference at every real position."""
+    q, k, v, segments, _ = qkv
+    want = fa.causal_attention(q, k, v, segments, "reference")
+    got = fa.causal_attention(q, k, v, segments, "cudnn")
+    np.testing.assert_allclose(_real(got, segments), _real(want, segments), atol=2e-5, rtol=2e-5)

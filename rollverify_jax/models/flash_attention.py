@@ -7,8 +7,8 @@
 - 'splash': the Pallas TPU splash-attention kernel (flash attention with block sparsity: the causal and
   segment structure skips whole blocks), run per device inside ``shard_map`` because Mosaic kernels cannot be
   partitioned automatically. On CPU it runs in Pallas interpret mode, which is how the tests check it.
-- 'cudnn': ``jax.nn.dot_product_attention`` with the cuDNN fused kernel (GPU). Packed rows pass their segment
-  structure as a boolean mask.
+- 'cudnn': ``jax.nn.dot_product_attention`` with the cuDNN fused kernel (GPU; bf16/fp16 inputs, float32 ones take
+  XLA's implementation of the same call). Packed rows pass their segment structure as a boolean mask.
 
 Inputs follow the model's layout: q [B, T, Hq, D], k/v [B, T, Hkv, D] (grouped-query: Hq a multiple of Hkv),
 ``segments`` int32[B, T] (a query attends only to keys with its own id; padding gets an id of its own).
@@ -167,6 +167,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Arr
         if segments is None:
             segments = jnp.zeros(q.shape[:2], jnp.int32)
         return splash_attention(q, k, v, segments, cfg, mesh)
-    if impl == "cudnn":
-        return cudnn_attention(q, k, v, segments)
+    if impl == "cudnn":  # cuDNN's fused kernel takes fp16/bf16 only; float32 runs XLA's own attention
+        return cudnn_attention(q, k, v, segments, "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla")
     raise ValueError(f"Unknown attention impl {impl!r}; use one of {IMPLS[1:]}.")

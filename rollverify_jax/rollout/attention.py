@@ -41,12 +41,13 @@ def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_bloc
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     pages = page_table.shape[1]
-    k_splits = next(s for s in (16, 8, 4, 2, 1) if pages % (s * pages_per_compute_block) == 0) \
-        if pages % pages_per_compute_block == 0 else 1
+    # The kernel needs the table's width to be a multiple of its block (and of the splits): the largest block
+    # up to the configured one that divides it (a 5-page live bucket runs 5 x 1-page blocks).
+    block = max(b for b in range(1, min(pages_per_compute_block, pages) + 1) if pages % b == 0)
+    k_splits = next(s for s in (16, 8, 4, 2, 1) if pages % (s * block) == 0)
     block_h = max(16, q.shape[1] // k_pages.shape[0])
     return paged_attention(q, k_pages, v_pages, page_table, lengths, block_h=block_h,
-                           pages_per_compute_block=min(pages_per_compute_block, pages), k_splits=k_splits,
-                           interpret=interpret)
+                           pages_per_compute_block=block, k_splits=k_splits, interpret=interpret)
 
 
 @gin.configurable
