@@ -6,12 +6,18 @@ the batch's power-of-two bucket (the unpacked path). Packed: the engine's fixed 
 with first-fit decreasing (`rl/packing.py`). Both run the same compiled train step code; times are medians
 after a compile and a warm-up call.
 
+Machine utilization: FLOPs per step from XLA's cost analysis of the compiled step, over the step's time,
+against this machine's float32 matmul rate (a plain jitted ``[N, N] @ [N, N]``, measured in the same run).
+XLA counts a loop body once, so the FLOPs are those of the same step compiled as one minibatch (the same
+forward and backward work; one optimizer update instead of ``num_minibatches``).
+
 Usage: python scripts/bench_train_step.py [--batches 64 128 256] [--iters 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -58,6 +64,26 @@ def time_step(step, state, batch, iters: int) -> tuple[float, object]:
     return statistics.median(times), state
 
 
+def matmul_peak(n: int = 2048, iters: int = 10) -> float:
+    """GFLOP/s of a jitted float32 ``[n, n] @ [n, n]`` (median of ``iters``): the machine's practical peak."""
+    a = jax.numpy.ones((n, n), jax.numpy.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def step_flops(graphdef, cfg: learner.LearnerConfig, optimizer, mesh, shardings, state, batch) -> float:
+    """FLOPs of one step's forward + backward over ``batch`` (XLA cost analysis, compiled as one minibatch)."""
+    one = learner.make_train_step(graphdef, dataclasses.replace(cfg, num_minibatches=1), optimizer, mesh, shardings)
+    cost = one.lower(state, batch).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 128, 256])
@@ -70,29 +96,42 @@ def main() -> None:
     optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-5))
     graphdef = learner.split_params(model)[0]
     shardings = learner.train_state_shardings(model, optimizer, mesh)
-    cfg = learner.LearnerConfig()
+    cfg = learner.LearnerConfig(num_minibatches=2)  # the tiny default's two updates per step
     step = learner.make_train_step(graphdef, cfg, optimizer, mesh, shardings)
     state = learner.init_train_state(model, optimizer, mesh, seed=0)
     rows = ["| sequences | real tokens | padded: shape | padded: step (s) | packed: shape | packed: step (s) | "
-            "speed-up |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            "speed-up | packed GFLOP | packed GFLOP/s | of matmul peak |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    peak_before = matmul_peak()
+    results = []
     for n in args.batches:
         padded = long_tailed_batch(tokenizer, n, None)
         packed = learner.pack_for_learner(long_tailed_batch(tokenizer, n, args.width), cfg, mesh)
         real = int(padded["attention_mask"].sum())
         t_pad, state = time_step(step, state, padded, args.iters)
         t_pack, state = time_step(step, state, packed, args.iters)
-        shape_pad, shape_pack = padded["tokens"].shape, packed["packed_tokens"].shape
+        flops = step_flops(graphdef, cfg, optimizer, mesh, shardings, state, packed)
+        results.append((n, real, padded["tokens"].shape, t_pad, packed["packed_tokens"].shape, t_pack, flops))
+    peak = max(peak_before, matmul_peak())  # the less disturbed of two measurements (before and after)
+    for n, real, shape_pad, t_pad, shape_pack, t_pack, flops in results:
+        rate = flops / t_pack / 1e9
         print(f"{n:4d} sequences, {real} real tokens: padded {shape_pad} {t_pad:.3f} s, packed {shape_pack} "
-              f"{t_pack:.3f} s, {t_pad / t_pack:.2f}x")
+              f"{t_pack:.3f} s, {t_pad / t_pack:.2f}x; packed {flops / 1e9:.1f} GFLOP, {rate:.1f} GFLOP/s = "
+              f"{rate / peak:.1%} of {peak:.0f}")
         rows.append(f"| {n} | {real} | {shape_pad[0]} x {shape_pad[1]} | {t_pad:.3f} | {shape_pack[0]} x "
-                    f"{shape_pack[1]} | {t_pack:.3f} | {t_pad / t_pack:.2f}x |")
+                    f"{shape_pack[1]} | {t_pack:.3f} | {t_pad / t_pack:.2f}x | {flops / 1e9:.1f} | {rate:.1f} | "
+                    f"{rate / peak:.1%} |")
     body = "\n".join(rows) + (
         "\n\nOne GRPO train step (forward + backward + AdamW) of the tiny policy on long-tailed synthetic-task "
         "rows. Padded rows cost `B x bucket(longest)` tokens; packed rows cost about the real token count "
         "(rows rounded to four sizes per octave), plus attention over the wider packed rows. One sequence "
         "longer than 256 tokens (the 128- and 256-row batches have one) doubles the padded width to 512, where "
         "padded attention and activations cost most. The losses see the same `[B, T]` log-probs either way "
-        "(`tests/test_learner.py::test_packed_step_equals_padded_step`).\n")
+        "(`tests/test_learner.py::test_packed_step_equals_padded_step`).\n\n"
+        "Matmul peak of this machine, measured in the same run (float32 2048^3, the higher of a measurement "
+        f"before and one after the steps): {peak:.0f} GFLOP/s. Step FLOPs: XLA's cost analysis of the step "
+        "compiled as one minibatch (XLA counts a loop body once); the timed step is the tiny default's (two "
+        "minibatches, two AdamW updates).\n")
     benchlib.write_section("Train step: padded vs packed (bench_train_step.py)", body)
 
 
