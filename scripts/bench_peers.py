@@ -322,6 +322,7 @@ def main() -> int:
 
 def run(args) -> int:
     t_start = time.perf_counter()
+    load = os.getloadavg()
     systems = [s for s in SYSTEMS if s in args.systems]
     pythons = {"project": sys.executable, "transformers": sys.executable}
     if "transformers" in systems:
@@ -411,7 +412,7 @@ def run(args) -> int:
             w.close()
 
     body, table = report(args, systems, versions, rates, lengths, startup, grpo, check_line, prompts, max_seq_len,
-                         prompt_width, time.perf_counter() - t_start)
+                         prompt_width, time.perf_counter() - t_start, load)
     print("\n" + table + "\n")
     if not args.no_write:
         import benchlib
@@ -437,7 +438,7 @@ def measure_startup(name: str, python: str, cache: Path, setup_kw: dict, prompts
 
 
 def report(args, systems, versions, rates, lengths, startup, grpo, check_line, prompts, max_seq_len, prompt_width,
-           wall) -> tuple[str, str]:
+           wall, load) -> tuple[str, str]:
     peers = [s for s in systems if s != "project"]
     head = ("| workload | " + " | ".join(LABEL[s] for s in systems) + " | "
             + " | ".join(f"project / {LABEL[p]}" for p in peers) + " |")
@@ -493,12 +494,16 @@ def report(args, systems, versions, rates, lengths, startup, grpo, check_line, p
     omp = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     if grpo:
         grpo_note = (
-            "GRPO update: one step (forward, backward, AdamW) over the project's own RL-generation samples with "
-            "group-normalised random rewards; project: `rl.learner` on packed rows (width "
-            f"{max_seq_len}); Tunix: its GRPO learner's padded path (its packed RL attention applies no mask off "
-            "TPU: log-probs off by up to 12.7 nats). Time per update after a compile, median over rounds. "
-            + ("" if "tunix" in grpo or "tunix" not in systems else "Tunix's learner did not run here (see the "
-               "script's log). "))
+            "GRPO update: one step (forward, backward, AdamW with gradient clipping at 1.0) over the project's own "
+            "RL-generation samples with group-normalised random rewards. Project: `rl.learner.make_train_step` on "
+            f"packed rows (width {max_seq_len}). Tunix: its registered `grpo` policy loss (`algo_core.grpo_loss_fn`, "
+            "`GRPOConfig` with beta 0, token-mean) on padded rows (prompts left padded, completions right padded) "
+            "under `nnx.value_and_grad` and an `nnx.Optimizer` in one `nnx.jit`, the body of its trainer's "
+            "`_train_step` (the RL cluster around it is not built); its packed path is not compared (its packed RL "
+            "attention applies no mask off TPU: log-probs off by up to 12.7 nats). Time per update after compiling, "
+            "median over rounds."
+            + ("" if "tunix" in grpo or "tunix" not in systems else " Tunix's update did not run here (see the "
+               "worker's log under runs/peer_bench/)."))
     body = "\n".join([
         table, "",
         "Goals (project / the faster peer for throughput, / the slower peer's warm start-up for start-up; "
@@ -508,7 +513,9 @@ def report(args, systems, versions, rates, lengths, startup, grpo, check_line, p
         f"problems x {args.samples} samples = {len(prompts)} sequences, T = 1 with no top-k/top-p. RL generation "
         f"response lengths ({lens}). tokens/s: generated tokens (EOS included) over the wall-clock of the whole "
         f"workload (admission, prefill, decode). Medians of {args.rounds} interleaved rounds (order rotating), "
-        f"start-up over {args.startup_rounds} of them.",
+        f"start-up over {args.startup_rounds} of them. Load average (1 min) at the start / end of the run: "
+        f"{load[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other work on the machine slows "
+        "every system; the interleaving spreads it over them).",
         "",
         "Systems: project: `Engine` + `Scheduler` (continuous batching, `concurrent` slots, page size 16, 8 decode "
         f"steps per dispatch, context {max_seq_len}); transformers: `generate` (PyTorch CPU, float32, "
