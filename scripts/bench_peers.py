@@ -114,16 +114,20 @@ def ensure_tunix_env(env: Path) -> str:
         if got.returncode == 0 and got.stdout.strip() == TUNIX_VERSION:
             return str(python)
     log(f"building the Tunix {TUNIX_VERSION} environment in {env} (a few minutes)")
-    env.parent.mkdir(parents=True, exist_ok=True)
     build_log = env.parent / f"{env.name}_build.log"
-    with open(build_log, "w") as out:
-        steps = [[sys.executable, "-m", "venv", str(env)] if not python.exists() else None,
-                 [str(python), "-m", "pip", "install", "--upgrade", "pip"],
-                 [str(python), "-m", "pip", "install", f"google-tunix=={TUNIX_VERSION}"]]
-        for cmd in filter(None, steps):
-            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                raise BenchError(f"building the Tunix environment failed at `{' '.join(cmd)}`; see {build_log} "
-                                 f"(or point --tunix-env at a working one, or leave tunix out of --systems)")
+    try:
+        env.parent.mkdir(parents=True, exist_ok=True)
+        with open(build_log, "w") as out:
+            steps = [[sys.executable, "-m", "venv", str(env)] if not python.exists() else None,
+                     [str(python), "-m", "pip", "install", "--upgrade", "pip"],
+                     [str(python), "-m", "pip", "install", f"google-tunix=={TUNIX_VERSION}"]]
+            for cmd in filter(None, steps):
+                if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+                    raise BenchError(f"building the Tunix environment failed at `{' '.join(cmd)}`; see {build_log} "
+                                     "(or point --tunix-env at a working one, or leave tunix out of --systems)")
+    except OSError as e:
+        raise BenchError(f"cannot build the Tunix environment in {env}: {e} (choose another --tunix-env, or leave "
+                         "tunix out of --systems)") from e
     got = subprocess.run(probe, capture_output=True, text=True)
     if got.returncode != 0 or got.stdout.strip() != TUNIX_VERSION:
         raise BenchError(f"Tunix does not import from {env} after the install: {got.stderr.strip()[-500:]}")
