@@ -50,3 +50,23 @@ def test_auto_uses_reference_off_tpu_and_unknown_impl_fails():
         np.testing.assert_array_equal(np.asarray(paged_attention(*case)), np.asarray(paged_attention_reference(*case)))
     with pytest.raises(ValueError, match="Unknown paged attention impl"):
         paged_attention(*case, impl="flash")
+
+
+def test_gpu_pallas_kernel_gets_one_element_type_for_a_float32_query_on_bf16_pages(monkeypatch):
+    """On a GPU, Triton refuses a float32 query against bf16 pages (the interpreter here would accept it): the
+    dispatcher hands the kernel the pages' type and returns the query's."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+
+    real = gpu_kernel.paged_attention
+
+    def strict(q, k_pages, *args, **kwargs):
+        assert q.dtype == k_pages.dtype, (q.dtype, k_pages.dtype)
+        return real(q, k_pages, *args, **kwargs)
+    monkeypatch.setattr(gpu_kernel, "paged_attention", strict)
+    q, k, v, lengths, table = _paged_case(seed=1, b=2, hq=16, hkv=1, d=16, page=4, pages_per_seq=4)
+    kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    want = np.asarray(paged_attention_reference(jnp.asarray(q), kb, vb, lengths, table))
+    got = paged_attention(jnp.asarray(q), kb, vb, jnp.asarray(lengths), jnp.asarray(table), impl="pallas_gpu",
+                          pages_per_compute_block=2, interpret=True)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, atol=3e-2)

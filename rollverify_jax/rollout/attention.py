@@ -65,6 +65,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
         impl = "pallas_tpu" if tpu else "reference"
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, lengths, page_table)
+    # The kernels' matrix products take one element type (Triton refuses a float32 query on bf16 pages).
+    qk = q.astype(k_pages.dtype)
     if impl == "pallas_tpu":
-        return _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block)
-    return _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret)
+        out = _pallas_tpu(qk, k_pages, v_pages, lengths, page_table, pages_per_compute_block)
+    else:
+        out = _pallas_gpu(qk, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret)
+    return out.astype(q.dtype)
