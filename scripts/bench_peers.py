@@ -530,8 +530,9 @@ def report(args, systems, versions, rates, lengths, startup, grpo, check_line, p
         "worker process, one running at a time. Versions: " + vers + ".",
         "",
         "Start-up: a fresh process's time from launch to its first generated tokens (load, build the "
-        f"{args.concurrent[0]}-concurrent generator and its warm-up - the project compiles every prefill bucket and "
-        "decode up front - then one new token for each prompt). Cold: the project and Tunix with an empty "
+        f"{args.concurrent[0]}-concurrent generator and its warm-up - the project compiles nothing ahead: the "
+        "first admission compiles the shapes it uses - then one new token for each prompt). Cold: the project "
+        "and Tunix with an empty "
         "persistent compilation cache; warm: again with the cache the cold start wrote (transformers compiles "
         "nothing: both are plain restarts).",
         "",

@@ -570,3 +570,25 @@ def test_random_schedules_keep_verified_prefixes_and_uncut_samples(tight_engine,
         else:
             assert t.draws == 0 and t.tokens == reference_samples[uid].tokens
             np.testing.assert_allclose(t.logps, reference_samples[uid].logps, atol=1e-4)
+
+
+def test_running_slots_are_packed_and_decode_runs_over_the_live_slots_only(model):
+    """16 slots, 16 requests of which 5 run long: once the short ones finish, the long ones move below slot 8 and
+    decode runs over 8 slots; every sample (tokens and behaviour log-probs) equals the all-slots run."""
+    cfg = dataclasses.replace(CFG, num_slots=16, max_seq_len=48)
+    rng = np.random.default_rng(3)
+    lengths = [30 if i % 3 == 1 else 3 for i in range(16)]  # slots 1, 4, 7, 10, 13 run long
+    reqs = [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 64, size=5).astype(np.int32), seed=70 + i,
+                       max_new_tokens=n) for i, n in enumerate(lengths)]
+    results, dispatch_slots = {}, []
+    for live in (False, True):
+        engine = Engine(model, dataclasses.replace(cfg, live_slots=live), SamplingConfig(temperature=1.0))
+        real = engine.live_slots
+        engine.live_slots = lambda real=real, live=live: (dispatch_slots.append(real()) if live else None, real())[1]
+        results[live] = _finish_all(_submit(engine, [dataclasses.replace(t, tokens=[], logps=[], versions=[])
+                                                     for t in reqs]))
+    assert engine.live_slot_buckets() == [8, 16]
+    assert dispatch_slots[0] == 16 and dispatch_slots[-1] == 8  # packed below 8 once the short ones finished
+    for uid, t in results[False].items():
+        assert results[True][uid].tokens == t.tokens
+        np.testing.assert_allclose(results[True][uid].logps, t.logps, atol=1e-6)

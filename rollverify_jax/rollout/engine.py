@@ -44,6 +44,7 @@ class EngineConfig:
     page_reservation: str = "incremental"  # 'incremental': pages as sequences grow; 'full': prompt + max new
     logits_chunk: int | None = None  # resume prefill scores log-probs this many positions at a time (None: all)
     live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all
+    live_slots: bool = True  # decode runs over the slots up to the highest running one (a bucket), not all
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
@@ -252,10 +253,19 @@ def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots,
     return state, (tok, logp)
 
 
-def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int, live_pages: int | None = None):
+_SLOT_FIELDS = ("page_table", "tokens", "lengths", "generated", "max_new", "seeds", "active")
+
+
+def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int, live_pages: int | None = None,
+                 live_slots: int | None = None):
     """``num_steps`` decode steps. ``live_pages``: no slot holds more pages than this during the dispatch, so
-    attention reads only those columns of the page table (a bucket; None: all of them)."""
+    attention reads only those columns of the page table (a bucket; None: all of them). ``live_slots``: every
+    running slot is below this (the scheduler packs them to the front), so the steps run over those slots
+    only (None: all); the outputs are ``[num_steps, live_slots]``."""
     model = nnx.merge(static.graphdef, params)
+    whole = state
+    if live_slots is not None:
+        state = dataclasses.replace(state, **{f: getattr(state, f)[:live_slots] for f in _SLOT_FIELDS})
     table = state.page_table if live_pages is None else state.page_table[:, :live_pages]
 
     def step(state: DecodeState, _):
@@ -275,12 +285,24 @@ def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int, li
         return new_state, (tok, logp, emit)
 
     state, (tokens, logps, emitted) = jax.lax.scan(step, state, None, length=num_steps)
+    if live_slots is not None:  # the other slots are idle: their fields are unchanged
+        state = dataclasses.replace(state, **{f: getattr(whole, f).at[:live_slots].set(getattr(state, f))
+                                              for f in _SLOT_FIELDS})
     return state, (tokens, logps, emitted)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _move_slots_fn(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
+    """Moves running slots ``src`` to free slots ``dst``: their metadata and page-table rows (the pages stay
+    where they are); the sources are left inactive."""
+    moved = {f: getattr(state, f).at[dst].set(getattr(state, f)[src]) for f in _SLOT_FIELDS}
+    moved["active"] = moved["active"].at[src].set(False)
+    return dataclasses.replace(state, **moved)
 
 
 _prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 7), donate_argnums=(2,))
 _insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,))
-_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4), donate_argnums=(2,))
+_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -439,9 +461,35 @@ class Engine:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
         behaviour log-probs and the emitted mask."""
         live = self.live_pages() if self.config.live_pages else None
+        slots = self.live_slots()
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
-                                        live)
-        return distributed.fetch(out)
+                                        live, None if slots == self.config.num_slots else slots)
+        tokens, logps, emitted = distributed.fetch(out)
+        if slots == self.config.num_slots:
+            return tokens, logps, emitted
+        pad = ((0, 0), (0, self.config.num_slots - slots))  # the idle slots above the bucket emit nothing
+        return np.pad(tokens, pad), np.pad(logps, pad), np.pad(emitted, pad)
+
+    def live_slot_buckets(self) -> list[int]:
+        """The slot counts decode compiles for, ascending: all slots halved while at least 8 remain (256: 8, 16,
+        ..., 256). One bucket (all slots) when ``live_slots`` is off or the slots are split over devices."""
+        out = [self.config.num_slots]
+        if self.config.live_slots and self.layout.num_shards == 1:
+            while out[-1] // 2 >= 8:
+                out.append(out[-1] // 2)
+        return out[::-1]
+
+    def live_slots(self) -> int:
+        """The smallest slot bucket above every slot that holds pages (a running sequence)."""
+        top = max(self.allocator.owned, default=0) + 1
+        return next(b for b in self.live_slot_buckets() if b >= top)
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Moves running sequences from slots ``src`` to free slots ``dst`` (their pages stay: only the
+        page-table rows and the slot metadata move), so running slots can be packed to the front."""
+        for a, b in zip(src, dst, strict=True):
+            self.allocator.move(a, b)
+        self.state = _move_slots_fn(self.state, np.asarray(src, np.int32), np.asarray(dst, np.int32))
 
     def live_page_buckets(self) -> list[int]:
         """The page-table widths decode compiles for, ascending: the full table halved while at least 4 pages

@@ -178,6 +178,15 @@ class PageAllocator:
             self.owned[slot] = have + new
         return True
 
+    def move(self, src: int, dst: int) -> None:
+        """Hands ``src``'s pages (and its table row) to the free slot ``dst`` of the same shard."""
+        if dst in self.owned or self.shard_of(src) != self.shard_of(dst):
+            raise RuntimeError(f"Cannot move slot {src} to slot {dst}: it is taken or on another shard.")
+        if src in self.owned:
+            self.owned[dst] = self.owned.pop(src)
+        self.table[dst] = self.table[src]
+        self.table[src] = self.scratch(self.shard_of(src))
+
     def release(self, slot: int) -> None:
         shard = self.shard_of(slot)
         pages = self.owned.pop(slot, [])

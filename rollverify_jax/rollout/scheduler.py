@@ -276,6 +276,19 @@ class Scheduler:
         if grew:
             self.engine.sync_page_table()
 
+    def _pack_slots(self) -> None:
+        """Moves running sequences above the smallest slot bucket that could hold them all into free slots
+        below it, so decode runs over that bucket only (the long tail of a batch decodes on a few slots)."""
+        engine = self.engine
+        target = next(b for b in engine.live_slot_buckets() if b >= len(self.slots))
+        high = sorted(s for s in self.slots if s >= target)
+        if not high:
+            return
+        low = [s for s in range(target) if s not in self.slots][: len(high)]
+        engine.move_slots(high, low)
+        for a, b in zip(high, low, strict=True):
+            self.slots[b] = self.slots.pop(a)
+
     def step(self) -> int:
         """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated."""
         t0 = time.perf_counter()
@@ -284,6 +297,7 @@ class Scheduler:
         self._grow_or_preempt()
         if not self.slots:
             return 0
+        self._pack_slots()
         t1 = time.perf_counter()
         tokens, logps, emitted = self.engine.generate()
         t2 = time.perf_counter()

@@ -17,7 +17,8 @@ class Worker:
 
     def setup(self, policy: str, configs: list[dict], max_seq_len: int, page_size: int = 16,
               steps_per_dispatch: int = 8, **_) -> dict:
-        """Loads the policy and builds (and warms up) one engine per (slots, eos) workload configuration."""
+        """Loads the policy and builds one engine per (slots, eos) workload configuration. Nothing is compiled here:
+        each shape compiles when first used (bench_peers.py's warm-up round runs every workload once)."""
         import jax
 
         from rollverify_jax import compile_cache
@@ -34,7 +35,6 @@ class Worker:
                                steps_per_dispatch=steps_per_dispatch)
             sampling = SamplingConfig(greedy=True) if c.get("greedy") else SamplingConfig(temperature=1.0)
             engine = Engine(self.model, cfg, sampling, eos_ids=self.eos_ids if c["eos"] else ())
-            engine.warmup()
             self.engines[(c["slots"], c["eos"], bool(c.get("greedy")))] = engine
         return {"seconds": time.perf_counter() - t0, "version": _version(), "jax": jax.__version__,
                 "cache": cache, "eos_ids": list(self.eos_ids)}
