@@ -427,22 +427,6 @@ def test_one_prefill_per_length_bucket(engine, monkeypatch):
     assert sorted(calls) == sorted([[38], sorted(len(t.prompt) for t in _requests(2, seed=12))])
 
 
-def test_a_bucket_is_prefilled_in_power_of_two_parts_longest_first(engine, monkeypatch):
-    """Three prompts of one length bucket: rows of 2 then 1 (no padded row), the two longest together."""
-    calls = []
-    real = engine.prefill
-    monkeypatch.setattr(engine, "prefill", lambda seqs, *a, **k: (calls.append([len(s) for s in seqs]),
-                                                                  real(seqs, *a, **k))[1])
-    reqs = [Trajectory(uid=i, group_id=i, prompt=np.arange(4, 4 + n, dtype=np.int32), seed=i, max_new_tokens=5)
-            for i, n in enumerate((3, 9, 6))]
-    sched = Scheduler(engine)
-    sched.submit(reqs)
-    sched.step()
-    sched.pause_all()
-    assert len({engine.prefill_bucket(n) for n in (3, 9, 6)}) == 1
-    assert calls == [[9, 6], [3]]
-
-
 def test_only_trajectories_with_tokens_are_verified_and_one_token_can_be_cut(engine):
     sched = _submit(engine, _requests(5, seed=13, max_new=30))
     sched._admit()  # admitted rows hold the one token their prefill sampled; the rest are still queued

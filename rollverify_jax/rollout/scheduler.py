@@ -34,21 +34,6 @@ def validate_request(prompt: Sequence[int], max_new_tokens: int, max_seq_len: in
         )
 
 
-def _cached_len(t: Trajectory) -> int:
-    """Tokens a (re-)prefill runs: the prompt and the response so far."""
-    return len(t.prompt) + t.num_tokens
-
-
-def _power_of_two_parts(items: list) -> list[list]:
-    """Consecutive parts of power-of-two sizes, largest first (13 items: 8, 4, 1)."""
-    parts, start = [], 0
-    while start < len(items):
-        size = 1 << ((len(items) - start).bit_length() - 1)
-        parts.append(items[start:start + size])
-        start += size
-    return parts
-
-
 @dataclasses.dataclass
 class _Pending:
     traj: Trajectory
@@ -153,18 +138,15 @@ class Scheduler:
             free.remove(slot)
             alloc.allocate(slot, need)
             batch.append((slot, p))
-        # One prefill per length bucket, so a few long resumed trajectories do not pad the short ones, split
-        # into power-of-two row counts (longest first: 13 rows -> 8 + 4 + 1), so no prefill pads rows either
-        # and no new shapes compile.
+        # One prefill per length bucket, so a few long resumed trajectories do not pad the short ones.
         groups: dict[int, list[tuple[int, _Pending]]] = collections.defaultdict(list)
         for item in batch:
-            groups[self.engine.prefill_bucket(_cached_len(item[1].traj))].append(item)
+            t = item[1].traj
+            groups[self.engine.prefill_bucket(len(t.prompt) + t.num_tokens)].append(item)
         for _, group in sorted(groups.items()):
-            group.sort(key=lambda item: -_cached_len(item[1].traj))
-            for part in _power_of_two_parts(group):
-                t0 = time.perf_counter()
-                self._prefill_and_insert(part)
-                self.stats.prefill_time += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._prefill_and_insert(group)
+            self.stats.prefill_time += time.perf_counter() - t0
 
     def _prefill_and_insert(self, batch: list[tuple[int, _Pending]]) -> None:
         engine = self.engine
