@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import gin
 import pytest
 
 from rollverify_jax import simulate as sim_cli
@@ -12,6 +13,13 @@ from rollverify_jax.sim import AcceptanceModel, CostModel, LengthModel, Workload
 from rollverify_jax.sim import calibrate as cal
 
 UNIT = CostModel(decode_step_s=1.0)  # one second per decode step, everything else free
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gin():
+    """The CLI parses (and locks) the global gin config: leave it cleared and unlocked for the next test."""
+    yield
+    gin.clear_config()
 
 
 def workload(mode, **kw):
