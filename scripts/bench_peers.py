@@ -200,10 +200,9 @@ def worker_env(system: str, cache_dir: Path | None) -> dict[str, str]:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     if system == "tunix":
         env.pop("PYTHONPATH")  # its own environment only
-    if system == "transformers":
-        # OpenMP threads that spin while waiting: on a CPU shared with anything else, one descheduled thread
-        # stalls every op of a decode step (measured: 30 s instead of 0.4 s for the same generate call)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # transformers runs with PyTorch's own OpenMP settings (OMP_WAIT_POLICY unset) unless the caller sets them:
+    # PASSIVE (threads sleep between ops) costs it about half its decode speed on this workload's tiny ops, and
+    # ACTIVE (threads spin forever) takes the cores from whichever system runs next.
     return env
 
 
@@ -495,7 +494,7 @@ def report(args, systems, versions, rates, lengths, startup, grpo, check_line, p
                                    if k not in ("ok", "seconds", "eos_ids", "cache", "threads", "omp_wait_policy"))
         for s in systems)
     grpo_note = ""
-    omp = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    omp = os.environ.get("OMP_WAIT_POLICY", "unset (PyTorch's default)")
     if grpo:
         grpo_note = (
             "GRPO update: one step (forward, backward, AdamW with gradient clipping at 1.0) over the project's own "
