@@ -36,6 +36,7 @@ Usage: python scripts/bench_peers.py [--rounds 5] [--startup-rounds 3] [--system
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -170,10 +171,8 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(RuntimeError, BrokenPipeError):  # already exiting: the wait below ends it
                 self.call("quit")
-            except (RuntimeError, BrokenPipeError):
-                pass
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -43,7 +43,7 @@ class Worker:
     def generate(self, prompts: list[list[int]], slots: int, eos: bool, max_new: int, seed: int,
                  greedy: bool = False, return_tokens: bool = False) -> dict:
         torch = self.torch
-        lengths, responses = [], []
+        responses = []
         t0 = time.perf_counter()
         for b in range(0, len(prompts), slots):
             chunk = prompts[b: b + slots]
@@ -60,15 +60,8 @@ class Worker:
                 out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
             for row in out[:, ids.shape[1]:].tolist():
                 resp = protocol.eos_cut(row, self.eos_ids) if eos else row
-                lengths.append(len(resp))
                 responses.append(resp)
-        seconds = time.perf_counter() - t0
-        if not eos and any(n != max_new for n in lengths):
-            raise RuntimeError(f"fixed-length rows of {sorted(set(lengths))} tokens, expected {max_new}")
-        out = {"seconds": seconds, "tokens": sum(lengths), "lengths": lengths}
-        if return_tokens:
-            out["responses"] = responses
-        return out
+        return protocol.generation_result(time.perf_counter() - t0, responses, max_new, eos, return_tokens)
 
     def first_tokens(self, prompts: list[list[int]], slots: int, eos: bool) -> dict:
         return self.generate(prompts[:slots], slots, eos, max_new=1, seed=0)

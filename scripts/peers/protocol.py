@@ -57,3 +57,15 @@ def eos_cut(tokens, eos_ids) -> list[int]:
         if int(t) in eos_ids:
             break
     return out
+
+
+def generation_result(seconds: float, responses: list[list[int]], max_new: int, eos: bool,
+                      return_tokens: bool) -> dict:
+    """A peer worker's ``generate`` reply; fixed-length runs (``eos`` off) must give exactly ``max_new`` tokens."""
+    lengths = [len(r) for r in responses]
+    if not eos and any(n != max_new for n in lengths):
+        raise RuntimeError(f"fixed-length rows of {sorted(set(lengths))} tokens, expected {max_new}")
+    out = {"seconds": seconds, "tokens": sum(lengths), "lengths": lengths}
+    if return_tokens:
+        out["responses"] = responses
+    return out

@@ -80,7 +80,7 @@ class Worker:
 
     def generate(self, prompts: list[list[int]], slots: int, eos: bool, max_new: int, seed: int,
                  greedy: bool = False, return_tokens: bool = False) -> dict:
-        lengths, responses = [], []
+        responses = []
         # EOS off: a stop id no token has (the vocabulary is smaller), so every row runs max_new steps
         stop = self.eos_ids if eos else [10**6]
         t0 = time.perf_counter()
@@ -94,15 +94,8 @@ class Worker:
                 resp = [int(t) for t in row]
                 if eos and len(resp) < max_new:  # the sampler cuts the EOS off; it was generated
                     resp.append(self.eos_ids[0])
-                lengths.append(len(resp))
                 responses.append(resp)
-        seconds = time.perf_counter() - t0
-        if not eos and any(n != max_new for n in lengths):
-            raise RuntimeError(f"fixed-length rows of {sorted(set(lengths))} tokens, expected {max_new}")
-        result = {"seconds": seconds, "tokens": sum(lengths), "lengths": lengths}
-        if return_tokens:
-            result["responses"] = responses
-        return result
+        return protocol.generation_result(time.perf_counter() - t0, responses, max_new, eos, return_tokens)
 
     def first_tokens(self, prompts: list[list[int]], slots: int, eos: bool) -> dict:
         return self.generate(prompts[:slots], slots, eos, max_new=1, seed=0)
