@@ -155,6 +155,11 @@ class RolloutManager:
             "rollout/slot_utilization": stats.slot_utilization(sched.engine.config.num_slots),
             "rollout/prefill_tokens": stats.prefill_tokens,
             "rollout/host_time": stats.host_time,
+            # Device-call timers and counts, so a cost model can price prefill and decode separately.
+            "rollout/prefill_time": stats.prefill_time,
+            "rollout/decode_time": stats.decode_time,
+            "rollout/dispatches": stats.dispatches,
+            "rollout/decode_steps": stats.decode_steps,
             "staleness/mean": float(batch_stale.mean()) if batch_stale.size else 0.0,
             "staleness/max": int(batch_stale.max()) if batch_stale.size else 0,
             "cache/size": len(self.cache),
