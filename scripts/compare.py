@@ -3,15 +3,18 @@ docs/results/<name>.md + plots.
 
 Each run is a separate process (`python -m rollverify_jax.train`) so wall-clock numbers are not shared.
 Usage: python scripts/compare.py --name tiny_modes --modes onpolicy partial staleness opsfilter rollverify \
-           --steps 40 [--seeds 0 1 2] [--time_budget_s 0] [--gin_param ...]
+           --steps 40 [--seeds 0 1 2] [--jobs 2] [--time_budget_s 0] [--gin_param ...]
        python scripts/compare.py --name mine --configs configs/tiny_rollverify.gin my_variant.gin --steps 40
 A mode is configs/tiny_<mode>.gin; --configs takes any gin files instead (each row named by its file's stem).
 With several seeds the table shows mean +- standard error over seeds; plots show the mean curve.
+--jobs N runs N processes at once (seed-major order, so every config sees the same share of a busy machine);
+wall-clock columns then include the contention, which the report says.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -56,12 +59,20 @@ def entries(modes: list[str] | None, configs: list[str] | None) -> dict[str, str
     return out
 
 
-def run_mode(gin_file: str, workdir: Path, steps: int, budget: float, seed: int, extra: list[str]) -> None:
+def run_mode(gin_file: str, workdir: Path, steps: int, budget: float, seed: int, extra: list[str],
+             quiet: bool = False) -> None:
+    """One training run in its own process; with `quiet` (concurrent runs) its output goes to workdir/train.log."""
     cmd = [sys.executable, "-m", "rollverify_jax.train", f"--gin_file={gin_file}", f"--workdir={workdir}",
            f"--gin_param=TrainConfig.num_steps={steps}", f"--gin_param=TrainConfig.time_budget_s={budget}",
            f"--gin_param=TrainConfig.seed={seed}", *[f"--gin_param={p}" for p in extra]]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    if not quiet:
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        return
+    log = workdir.parent / f"{workdir.name}.log"  # beside the workdir: the run creates (and owns) the workdir
+    with open(log, "w") as f:
+        if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
+            raise RuntimeError(f"run {workdir} failed; its output is in {log}")
 
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -180,26 +191,38 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="TrainConfig.seed of each run")
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--skip_runs", action="store_true", help="only re-read existing workdirs and rewrite the report")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each its own process)")
+    ap.add_argument("--runs_name", default=None,
+                    help="read/write the runs under runs/compare_<runs_name> (default: --name); lets several reports "
+                         "share one set of runs with --skip_runs")
     args = ap.parse_args()
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     try:
         gin_files = entries(args.modes, args.configs)
     except ValueError as e:
         ap.error(str(e))  # one line and exit status 2
-    runs = ROOT / "runs" / f"compare_{args.name}"
+    runs = ROOT / "runs" / f"compare_{args.runs_name or args.name}"
     out = ROOT / "docs" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for mode, gin_file in gin_files.items():
-        results[mode] = []
-        for seed in args.seeds:
-            workdir = runs / (mode if args.seeds == [0] else f"{mode}_s{seed}")
-            if not args.skip_runs:
-                if workdir.exists():
-                    shutil.rmtree(workdir)
-                run_mode(gin_file, workdir, args.steps, args.time_budget_s, seed, args.gin_param)
-            results[mode].append(read_metrics(workdir / "metrics.jsonl"))
+    def workdir(mode: str, seed: int) -> Path:
+        return runs / (mode if args.seeds == [0] else f"{mode}_s{seed}")
+
+    if not args.skip_runs:
+        todo = [(mode, seed) for seed in args.seeds for mode in gin_files]  # seed-major: configs interleave
+        for mode, seed in todo:
+            if workdir(mode, seed).exists():
+                shutil.rmtree(workdir(mode, seed))
+        runs.mkdir(parents=True, exist_ok=True)
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(run_mode, gin_files[mode], workdir(mode, seed), args.steps, args.time_budget_s,
+                                   seed, args.gin_param, args.jobs > 1) for mode, seed in todo]
+            for f in futures:
+                f.result()
+    results = {mode: [read_metrics(workdir(mode, seed) / "metrics.jsonl") for seed in args.seeds]
+               for mode in gin_files}
     summary = {m: [summarize(r) for r in per_seed] for m, per_seed in results.items()}
-    (runs / "summary.json").write_text(json.dumps(summary, indent=1))
+    (runs / f"summary_{args.name}.json").write_text(json.dumps(summary, indent=1))
     commit_file = runs / "commit.txt"  # the commit the runs ran at (a --skip_runs re-read keeps it)
     if not args.skip_runs:
         commit_file.write_text(_commit() + "\n")
@@ -208,13 +231,16 @@ def main() -> None:
     which = f"--configs {' '.join(args.configs)}" if args.configs else f"--modes {' '.join(gin_files)}"
     lines = [f"# Comparison: {args.name}", "",
              f"Command: `python scripts/compare.py --name {args.name} {which} --steps "
-             f"{args.steps} --seeds {' '.join(map(str, args.seeds))} --time_budget_s {args.time_budget_s}" +
+             f"{args.steps} --seeds {' '.join(map(str, args.seeds))} --jobs {args.jobs} " +
+             (f"--runs_name {args.runs_name} " if args.runs_name else "") +
+             f"--time_budget_s {args.time_budget_s}" +
              "".join(f" --gin_param \"{p}\"" for p in args.gin_param) + "`", "",
-             f"Same seeds, data order and budget for every mode; each run in its own process on this machine, at "
-             f"commit {commit}. {len(args.seeds)} seed(s): mean ± standard error over seeds; the switch step is "
-             "averaged over the runs that switched (their count in brackets). Mean OPS: train-time token OPS of every "
-             "batch; OPS before switch: of the batches partial rollout built. Acceptance: mean over the cycles that "
-             "verified something. Regen = cut: how often a token sampled where a verification cut removed one "
+             f"Same seeds, data order and budget for every mode; each run in its own process on this machine "
+             f"({args.jobs} at a time), at commit {commit}. {len(args.seeds)} seed(s): mean ± standard error over "
+             "seeds; the switch step is averaged over the runs that switched (their count in brackets). "
+             "Mean OPS: train-time token OPS of every batch; OPS before switch: of the batches partial rollout "
+             "built. Acceptance: mean over the cycles that verified something. Regen = cut: how often a token "
+             "sampled where a verification cut removed one "
              "equals the removed token.", "",
              *table({LABELS.get(m, m): per_seed for m, per_seed in summary.items()},
                     "config" if args.configs else "mode")]
