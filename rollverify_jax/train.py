@@ -263,7 +263,34 @@ def _main(args: argparse.Namespace) -> None:
     if evals:
         print(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
               f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})")
+    for line in run_summary(metrics):
+        print(line)
     print(f"metrics: {workdir / 'metrics.jsonl'}")
+
+
+def run_summary(metrics: list[dict]) -> list[str]:
+    """What the rollout mode did over the run: steps in partial mode (and the switch), slot utilization per mode
+    and where the time went; the lines a person checks first after a run."""
+    steps = [m for m in metrics if "time/step" in m]
+    if not steps:
+        return []
+    partial = [m for m in steps if m.get("mode/on_policy") == 0]
+    on_policy = [m for m in steps if m.get("mode/on_policy") == 1]
+    switch = next((m["mode/switch_step"] for m in steps if m.get("mode/switch_step") is not None), None)
+    lines = [f"rollout mode: partial for {len(partial)} of {len(steps)} steps"
+             + (f" (switched to on-policy at step {switch})" if switch is not None else "")]
+    util = [f"{name} {sum(m['rollout/slot_utilization'] for m in group) / len(group):.2f}"
+            for name, group in (("partial", partial), ("on-policy", on_policy)) if group]
+    lines.append("slot utilization: " + ", ".join(util))
+    total = sum(m["time/step"] for m in steps)
+    split = {k: sum(m.get(f"time/{k}", 0.0) for m in steps) for k in ("rollout", "verify", "train")}
+    lines.append(f"time: {total:.0f} s in steps: " + ", ".join(
+        f"{k} {v:.0f} s ({v / max(total, 1e-9):.0%})" for k, v in split.items()))
+    accepted = [m["verify/acceptance"] for m in partial if m.get("verify/num_verified")]
+    if accepted:
+        lines.append(f"verification: mean cycle acceptance {sum(accepted) / len(accepted):.2f} over "
+                     f"{len(accepted)} cycles")
+    return lines
 
 
 def _compile_for_topology() -> None:

@@ -330,3 +330,23 @@ def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
     assert f"--configs {base} {variant} --steps 3" in report
     assert "| config |" in report and "\n| base |" in report and "\n| variant |" in report
     assert (tmp_path / "repo" / "docs" / "results" / "mine_vs_step.png").stat().st_size > 1000
+
+
+def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split():
+    from rollverify_jax.train import run_summary
+
+    def step(i, on_policy, util, acc=None):
+        m = {"step": i, "time/step": 10.0, "time/rollout": 6.0, "time/verify": 1.0, "time/train": 3.0,
+             "mode/on_policy": on_policy, "rollout/slot_utilization": util, "verify/num_verified": 0}
+        if acc is not None:
+            m.update({"verify/acceptance": acc, "verify/num_verified": 5})
+        return m
+
+    metrics = [{"step": 0, "eval/accuracy": 0.2}, step(1, 0, 0.9), step(2, 0, 0.8, acc=0.6),
+               step(3, 0, 1.0, acc=0.2), {**step(4, 1, 0.5), "mode/switch_step": 3}]
+    assert run_summary(metrics) == [
+        "rollout mode: partial for 3 of 4 steps (switched to on-policy at step 3)",
+        "slot utilization: partial 0.90, on-policy 0.50",
+        "time: 40 s in steps: rollout 24 s (60%), verify 4 s (10%), train 12 s (30%)",
+        "verification: mean cycle acceptance 0.40 over 2 cycles"]
+    assert run_summary([{"step": 0, "eval/accuracy": 0.2}]) == []
