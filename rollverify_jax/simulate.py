@@ -94,13 +94,24 @@ class RunShape:
     verify_finished: bool
     num_steps: int
     mesh_shape: tuple
+    live_slots: bool = True  # EngineConfig.live_slots and a pool on one device (else one bucket: all slots)
+    min_prefill_len: int = 32
+    max_seq_len: int = 512
 
     def workload(self, mode: str, prompt_len: int) -> Workload:
         return Workload(mode=mode, batch_groups=self.batch_groups, group_size=self.group_size,
                         num_slots=self.num_slots, steps_per_dispatch=self.steps_per_dispatch,
                         max_new_tokens=self.max_new_tokens, prompt_len=prompt_len, queue_groups=self.queue_groups,
                         switch_window=self.switch_window, switch_threshold=self.switch_threshold,
-                        switching=self.switching, verify_finished=self.verify_finished)
+                        switching=self.switching, verify_finished=self.verify_finished, live_slots=self.live_slots,
+                        min_prefill_len=self.min_prefill_len, max_seq_len=self.max_seq_len)
+
+
+def pool_shards(mesh_shape: tuple, num_slots: int) -> int:
+    """Devices the engine splits the slots over (``PoolLayout.for_mesh``): the batch axes ('data', 'fsdp', the
+    first two of ``make_mesh.shape``; -1 counts as 1 here) when the slots divide over them, else 1."""
+    n = math.prod(max(1, int(x)) for x in mesh_shape[:2])
+    return n if num_slots % n == 0 else 1
 
 
 def read_run_shape() -> RunShape:
@@ -119,7 +130,8 @@ def read_run_shape() -> RunShape:
                     max_new_tokens=r.max_new_tokens, queue_groups=r.queue_groups, num_slots=e.num_slots,
                     steps_per_dispatch=e.steps_per_dispatch, switch_window=s.window, switch_threshold=s.threshold,
                     switching=s.enabled, verify_finished=v.verify_finished, num_steps=TrainConfig().num_steps,
-                    mesh_shape=mesh)
+                    mesh_shape=mesh, live_slots=e.live_slots and pool_shards(mesh, e.num_slots) == 1,
+                    min_prefill_len=e.min_prefill_len, max_seq_len=e.max_seq_len)
 
 
 @dataclasses.dataclass
@@ -134,7 +146,8 @@ class Inputs:
     notes: dict
 
 
-def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData]) -> Inputs:
+def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
+                 fit_runs: list[cal.RunData] | None = None) -> Inputs:
     devices = cfg.num_devices or math.prod(max(1, int(x)) for x in shape.mesh_shape)
     costs = RooflineCosts().cost_model() if cfg.costs == "roofline" else CostModel()
     prompt = cfg.prompt_len
@@ -143,31 +156,55 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData]) -> In
     accept = ({"trace": list(cfg.acceptance_trace)} if cfg.acceptance_trace else
               {"start": cfg.acceptance_start, "slope": cfg.acceptance_slope})
     accept.update(cut_model=cfg.cut_model, seed=cfg.seed)
-    notes = {}
-    if runs:
-        n = shape.batch_groups * shape.group_size
-        fit_runs = [r for r in runs if r.mode == "on_policy"] or runs
-        prompt = cal.prompt_len(runs, n, cfg.skip_steps)
-        costs, fit = cal.fit_costs(fit_runs, shape.num_slots, shape.steps_per_dispatch, n, prompt, cfg.skip_steps)
-        verify_runs = [r for r in runs if r.mode == "rollverify"]
-        if verify_runs:  # verification rate from the RollVerify runs (the fit runs may have none)
-            _, vfit = cal.fit_costs(verify_runs + fit_runs, shape.num_slots, shape.steps_per_dispatch, n, prompt,
-                                    cfg.skip_steps)
-            ver = [r for run in verify_runs for r in run.used(cfg.skip_steps) if r.get("verify/num_verified")]
-            vtok = sum(r["verify/tokens_total"] for r in ver)
-            if vtok:
-                costs = dataclasses.replace(costs, verify_token_s=sum(r["time/verify"] for r in ver) / vtok)
-            trace = cal.acceptance_trace(verify_runs[0])
-            accept.update(trace=trace)
-            accept.pop("start", None)
-            accept.pop("slope", None)
-            notes["acceptance_trace_from"] = str(verify_runs[0].path)
-        mean, mean_max = cal.length_stats(runs, cfg.skip_steps)
-        median, sigma = cal.fit_lognormal(mean, mean_max, n, shape.max_new_tokens)
-        lengths = {"median": median, "sigma": sigma, "seed": cfg.seed}
-        notes.update(fit_runs=[str(r.path) for r in fit_runs], fit=fit, length_mean=mean, length_max_mean=mean_max,
-                     length_median=median, length_sigma=sigma, prompt_len=prompt)
-    return Inputs(costs, prompt, lengths, accept, devices, notes)
+    inputs = Inputs(costs, prompt, lengths, accept, devices, {})
+    if not runs:
+        return inputs
+    n = shape.batch_groups * shape.group_size
+    fit_runs = fit_runs or [r for r in runs if r.mode == "on_policy"] or runs
+    inputs.prompt_len = cal.prompt_len(runs, n, cfg.skip_steps)
+    mean, mean_max = cal.length_stats(runs, cfg.skip_steps)
+    median, sigma = cal.fit_lognormal(mean, mean_max, n, shape.max_new_tokens)
+    inputs.length_kwargs = {"median": median, "sigma": sigma, "seed": cfg.seed}
+    verify_runs = [r for r in runs if r.mode == "rollverify"]
+    if verify_runs:
+        inputs.acceptance_kwargs = {"trace": cal.acceptance_trace(verify_runs[0]), "cut_model": cfg.cut_model,
+                                    "seed": cfg.seed}
+    steps = max(r.steps[-1]["step"] for r in runs)
+    ratios = replay_ratios(shape, inputs, {r.mode for r in runs}, steps)
+    costs, fit = cal.fit_costs(fit_runs, ratios, shape.steps_per_dispatch, n, inputs.prompt_len, cfg.skip_steps)
+    if not any(r.mode == "rollverify" for r in fit_runs) and verify_runs:
+        costs = _verification_rates(costs, verify_runs, ratios, cfg.skip_steps)
+    inputs.costs = costs
+    inputs.notes = {"fit_runs": [str(r.path) for r in fit_runs], "fit": fit, "length_mean": mean,
+                    "length_max_mean": mean_max, "length_median": median, "length_sigma": sigma,
+                    "prompt_len": inputs.prompt_len,
+                    "acceptance_trace_from": str(verify_runs[0].path) if verify_runs else None}
+    return inputs
+
+
+def replay_ratios(shape: RunShape, inputs: Inputs, modes: set[str], steps: int) -> dict[str, cal.KindRatios]:
+    """The replay's unlogged-per-logged counts for each kind of step the runs hold (costs play no part)."""
+    out = {}
+    for mode in sorted(modes | {"on_policy"}):
+        res = run_mode(mode, shape, dataclasses.replace(inputs, costs=CostModel()), steps)
+        kind = [s for s in res.steps if s.on_policy == (mode == "on_policy")]
+        if kind:
+            out[mode] = cal.kind_ratios(kind)
+    return out
+
+
+def _verification_rates(costs: CostModel, runs: list[cal.RunData], ratios: dict, skip: int) -> CostModel:
+    """The log-prob and verifier rates when the fit runs verify nothing: from the RollVerify runs' verifying
+    steps, what their prefill time exceeds the fitted prefill rates by, per verified token."""
+    ver = [(run.mode, r) for run in runs for r in run.used(skip) if r.get("verify/num_verified")]
+    vtok = sum(r["verify/tokens_total"] for _, r in ver)
+    if not vtok:
+        return costs
+    base = sum(r["rollout/dispatches"] * ratios[m].calls_per_dispatch * costs.prefill_call_s
+               + r["rollout/prefill_tokens"] * ratios[m].padded_per_token * costs.prefill_token_s for m, r in ver)
+    extra = sum(r["rollout/prefill_time"] - r["time/verify"] for _, r in ver) - base
+    return dataclasses.replace(costs, prefill_logp_token_s=max(0.0, extra / vtok),
+                               verify_token_s=sum(r["time/verify"] for _, r in ver) / vtok)
 
 
 def run_mode(mode: str, shape: RunShape, inputs: Inputs, num_steps: int):
@@ -189,39 +226,86 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+COUNTS = (("dispatches", "rollout/dispatches"), ("prefill_tokens", "rollout/prefill_tokens"),
+          ("tokens_generated", "rollout/tokens"))
+
+
 def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], skip: int,
                      split: str = "by_mode") -> list[dict]:
-    """Predicted vs measured wall-clock of every run, over its steps after ``skip`` (``split='odd_even'``: each
-    run's rates fitted on its own odd steps, compared on its even steps)."""
+    """Predicted vs measured wall-clock, timers and event counts of every run over its steps after ``skip``
+    (``split='odd_even'``: each run's rates fitted on its own odd steps, compared on its even steps). A
+    RollVerify run is replayed with its own acceptance trace."""
     out = []
     for run in runs:
         n = run.steps[-1]["step"]
         compared = {r["step"] for r in run.used(skip)}
+        run_inputs = inputs
+        if run.mode == "rollverify":
+            run_inputs = dataclasses.replace(inputs, acceptance_kwargs={**inputs.acceptance_kwargs,
+                                                                        "trace": cal.acceptance_trace(run)})
         if split == "odd_even":
             odd = {s for s in compared if s % 2 == 1}
             compared -= odd
-            costs, _ = cal.fit_costs([run], shape.num_slots, shape.steps_per_dispatch,
-                                     shape.batch_groups * shape.group_size, inputs.prompt_len, skip, odd,
-                                     on_policy_only=False)
-            res = run_mode(run.mode, shape, dataclasses.replace(inputs, costs=costs), n)
-        else:
-            res = run_mode(run.mode, shape, inputs, n)
-        pred = sum(s.step_s for s in res.steps if s.step in compared)
-        meas = sum(r["time/step"] for r in run.steps if r["step"] in compared)
-        which = f"{skip + 1}-{n}" if split == "by_mode" else f"even of {skip + 1}-{n}"
-        out.append({"run": str(run.path), "mode": run.mode, "steps": which, "predicted_s": pred,
-                    "measured_s": meas, "error": pred / meas - 1.0, "predicted_switch": res.switch_step,
-                    "measured_switch": cal.switch_step(run)})
+            ratios = inputs.notes["fit"]["ratios"]
+            costs, _ = cal.fit_costs([run], {k: cal.KindRatios(**v) for k, v in ratios.items()},
+                                     shape.steps_per_dispatch, shape.batch_groups * shape.group_size,
+                                     inputs.prompt_len, skip, odd)
+            run_inputs = dataclasses.replace(run_inputs, costs=costs)
+        res = run_mode(run.mode, shape, run_inputs, n)
+        pred = [s for s in res.steps if s.step in compared]
+        meas = [r for r in run.steps if r["step"] in compared]
+        row = {"run": str(run.path), "mode": run.mode, "steps": f"{skip + 1}-{n}" if split == "by_mode"
+               else f"even of {skip + 1}-{n}", "predicted_s": sum(s.step_s for s in pred),
+               "measured_s": sum(r["time/step"] for r in meas), "predicted_switch": res.switch_step,
+               "measured_switch": cal.switch_step(run)}
+        row["error"] = row["predicted_s"] / row["measured_s"] - 1.0
+        if cal.has_timers(run):
+            row.update(timer_rows(pred, meas))
+        for key, metric in COUNTS:
+            row[f"pred_{key}"] = sum(getattr(s, key) for s in pred)
+            row[f"meas_{key}"] = sum(r.get(metric, 0) for r in meas)
+        row["pred_slot_utilization"] = (sum(s.useful_token_steps for s in pred)
+                                        / max(1, shape.num_slots * sum(s.decode_steps for s in pred)))
+        row["meas_slot_utilization"] = (sum(r["rollout/tokens"] for r in meas)
+                                        / max(1e-9, sum(r["rollout/tokens"] / r["rollout/slot_utilization"]
+                                                        for r in meas if r["rollout/slot_utilization"] > 0)))
+        out.append(row)
     return out
 
 
+def timer_rows(pred, meas: list[dict]) -> dict:
+    """Predicted and measured seconds of each timer (prefill includes verification, as the engine times it)."""
+    return {"pred_decode_s": sum(s.decode_s for s in pred),
+            "meas_decode_s": sum(r["rollout/decode_time"] for r in meas),
+            "pred_prefill_s": sum(s.prefill_s + s.verify_s for s in pred),
+            "meas_prefill_s": sum(r["rollout/prefill_time"] for r in meas),
+            "pred_train_s": sum(s.train_s for s in pred), "meas_train_s": sum(r["time/train"] for r in meas)}
+
+
 def format_calibration(rows: list[dict]) -> str:
-    out = ["| run | mode | steps | predicted (s) | measured (s) | error | switch step (pred. / meas.) |",
-           "| --- " * 7 + "|"]
+    out = ["| run | mode | steps | predicted (s) | measured (s) | error | decode (s) pred. / meas. | "
+           "prefill (s) pred. / meas. | train (s) pred. / meas. | switch step (pred. / meas.) |",
+           "| --- " * 10 + "|"]
     for r in rows:
         sw = f"{r['predicted_switch']} / {r['measured_switch']}" if r["mode"] == "rollverify" else "-"
+        timers = [f"{r[f'pred_{t}_s']:.1f} / {r[f'meas_{t}_s']:.1f}" if f"pred_{t}_s" in r else "-"
+                  for t in ("decode", "prefill", "train")]
         out.append(f"| `{r['run']}` | {r['mode']} | {r['steps']} | {r['predicted_s']:.1f} | {r['measured_s']:.1f} | "
-                   f"{100 * r['error']:+.1f}% | {sw} |")
+                   f"{100 * r['error']:+.1f}% | {' | '.join(timers)} | {sw} |")
+    return "\n".join(out)
+
+
+def _count_cell(pred: float, meas: float) -> str:
+    return f"{pred:,.0f} / {meas:,.0f} ({100 * (pred / max(meas, 1) - 1):+.1f}%)"
+
+
+def format_counts(rows: list[dict]) -> str:
+    """Event counts predicted / measured: independent of the machine's load, they test the replay itself."""
+    out = ["| run | dispatches | prefill tokens | decoded tokens | slot util. |", "| --- " * 5 + "|"]
+    for r in rows:
+        cells = [_count_cell(r[f"pred_{k}"], r[f"meas_{k}"]) for k, _ in COUNTS]
+        out.append(f"| `{r['run']}` | {' | '.join(cells)} | {r['pred_slot_utilization']:.3f} / "
+                   f"{r['meas_slot_utilization']:.3f} |")
     return "\n".join(out)
 
 
@@ -233,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                     "else TrainConfig.num_steps)")
     ap.add_argument("--calibrate_from", nargs="+", default=[], metavar="RUN_DIR",
                     help="runs whose metrics.jsonl give the rates, lengths and acceptance (and are compared)")
+    ap.add_argument("--fit_from", nargs="+", default=[], metavar="RUN_DIR",
+                    help="runs whose rates are fitted (default: the on-policy runs of --calibrate_from)")
     ap.add_argument("--json", default=None, help="write the predictions (and calibration) here")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
     args = ap.parse_args(argv)
@@ -248,11 +334,14 @@ def _main(args: argparse.Namespace) -> None:
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps={args.steps} must be >= 1.")
     runs = [cal.read_run(p) for p in args.calibrate_from]  # bad run directories fail before any import
+    fit_runs = [cal.read_run(p) for p in args.fit_from]
+    if fit_runs and not runs:
+        raise ValueError("--fit_from needs --calibrate_from (the runs to compare and to take lengths from).")
     from rollverify_jax.setup import parse_gin
 
     parse_gin(args.gin_file, args.gin_param)
     cfg, shape = SimConfig(), read_run_shape()
-    inputs = build_inputs(cfg, shape, runs)
+    inputs = build_inputs(cfg, shape, runs, fit_runs)
     steps = args.steps or cfg.num_steps or shape.num_steps
     rows = [{**run_mode(m, shape, inputs, steps).summary(inputs.num_devices)} for m in cfg.modes]
     print(f"{', '.join(args.gin_file)}: B={shape.batch_groups} G={shape.group_size} slots={shape.num_slots} "
@@ -269,6 +358,8 @@ def _main(args: argparse.Namespace) -> None:
                else "fitted on the on-policy steps of: " + ", ".join(inputs.notes["fit_runs"]))
         print(f"\nCalibration ({how})")
         print(format_calibration(calib))
+        print("\nEvent counts, predicted / measured")
+        print(format_counts(calib))
         report["calibration"] = calib
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=_json_default) + "\n")

@@ -6,6 +6,7 @@ import json
 import math
 
 import gin
+import numpy as np
 import pytest
 
 from rollverify_jax import simulate as sim_cli
@@ -30,24 +31,26 @@ def workload(mode, **kw):
 
 def test_on_policy_two_slots_four_sequences_by_hand():
     # Groups g0 = (u0: 4, u1: 1), g1 = (u2: 2, u3: 2); 2 slots, 1 token per dispatch, 1 s per decode step.
-    # t=0: u0, u1 start. t=1: u1 ends, u2 takes its slot. t=3: u2 ends (u0 has 1 left), u3 starts.
-    # t=4: u0 ends; u3 has 1 left and runs alone. t=5: u3 ends. Wall = 5 s, 9 tokens in 2 x 5 slot-steps.
+    # Insert samples each admitted sequence's first token. Round 1: u0 (1 token), u1 ends at insert (its slot is
+    # held through the round). Dispatch 1 (one only: a slot is free and u2 waits): u0 = 2. Round 2: u2 = 1;
+    # dispatch 2: u0 = 3, u2 ends. Round 3: u3 = 1; dispatch 3: u0 and u3 end. 3 s; 5 decoded + 4 inserted.
     res = simulate(workload("on_policy"), UNIT, LengthModel(10, lengths=[4, 1, 2, 2]), num_steps=1)
     (s,) = res.steps
-    assert s.step_s == 5.0 and s.decode_steps == 5 and s.tokens_generated == 9 and s.batch_tokens == 9
-    assert s.slot_utilization(2) == 9 / 10
+    assert s.step_s == 3.0 and s.dispatches == 3 and s.decode_steps == 3 and s.batch_tokens == 9
+    assert (s.tokens_generated, s.inserted_tokens, s.slot_steps) == (5, 4, 6)
+    assert s.slot_utilization(2) == 5 / 6
 
 
 def test_partial_two_slots_by_hand():
-    # B = 1 group of 2, 2 slots, lengths cycle (4, 1, 2, 2): g0 = (4, 1), g1 = (2, 2), g2 = (4, 1), ...
-    # Step 1: u0, u1 start; t=1 u1 ends, g1 queued, u2 starts; t=3 u2 ends, g2 queued, u3 starts;
-    #   t=4 u0 ends -> g0 complete, batch = g0. u3 (1 of 2 tokens) is paused, g2 (never started) too. 4 s.
-    # Step 2: u3 resumes (1 token left) with u4 (4): t=1 u3 ends -> g1 complete. 1 s.
-    res = simulate(workload("partial", batch_groups=1), UNIT, LengthModel(10, lengths=[4, 1, 2, 2]), num_steps=2)
-    assert [s.step_s for s in res.steps] == [4.0, 1.0]
-    assert [s.batch_tokens for s in res.steps] == [5, 4]
-    assert [s.tokens_generated for s in res.steps] == [8, 2]
-    assert res.wall_s == 5.0
+    # B = 1 group of 2, 2 slots, lengths cycle (4, 1, 2, 2): g0 = (u0: 4, u1: 1), g1 = (u2: 2, u3: 2), g2 = ...
+    # Step 1 is the on-policy case's schedule (the queue is topped up with g1, then g2): 3 dispatches; at its
+    # end g0 and g1 are complete, g0 is the batch and g2 (queued, never started) is paused.
+    # Step 2: g1 is complete already: no rollout. Step 3: g2 (4, 1) with g3 (2, 2) as step 1: 3 s.
+    res = simulate(workload("partial", batch_groups=1), UNIT, LengthModel(10, lengths=[4, 1, 2, 2]), num_steps=3)
+    assert [s.step_s for s in res.steps] == [3.0, 0.0, 3.0]
+    assert [s.batch_tokens for s in res.steps] == [5, 4, 5]
+    assert [s.tokens_generated for s in res.steps] == [5, 0, 5]
+    assert [s.prefill_calls for s in res.steps] == [3, 0, 3]  # one per admission round (one length bucket)
 
 
 def test_decode_closed_form_matches_the_per_dispatch_sum():
@@ -58,29 +61,32 @@ def test_decode_closed_form_matches_the_per_dispatch_sum():
 
 
 def test_all_costs_by_hand():
-    # One slot, B = 1 group of 1, prompt 3, k = 2, length 3: admission prefills 3 tokens (2 + 1 * 3 = 5 s);
-    # dispatch 1 attends 3 tokens: 2 * (1 + 1 * 3) = 8; dispatch 2 attends 5: 2 * (1 + 5) = 12;
-    # train on 6 tokens: 10 + 2 * 6 + 1 * 36 = 58; overhead 7. Step = 5 + 8 + 12 + 58 + 7 = 90.
+    # One slot, B = 1 group of 1, prompt 3, k = 2, length 3: the admission prefills 3 tokens in one call
+    # (2 + 1 * 3 = 5 s) and insert samples token 1; one dispatch makes the other 2, attending 3 + 1 tokens:
+    # 2 * (1 + 4) = 10; train on 6 tokens: 10 + 2 * 6 + 1 * 36 = 58; overhead 7. Step = 5 + 10 + 58 + 7 = 80.
     c = CostModel(decode_step_s=1.0, decode_ctx_token_s=1.0, prefill_call_s=2.0, prefill_token_s=1.0,
                   train_step_s=10.0, train_token_s=2.0, train_attn_s=1.0, step_overhead_s=7.0)
     w = Workload("on_policy", 1, 1, 1, 2, 10, prompt_len=3)
     (s,) = simulate(w, c, LengthModel(10, lengths=[3]), num_steps=1).steps
-    assert (s.prefill_s, s.decode_s, s.train_s, s.overhead_s, s.step_s) == (5.0, 20.0, 58.0, 7.0, 90.0)
-    assert s.dispatches == 2 and s.decode_steps == 4 and s.tokens_generated == 3
+    assert (s.prefill_s, s.decode_s, s.train_s, s.overhead_s, s.step_s) == (5.0, 10.0, 58.0, 7.0, 80.0)
+    assert (s.dispatches, s.decode_steps, s.tokens_generated, s.inserted_tokens) == (1, 2, 2, 1)
 
 
 def test_rollverify_cuts_and_regenerates_by_hand():
-    # As the partial case, with acceptance 0.4 and verification of finished members off. Step 1 is the
-    # partial step 1 (4 s). Step 2: u3 holds 1 token, keeps floor(0.4 + 0.5) = 0 and regenerates 2 tokens
-    # (its log-probs cost 10 s); the queued g2 (no tokens) is not verified. u3 and u4 start: t=2 u3 ends ->
-    # g1 complete. 2 s of decode + 10 s of verification = 12 s.
+    # Partial RollVerify, 2 slots, B = 1, k = 1, acceptance 0.4, finished members not verified; lengths cycle
+    # (5, 1, 3, 3): g0 = (u0: 5, u1: 1), g1 = (u2: 3, u3: 3), g2 = (u4: 5, u5: 1).
+    # Step 1: u0 = 1, u1 ends at insert; 1 dispatch (free slot): u0 = 2; u2 = 1; 2 dispatches: u0 = 4, u2 ends;
+    # u3 = 1; 1 dispatch: u0 ends (g0 complete), u3 = 2. 4 s; u3 (2 tokens) and g2 (queued) are paused.
+    # Step 2: u3 is verified: keeps floor(0.4 * 2 + 0.5) = 1 (its log-probs: 2 tokens x 10 s), insert makes it 2;
+    # u4 (no tokens: nothing to verify) = 1. 1 dispatch: u3 ends, g1 complete. 1 + 20 = 21 s.
     c = CostModel(decode_step_s=1.0, prefill_logp_token_s=10.0)
     w = workload("rollverify", batch_groups=1, verify_finished=False, switching=False)
-    res = simulate(w, c, LengthModel(10, lengths=[4, 1, 2, 2]), AcceptanceModel(start=0.4), num_steps=2)
+    res = simulate(w, c, LengthModel(10, lengths=[5, 1, 3, 3]), AcceptanceModel(start=0.4), num_steps=2)
     s1, s2 = res.steps
-    assert s1.step_s == 4.0 and s1.verified == 0
-    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, s2.regen_tokens) == (1, 1, 0, 1)
-    assert s2.decode_s == 2.0 and s2.verify_s == 10.0 and s2.step_s == 12.0 and s2.acceptance == 0.0
+    assert s1.step_s == 4.0 and s1.verified == 0 and s1.batch_tokens == 6
+    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, s2.regen_tokens) == (1, 2, 1, 1)
+    assert s2.decode_s == 1.0 and s2.verify_s == 20.0 and s2.step_s == 21.0 and s2.acceptance == 0.5
+    assert s2.batch_tokens == 6
 
 
 def test_verified_finished_member_that_survives_is_not_decoded():
@@ -110,6 +116,34 @@ def test_switching_after_a_full_window_below_threshold():
     no_switch = simulate(dataclass_replace(w, switching=False), UNIT, LengthModel(1000, lengths=[1000, 10, 10, 10]),
                          AcceptanceModel(trace=trace), 8)
     assert no_switch.switch_step == -1 and not any(s.on_policy for s in no_switch.steps)
+
+
+def test_decode_runs_over_the_live_slot_bucket():
+    # 32 slots (buckets 8, 16, 32), k = 1, one group of 20: 19 sequences of 2 tokens and one of 6. After insert
+    # each holds 1 token; dispatch 1 runs 20 sequences in the 32-slot bucket and ends 19; the last one's 4
+    # remaining dispatches run in the 8-slot bucket: 1 * 32 + 4 * 8 = 64 slot-steps (160 without live slots).
+    assert Workload("on_policy", 1, 1, 64, 1, 10, 0).slot_buckets == [8, 16, 32, 64]
+    assert Workload("on_policy", 1, 1, 12, 1, 10, 0).slot_buckets == [12]
+    c = CostModel(decode_slot_s=1.0)
+    for live, slot_steps in ((True, 64), (False, 160)):
+        w = Workload("on_policy", 1, 20, 32, 1, 10, prompt_len=0, live_slots=live)
+        (s,) = simulate(w, c, LengthModel(10, lengths=[2] * 19 + [6]), num_steps=1).steps
+        assert (s.dispatches, s.slot_steps, s.decode_s, s.tokens_generated) == (5, slot_steps, slot_steps, 24)
+
+
+def test_prefill_calls_per_length_bucket_and_padding():
+    # Engine buckets: rows a power of two up to the slots, length a power of two from min_prefill_len = 4 up to
+    # max_seq_len = 64. Partial, 2 slots, B = 1, k = 1, prompt 3, lengths (9, 1, 3, 3): step 1 ends with u0
+    # paused at 6 tokens (as in the verified-finished case). Step 2's first round admits u0 (3 + 6 = 9 tokens:
+    # bucket 16) and u4 (3: bucket 4): 2 calls of 1 row, 16 + 4 = 20 tokens computed for 12 real ones; then
+    # u0 needs 2 more tokens: 2 dispatches, and g0 is complete.
+    w = workload("partial", batch_groups=1, prompt_len=3, min_prefill_len=4, max_seq_len=64)
+    assert w.prefill_shape(2, 3) == (2, 4) and w.prefill_shape(1, 40) == (1, 64)
+    assert dataclass_replace(w, num_slots=8).prefill_shape(5, 3) == (8, 4)  # rows padded to a power of two
+    c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, decode_step_s=1.0)
+    s2 = simulate(w, c, LengthModel(10, lengths=[9, 1, 3, 3]), num_steps=2).steps[1]
+    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.prefill_tokens) == (2, 20, 12)
+    assert (s2.prefill_s, s2.decode_s, s2.batch_tokens) == (2 * 1.0 + 20 * 0.5, 2.0, 10)
 
 
 def test_fraction_cuts_round_half_up():
@@ -152,22 +186,41 @@ def _fake_run(path, mode, steps):
 
 
 def test_fit_costs_recovers_exact_rates(tmp_path):
-    # time/rollout = 0.2 s per dispatch + 1e-4 s per prefill token; time/train = 1 + 1e-3 s per token.
+    # Replay ratios: on-policy steps run 1.25 bucket slot-steps per decoded token, 0.5 prefill calls per dispatch
+    # and 1.5 padded per real prefill token. Timers built from exact rates: 0.2 s per dispatch, 1e-4 s per
+    # slot-step, 0.01 s per call, 1e-5 s per padded token, train 1 + 1e-3 s per token, 0.5 s of the rest.
+    ratios = {"on_policy": cal.KindRatios(slot_steps_per_token=1.25, calls_per_dispatch=0.5, padded_per_token=1.5)}
     recs = []
-    for i, (disp, pf, tok) in enumerate([(20, 8000, 10000), (30, 7000, 12000), (25, 9000, 9000)], start=2):
-        util = 0.5
-        recs.append({"step": i, "mode/on_policy": 1, "rollout/tokens": disp * 8 * 64 * util,
-                     "rollout/slot_utilization": util, "rollout/prefill_tokens": pf,
-                     "time/rollout": 0.2 * disp + 1e-4 * pf, "time/verify": 0.0,
-                     "train/loss_tokens": tok - 256 * 30, "time/train": 1.0 + 1e-3 * tok,
-                     "time/step": 0.2 * disp + 1e-4 * pf + 1.0 + 1e-3 * tok + 0.5,
+    for i, (disp, pf, tok, dec) in enumerate([(20, 8000, 10000, 9000), (30, 7000, 12000, 11000),
+                                             (25, 9000, 9000, 12500)], start=2):
+        decode = 0.2 * disp + 1e-4 * 1.25 * dec
+        prefill = 0.01 * 0.5 * disp + 1e-5 * 1.5 * pf
+        train = 1.0 + 1e-3 * tok
+        recs.append({"step": i, "mode/on_policy": 1, "rollout/tokens": dec, "rollout/dispatches": disp,
+                     "rollout/slot_utilization": 0.5, "rollout/prefill_tokens": pf, "rollout/decode_time": decode,
+                     "rollout/prefill_time": prefill, "time/rollout": decode + prefill, "time/verify": 0.0,
+                     "train/loss_tokens": tok - 256 * 30, "time/train": train,
+                     "time/step": decode + prefill + train + 0.5,
                      "response/length_mean": 40.0, "response/length_max": 120})
-    run = cal.read_run(_fake_run(tmp_path / "r", "on_policy", [{"step": 1, **recs[0]}, *recs]))
-    costs, _ = cal.fit_costs([run], 64, 8, 256, 30, skip=1)
-    assert costs.decode_step_s * 8 == pytest.approx(0.2)
-    assert costs.prefill_token_s == pytest.approx(1e-4)
+    run = cal.read_run(_fake_run(tmp_path / "r", "on_policy", [{**recs[0], "step": 1}, *recs]))
+    costs, _ = cal.fit_costs([run], ratios, 8, 256, 30, skip=1)
+    assert costs.decode_step_s * 8 == pytest.approx(0.2) and costs.decode_slot_s == pytest.approx(1e-4)
+    assert costs.prefill_call_s == pytest.approx(0.01) and costs.prefill_token_s == pytest.approx(1e-5)
     assert costs.train_step_s == pytest.approx(1.0) and costs.train_token_s == pytest.approx(1e-3)
     assert costs.step_overhead_s == pytest.approx(0.5)
+
+
+def test_nonneg_lstsq_drops_a_column_that_would_be_negative():
+    # y = 2 x0 exactly; x1 anti-correlated noise would get a negative weight unconstrained.
+    x = np.asarray([[1.0, 0.0], [2.0, 1.0], [3.0, 0.0]])
+    assert cal.nonneg_lstsq(x, np.asarray([2.0, 3.9, 6.0])) == pytest.approx([1.98571, 0.0], abs=1e-4)
+
+
+def test_fit_refuses_runs_without_the_scheduler_timers(tmp_path):
+    recs = [{"step": i, "mode/on_policy": 1, "time/step": 1.0} for i in (1, 2, 3)]
+    run = cal.read_run(_fake_run(tmp_path / "old", "on_policy", recs))
+    with pytest.raises(ValueError, match="rollout/decode_time"):
+        cal.fit_costs([run], {}, 8, 256, 30, skip=0)
 
 
 @pytest.mark.parametrize("argv, message", [

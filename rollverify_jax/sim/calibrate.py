@@ -2,7 +2,9 @@
 acceptance trace the simulator replays (pure Python + numpy; reads files only).
 
 What a step's record holds (``rl/partial_rollout.py``, ``train.py``): ``time/rollout`` (prefill + decode +
-host, without verification), ``time/verify``, ``time/train``, ``time/step``, ``rollout/tokens`` (decoded),
+host, without verification), ``time/verify``, ``time/train``, ``time/step``, the scheduler's timers
+``rollout/prefill_time`` (prefill + insert calls; it includes ``time/verify``, which runs inside them) and
+``rollout/decode_time`` (generate calls), ``rollout/dispatches``, ``rollout/tokens`` (decoded),
 ``rollout/slot_utilization`` (decoded tokens / (slots x decode steps)), ``rollout/prefill_tokens``,
 ``train/loss_tokens``, ``response/length_mean`` / ``length_max`` of the batch, ``verify/acceptance`` and
 ``verify/num_verified``, ``mode/on_policy``.
@@ -60,11 +62,19 @@ def read_run(path) -> RunData:
 
 
 def dispatches(rec: dict, num_slots: int, steps_per_dispatch: int) -> float:
-    """Decode dispatches of a step, from decoded tokens and slot utilization."""
+    """Decode dispatches of a step: logged (``rollout/dispatches``), else from decoded tokens and slot
+    utilization (runs before the scheduler's counters were logged)."""
+    if "rollout/dispatches" in rec:
+        return float(rec["rollout/dispatches"])
     util = rec.get("rollout/slot_utilization") or 0.0
     if util <= 0:
         return 0.0
     return rec["rollout/tokens"] / (util * num_slots) / steps_per_dispatch
+
+
+def has_timers(run: RunData) -> bool:
+    """Whether the run logs the scheduler's prefill / decode timers (commit 61a59a8 on)."""
+    return all("rollout/decode_time" in r for r in run.steps)
 
 
 def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
@@ -76,56 +86,99 @@ def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
     return int(round(statistics.fmean(vals)))
 
 
-def fit_costs(runs: list[RunData], num_slots: int, steps_per_dispatch: int, batch_sequences: int,
-              prompt: int, skip: int = 1, steps=None, on_policy_only: bool = True) -> tuple[CostModel, dict]:
-    """Least-squares rates from the steps of ``runs`` after ``skip`` (they compile) and in ``steps`` (None: all),
-    on-policy steps only unless ``on_policy_only`` is False:
+@dataclasses.dataclass(frozen=True)
+class KindRatios:
+    """Counts the engine does not log, per unit of one it does, from the replay of one kind of step (an
+    on-policy phase, or a partial phase of a mode): they turn a logged step into the cost model's regressors."""
 
-        time/rollout = decode_dispatch_s * dispatches + prefill_token_s * prefill_tokens
-        time/train   = train_step_s + train_token_s * (loss_tokens + B G prompt)
-        overhead     = mean(time/step - time/rollout - time/verify - time/train)
-        verify_token_s = sum time/verify / sum verify/tokens_total (over steps that verified, any mode)
+    slot_steps_per_token: float = 1.0  # live-bucket slot-steps per decoded token (1 / bucket utilization)
+    calls_per_dispatch: float = 0.0  # prefill + insert calls per decode dispatch
+    padded_per_token: float = 1.0  # prefill tokens computed (padded) per real prefill token
+
+
+def kind_ratios(steps) -> KindRatios:
+    """``KindRatios`` over replayed ``StepRecord``s (sums, so long steps weigh more)."""
+    tok = sum(s.tokens_generated for s in steps)
+    disp = sum(s.dispatches for s in steps)
+    pf = sum(s.prefill_tokens for s in steps)
+    return KindRatios(sum(s.slot_steps for s in steps) / tok if tok else 1.0,
+                      sum(s.prefill_calls for s in steps) / disp if disp else 0.0,
+                      sum(s.prefill_padded_tokens for s in steps) / pf if pf else 1.0)
+
+
+def step_kind(run_mode: str, rec: dict) -> str:
+    """'on_policy' for an on-policy phase (any mode: the same scheduler work), else the run's mode."""
+    return "on_policy" if rec.get("mode/on_policy") else run_mode
+
+
+def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_dispatch: int, batch_sequences: int,
+              prompt: int, skip: int = 1, steps=None) -> tuple[CostModel, dict]:
+    """Rates from each timer of the steps of ``runs`` after ``skip`` (they compile) and in ``steps`` (None: all);
+    the runs must log the scheduler's timers. Least squares, coefficients >= 0, per step ``s``:
+
+        decode_time            = decode_dispatch_s * dispatches + decode_slot_s * slot-steps (bucket x k)
+        prefill_time - verify  = prefill_call_s * calls + prefill_token_s * padded tokens
+                                 + prefill_logp_token_s * verified tokens
+        time/train             = train_step_s + train_token_s * (loss_tokens + B G prompt)
+        time/verify            = verify_token_s * verified tokens
+        overhead               = mean(time/step - decode_time - prefill_time - time/train)
+
+    slot-steps, calls and padded tokens are not logged: they are the step's decoded tokens, dispatches and
+    real prefill tokens times the replay's ``ratios`` for its kind of step (``step_kind``).
     """
-    on = [r for run in runs for r in run.used(skip) if (r.get("mode/on_policy") or not on_policy_only)
-          and (steps is None or r["step"] in steps)]
-    if len(on) < 2:
+    used = [(run.mode, r) for run in runs for r in run.used(skip) if steps is None or r["step"] in steps]
+    if len(used) < 2:
         raise ValueError("calibration needs at least 2 steps to fit on (after the skipped ones) in the fit runs.")
-    x = np.asarray([[dispatches(r, num_slots, steps_per_dispatch), r["rollout/prefill_tokens"]] for r in on])
-    y = np.asarray([r["time/rollout"] for r in on])
-    a_disp, p_tok = _nonneg_lstsq(x, y)
-    toks = np.asarray([r["train/loss_tokens"] + batch_sequences * prompt for r in on])
-    ttrain = np.asarray([r["time/train"] for r in on])
-    if np.ptp(toks) > 0:
-        t1, t0 = np.polyfit(toks, ttrain, 1)
-    else:
-        t1, t0 = 0.0, float(ttrain.mean())
-    if t0 < 0 or t1 < 0:  # a negative coefficient: per-token only
-        t0, t1 = 0.0, float(ttrain.sum() / toks.sum())
-    overhead = statistics.fmean(r["time/step"] - r["time/rollout"] - r["time/verify"] - r["time/train"] for r in on)
-    ver = [r for run in runs for r in run.used(skip)
-           if r.get("verify/num_verified") and (steps is None or r["step"] in steps)]
-    vtok = sum(r["verify/tokens_total"] for r in ver)
-    verify_token_s = sum(r["time/verify"] for r in ver) / vtok if vtok else 0.0
-    costs = CostModel(decode_step_s=float(a_disp) / steps_per_dispatch, prefill_token_s=float(p_tok),
-                      train_step_s=float(t0), train_token_s=float(t1), step_overhead_s=max(0.0, float(overhead)),
-                      verify_token_s=float(verify_token_s))
-    fit = {"on_policy_steps": len(on), "decode_dispatch_s": float(a_disp),
-           "rollout_rmse_s": float(np.sqrt(np.mean((x @ np.asarray([a_disp, p_tok]) - y) ** 2))),
-           "verify_steps": len(ver)}
+    for run in runs:
+        if not has_timers(run):
+            raise ValueError(f"{run.path} does not log rollout/decode_time (runs from commit 61a59a8 on do): "
+                             "rerun it, or leave it out of the fit runs.")
+    kr = [ratios.get(step_kind(m, r), KindRatios()) for m, r in used]
+    recs = [r for _, r in used]
+    k = steps_per_dispatch
+    x = np.asarray([[r["rollout/dispatches"], r["rollout/tokens"] * q.slot_steps_per_token]
+                    for r, q in zip(recs, kr, strict=True)], float)
+    d_disp, d_slot = nonneg_lstsq(x, np.asarray([r["rollout/decode_time"] for r in recs], float))
+    xp = np.asarray([[r["rollout/dispatches"] * q.calls_per_dispatch, r["rollout/prefill_tokens"] * q.padded_per_token,
+                      r.get("verify/tokens_total", 0) if r.get("verify/num_verified") else 0]
+                     for r, q in zip(recs, kr, strict=True)], float)
+    yp = np.asarray([r["rollout/prefill_time"] - r["time/verify"] for r in recs], float)
+    p_call, p_tok, p_logp = nonneg_lstsq(xp, yp)
+    toks = np.asarray([r["train/loss_tokens"] + batch_sequences * prompt for r in recs], float)
+    t0, t1 = nonneg_lstsq(np.stack([np.ones_like(toks), toks], 1), np.asarray([r["time/train"] for r in recs]))
+    overhead = statistics.fmean(r["time/step"] - r["rollout/decode_time"] - r["rollout/prefill_time"] - r["time/train"]
+                                for r in recs)
+    vtok = sum(r["verify/tokens_total"] for r in recs if r.get("verify/num_verified"))
+    verify_token_s = sum(r["time/verify"] for r in recs if r.get("verify/num_verified")) / vtok if vtok else 0.0
+    costs = CostModel(decode_step_s=d_disp / k, decode_slot_s=d_slot, prefill_call_s=p_call,
+                      prefill_token_s=p_tok, prefill_logp_token_s=p_logp, train_step_s=t0, train_token_s=t1,
+                      step_overhead_s=max(0.0, overhead), verify_token_s=verify_token_s)
+    fit = {"steps": len(recs), "decode_dispatch_s": d_disp, "decode_slot_step_s": d_slot,
+           "prefill_call_s": p_call, "prefill_token_s": p_tok, "prefill_logp_token_s": p_logp,
+           "train_step_s": t0, "train_token_s": t1, "overhead_s": overhead, "verify_token_s": verify_token_s,
+           "ratios": {kind: dataclasses.asdict(q) for kind, q in ratios.items()}}
     return costs, fit
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Two non-negative coefficients: the unconstrained fit, else the better one-variable fit."""
-    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if a >= 0 and b >= 0:
-        return float(a), float(b)
-    fits = []
-    for j in range(2):
-        c = float(np.sum(x[:, j] * y) / max(np.sum(x[:, j] ** 2), 1e-30))
-        coef = (c, 0.0) if j == 0 else (0.0, c)
-        fits.append((float(np.sum((x @ np.asarray(coef) - y) ** 2)), coef))
-    return min(fits)[1]
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0: the best fit over the column subsets whose unconstrained
+    solution is non-negative (at most 3 columns here: exact, no solver)."""
+    n = x.shape[1]
+    best = (float(np.sum(y ** 2)), [0.0] * n)
+    for mask in range(1, 2 ** n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sub = x[:, cols]
+        if not np.any(sub):
+            continue
+        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if np.all(coef >= 0):
+            full = [0.0] * n
+            for j, c in zip(cols, coef, strict=True):
+                full[j] = float(c)
+            err = float(np.sum((x @ np.asarray(full) - y) ** 2))
+            if err < best[0] - 1e-12 * max(1.0, best[0]):
+                best = (err, full)
+    return best[1]
 
 
 # -- response lengths ------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """What each piece of a training step costs, in seconds: the simulator's cost model.
 
-    decode dispatch (k steps, m active slots, A attended tokens at its start)
-        = k * (decode_step_s + decode_slot_s * m + decode_ctx_token_s * A)
-    admission round (one prefill + insert of the requests admitted together)
-        = prefill_call_s + prefill_token_s * (prompt + cached tokens)
+    decode dispatch (k steps over the live bucket of b slots, A attended tokens of the running ones at its start)
+        = k * (decode_step_s + decode_slot_s * b + decode_ctx_token_s * A)
+    admission round (one prefill + insert per length bucket of the requests admitted together)
+        = prefill_call_s * calls + prefill_token_s * padded tokens (rows x length the calls compute)
           + (prefill_logp_token_s + verify_token_s) * cached tokens that are verified
     train step (sequences of p + L_i tokens)
         = train_step_s + train_token_s * sum_i (p + L_i) + train_attn_s * sum_i (p + L_i)^2
@@ -27,10 +27,10 @@ class CostModel:
     """Seconds per unit of work (all default 0: a model with nothing bound costs nothing)."""
 
     decode_step_s: float = 0.0  # per decode step (weights read, fixed-shape work, host per dispatch / k)
-    decode_slot_s: float = 0.0  # per active slot per decode step
+    decode_slot_s: float = 0.0  # per slot of the live bucket per decode step (idle slots in it compute too)
     decode_ctx_token_s: float = 0.0  # per attended (cached) token per decode step
-    prefill_call_s: float = 0.0  # per admission round that prefills anything
-    prefill_token_s: float = 0.0  # per prefilled token (prompt + cached prefix)
+    prefill_call_s: float = 0.0  # per prefill + insert call (one per length bucket of an admission round)
+    prefill_token_s: float = 0.0  # per prefilled token the calls compute (padded rows x length)
     prefill_logp_token_s: float = 0.0  # extra per verified cached token (the log-probs of the resume prefill)
     verify_token_s: float = 0.0  # two-stage verification per verified cached token
     train_step_s: float = 0.0  # per train step
@@ -44,18 +44,23 @@ class CostModel:
             if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"CostModel.{f.name}={v!r} must be a number >= 0 (seconds).")
 
-    def decode(self, dispatches: int, steps_per_dispatch: int, active: int, attended0: int) -> float:
-        """``dispatches`` consecutive dispatches with the same ``active`` slots, every one generating
-        ``steps_per_dispatch`` tokens per slot, the first starting with ``attended0`` attended tokens (each
-        later one with ``active * steps_per_dispatch`` more). Closed form of the per-dispatch sum."""
+    def decode(self, dispatches: int, steps_per_dispatch: int, active: int, attended0: int,
+               bucket: int | None = None) -> float:
+        """``dispatches`` consecutive dispatches with the same ``active`` slots running in a live bucket of
+        ``bucket`` slots (None: ``active``), every one generating ``steps_per_dispatch`` tokens per running
+        slot, the first starting with ``attended0`` attended tokens (each later one with ``active *
+        steps_per_dispatch`` more). Closed form of the per-dispatch sum."""
         n, k, m = dispatches, steps_per_dispatch, active
+        b = m if bucket is None else bucket
         attended = n * attended0 + m * k * n * (n - 1) // 2  # sum over the dispatches of A at their start
-        return k * (n * (self.decode_step_s + self.decode_slot_s * m) + self.decode_ctx_token_s * attended)
+        return k * (n * (self.decode_step_s + self.decode_slot_s * b) + self.decode_ctx_token_s * attended)
 
-    def prefill(self, tokens: int, verified_tokens: int) -> float:
+    def prefill(self, tokens: int, verified_tokens: int, calls: int = 1) -> float:
+        """``calls`` prefill + insert calls computing ``tokens`` (padded) tokens, ``verified_tokens`` of them
+        cached tokens that get log-probs and verification."""
         if tokens == 0 and verified_tokens == 0:
             return 0.0
-        return (self.prefill_call_s + self.prefill_token_s * tokens
+        return (self.prefill_call_s * calls + self.prefill_token_s * tokens
                 + (self.prefill_logp_token_s + self.verify_token_s) * verified_tokens)
 
     def train(self, seq_lengths) -> float:

@@ -19,9 +19,11 @@ jump is exact and the cost of the dispatches in between has a closed form, ``Cos
   mean is below the threshold the run goes on-policy and the cache is dropped.
 
 A sequence's response length is drawn once, when its group is created (``LengthModel``), and a cut
-trajectory regenerates up to that same length. Every token is produced by a decode dispatch (the one token the
-real ``insert`` samples is counted in decode). Time of a step = prefill rounds + decode dispatches + train step
-+ overhead (``CostModel``); nothing overlaps.
+trajectory regenerates up to that same length. As in the engine, an admitted sequence's first token is sampled
+by ``insert`` (counted apart from decode's tokens), a decode dispatch runs over the live slot bucket (the smallest
+of ``Workload.slot_buckets`` that holds the running sequences, which the scheduler packs below it), and an
+admission round prefills once per length bucket (padded rows x length). Time of a step = prefill calls + decode
+dispatches + train step + overhead (``CostModel``); nothing overlaps.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Workload:
     switch_threshold: float = 0.5
     switching: bool = True
     verify_finished: bool = True
+    live_slots: bool = True  # decode over the smallest slot bucket holding the running sequences (engine default)
+    min_prefill_len: int = 0  # prefill length buckets: powers of two >= this (0: no padding)
+    max_seq_len: int = 0  # the largest prefill bucket (0: prompt_len + max_new_tokens)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -66,6 +71,41 @@ class Workload:
             raise ValueError("prompt_len and queue_groups must be >= 0.")
         if not 0.0 <= self.switch_threshold <= 1.0:
             raise ValueError(f"switch_threshold={self.switch_threshold} must be in [0, 1].")
+        if self.min_prefill_len < 0 or self.max_seq_len < 0:
+            raise ValueError("min_prefill_len and max_seq_len must be >= 0.")
+
+    @property
+    def slot_buckets(self) -> list[int]:
+        """The slot counts a decode dispatch runs over, ascending (``Engine.live_slot_buckets``): all slots
+        halved while at least 8 remain, or all slots only (live slots off, or a pool sharded over devices)."""
+        out = [self.num_slots]
+        while self.live_slots and out[-1] // 2 >= 8:
+            out.append(out[-1] // 2)
+        return out[::-1]
+
+    def slot_bucket(self, active: int) -> int:
+        """The scheduler packs running sequences below the smallest bucket that holds them."""
+        return next(b for b in self.slot_buckets if b >= active)
+
+    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """(rows, length) one prefill call computes (``Engine.prefill``): powers of two, rows up to the slot
+        count, length in [min_prefill_len, max_seq_len]; unpadded when ``min_prefill_len`` is 0."""
+        if self.min_prefill_len == 0:
+            return rows, longest
+        return _pow2(rows, 1, max(self.num_slots, rows)), self.prefill_bucket(longest)
+
+    def prefill_bucket(self, tokens: int) -> int:
+        if self.min_prefill_len == 0:
+            return tokens
+        return _pow2(tokens, self.min_prefill_len, self.max_seq_len or self.prompt_len + self.max_new_tokens)
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two (times ``lo``) >= n, capped at ``hi`` (the engine's ``_bucket``)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
 
 
 class LengthModel:
@@ -142,9 +182,13 @@ class StepRecord:
     overhead_s: float = 0.0
     dispatches: int = 0
     decode_steps: int = 0
-    tokens_generated: int = 0
+    slot_steps: int = 0  # live-bucket slots x decode steps (what decode computes over)
+    tokens_generated: int = 0  # by decode dispatches (the engine's rollout/tokens)
+    inserted_tokens: int = 0  # the first token of every admitted sequence, sampled by insert
     useful_token_steps: int = 0
     prefill_tokens: int = 0
+    prefill_calls: int = 0  # one prefill + insert per length bucket per admission round
+    prefill_padded_tokens: int = 0  # rows x length the prefill calls compute
     regen_tokens: int = 0  # tokens decoded again where a cut removed them
     batch_tokens: int = 0  # response tokens of the trained batch
     verified: int = 0
@@ -182,7 +226,8 @@ class SimResult:
         n = len(self.steps)
         tot = {k: sum(getattr(r, k) for r in self.steps) for k in
                ("prefill_s", "decode_s", "verify_s", "train_s", "overhead_s", "tokens_generated", "regen_tokens",
-                "batch_tokens", "decode_steps", "useful_token_steps", "verified_tokens", "kept_tokens")}
+                "batch_tokens", "dispatches", "decode_steps", "slot_steps", "useful_token_steps", "verified_tokens",
+                "kept_tokens", "inserted_tokens", "prefill_tokens", "prefill_calls", "prefill_padded_tokens")}
         return {
             "mode": self.workload.mode, "steps": n, "wall_s": self.wall_s,
             "step_s_mean": self.wall_s / max(n, 1), "device_days": self.device_days(num_devices),
@@ -265,13 +310,19 @@ class Replay:
     # -- one admission round and the dispatches up to the next end ------------------------------------
 
     def _admit(self, rec: StepRecord, step: int) -> None:
+        """Fills free slots from the queue head (``Scheduler._admit``): verifies and cuts resumed trajectories,
+        prefills prompt + kept tokens (one call per length bucket), and ``insert`` samples each admitted
+        sequence's next token; one that reaches its length there finishes without taking a slot."""
         free = collections.deque(np.flatnonzero(self.slot_uid < 0).tolist())
         tokens = verified_tokens = 0
+        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
         while self.queue and free:
             t = self.trajs[self.queue.popleft()]
             if self._is_new(t):
                 self.new_queued -= 1
             tokens += self.w.prompt_len + t.tokens
+            by_bucket[self.w.prefill_bucket(self.w.prompt_len + t.tokens)].append(self.w.prompt_len + t.tokens)
+            slot = free.popleft()  # the slot is held through the prefill even when the sequence leaves at once
             if t.verify and t.tokens > 0:
                 n = t.tokens
                 keep = self.acceptance.keep(n, step)
@@ -285,28 +336,42 @@ class Replay:
                     continue
                 t.tokens, t.finished = keep, False
             t.verify = False
-            slot = free.popleft()
+            t.tokens += 1  # insert's sample
+            rec.inserted_tokens += 1
+            if t.tokens >= t.target:
+                self._finish(t)
+                continue
             self.slot_uid[slot], self.slot_tok[slot], self.slot_tgt[slot] = t.uid, t.tokens, t.target
-        cost_all = self.costs.prefill(tokens, verified_tokens)
+        calls = len(by_bucket)
+        padded = sum(math.prod(self.w.prefill_shape(len(v), max(v))) for v in by_bucket.values())
+        cost_all = self.costs.prefill(padded, verified_tokens, calls)
         verify_part = (self.costs.prefill_logp_token_s + self.costs.verify_token_s) * verified_tokens
         rec.prefill_s += cost_all - verify_part
         rec.verify_s += verify_part
         rec.prefill_tokens += tokens
+        rec.prefill_calls += calls
+        rec.prefill_padded_tokens += padded
 
     def _dispatch(self, rec: StepRecord, one: bool) -> None:
-        """Dispatches up to the first end of a sequence (exactly one if ``one``)."""
+        """Dispatches up to the first end of a sequence (exactly one if ``one``), each over the live slot
+        bucket of the running sequences."""
         k = self.w.steps_per_dispatch
         act = self.slot_uid >= 0
         m = int(act.sum())
         rem = self.slot_tgt[act] - self.slot_tok[act]
+        # a slot left free by a sequence that ended at insert is refilled at the next dispatch if anything can
+        # be admitted (partial phases top the queue up before every dispatch)
+        one = one or (m < self.w.num_slots and (bool(self.queue) or not self.on_policy))
         n = 1 if one else int(((rem + k - 1) // k).min())
         attended = m * self.w.prompt_len + int(self.slot_tok[act].sum())
-        rec.decode_s += self.costs.decode(n, k, m, attended)
+        bucket = self.w.slot_bucket(m)
+        rec.decode_s += self.costs.decode(n, k, m, attended, bucket)
         g = np.minimum(rem, n * k)
         self.slot_tok[act] += g
         total = int(g.sum())
         rec.dispatches += n
         rec.decode_steps += n * k
+        rec.slot_steps += n * k * bucket
         rec.tokens_generated += total
         rec.useful_token_steps += total
         for slot in np.flatnonzero(act & (self.slot_tok >= self.slot_tgt)).tolist():
