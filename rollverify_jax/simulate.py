@@ -146,6 +146,22 @@ class Inputs:
     notes: dict
 
 
+SHAPE_BINDINGS = {"RolloutConfig.batch_groups": "batch_groups", "RolloutConfig.group_size": "group_size",
+                  "RolloutConfig.max_new_tokens": "max_new_tokens", "EngineConfig.num_slots": "num_slots",
+                  "EngineConfig.steps_per_dispatch": "steps_per_dispatch"}
+
+
+def check_run_shapes(shape: RunShape, runs: list[cal.RunData]) -> None:
+    """A calibration run replayed with another run's shape would compare unlike work: refuse it."""
+    for run in runs:
+        bound = cal.run_bindings(run)
+        for key, field in SHAPE_BINDINGS.items():
+            if key in bound and bound[key] != str(getattr(shape, field)):
+                raise ValueError(f"{run.path} ran with {key} = {bound[key]}, the simulated config has "
+                                 f"{getattr(shape, field)}: pass the run's config (--gin_file={run.path}/config.gin) "
+                                 "or leave the run out.")
+
+
 def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
                  fit_runs: list[cal.RunData] | None = None) -> Inputs:
     devices = cfg.num_devices or math.prod(max(1, int(x)) for x in shape.mesh_shape)
@@ -341,6 +357,7 @@ def _main(args: argparse.Namespace) -> None:
 
     parse_gin(args.gin_file, args.gin_param)
     cfg, shape = SimConfig(), read_run_shape()
+    check_run_shapes(shape, runs + fit_runs)
     inputs = build_inputs(cfg, shape, runs, fit_runs)
     steps = args.steps or cfg.num_steps or shape.num_steps
     rows = [{**run_mode(m, shape, inputs, steps).summary(inputs.num_devices)} for m in cfg.modes]
@@ -355,7 +372,7 @@ def _main(args: argparse.Namespace) -> None:
         calib = calibration_rows(shape, inputs, runs, cfg.skip_steps, cfg.fit_split)
         how = ("each run's rates fitted on its own odd steps, compared on its even steps"
                if cfg.fit_split == "odd_even"
-               else "fitted on the on-policy steps of: " + ", ".join(inputs.notes["fit_runs"]))
+               else "rates fitted on every step after the skipped ones of: " + ", ".join(inputs.notes["fit_runs"]))
         print(f"\nCalibration ({how})")
         print(format_calibration(calib))
         print("\nEvent counts, predicted / measured")

@@ -178,9 +178,9 @@ def test_cost_model_rejects_negative_costs():
         CostModel(decode_step_s=-1.0)
 
 
-def _fake_run(path, mode, steps):
+def _fake_run(path, mode, steps, extra: str = ""):
     path.mkdir()
-    (path / "config.gin").write_text(f"RolloutConfig.mode = '{mode}'\n")
+    (path / "config.gin").write_text(f"RolloutConfig.mode = '{mode}'\n{extra}")
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     return path
 
@@ -235,6 +235,14 @@ def test_cli_bad_input_is_one_message_and_exit_2(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_cli_refuses_a_run_of_another_shape(tmp_path, capsys):
+    run = _fake_run(tmp_path / "b8", "on_policy", [{"step": 1, "time/step": 1.0}], "RolloutConfig.batch_groups = 8\n")
+    with pytest.raises(SystemExit) as e:
+        sim_cli.main(["--gin_file=configs/tiny_rollverify.gin", "--calibrate_from", str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "RolloutConfig.batch_groups = 8" in err and "config.gin" in err
 
 
 def test_cli_predicts_every_mode(tmp_path, capsys):

@@ -61,6 +61,15 @@ def read_run(path) -> RunData:
     return RunData(path, mode, steps)
 
 
+_BINDING = re.compile(r"^\s*([A-Za-z_]\w*\.\w+)\s*=\s*(\S.*?)\s*$", re.M)
+
+
+def run_bindings(run: RunData) -> dict[str, str]:
+    """The ``Name.param = value`` lines of the run's config.gin (values as written)."""
+    path = run.path / "config.gin"
+    return dict(_BINDING.findall(path.read_text())) if path.is_file() else {}
+
+
 def dispatches(rec: dict, num_slots: int, steps_per_dispatch: int) -> float:
     """Decode dispatches of a step: logged (``rollout/dispatches``), else from decoded tokens and slot
     utilization (runs before the scheduler's counters were logged)."""
