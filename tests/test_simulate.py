@@ -210,6 +210,18 @@ def test_fit_costs_recovers_exact_rates(tmp_path):
     assert costs.step_overhead_s == pytest.approx(0.5)
 
 
+def test_fit_without_on_policy_steps_prices_decode_per_slot_step(tmp_path):
+    # Partial steps: every dispatch runs the full bucket (1.1 slot-steps per decoded token here); 0.1 s per
+    # dispatch + 1e-4 s per slot-step cannot be told apart from a per-slot rate, which takes it all.
+    ratios = {"partial": cal.KindRatios(slot_steps_per_token=1.1)}
+    recs = [{"step": i, "mode/on_policy": 0, "rollout/dispatches": d, "rollout/tokens": 512 * d / 1.1,
+             "rollout/decode_time": 1e-4 * 512 * d, "rollout/prefill_time": 0.0, "rollout/prefill_tokens": 0,
+             "time/verify": 0.0, "time/train": 1.0, "train/loss_tokens": 100, "time/step": 1.0 + 1e-4 * 512 * d}
+            for i, d in ((1, 10), (2, 10), (3, 14))]
+    costs, _ = cal.fit_costs([cal.read_run(_fake_run(tmp_path / "p", "partial", recs))], ratios, 8, 256, 30, 1)
+    assert costs.decode_step_s == 0.0 and costs.decode_slot_s == pytest.approx(1e-4)
+
+
 def test_nonneg_lstsq_drops_a_column_that_would_be_negative():
     # y = 2 x0 exactly; x1 anti-correlated noise would get a negative weight unconstrained.
     x = np.asarray([[1.0, 0.0], [2.0, 1.0], [3.0, 0.0]])

@@ -133,7 +133,9 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
         overhead               = mean(time/step - decode_time - prefill_time - time/train)
 
     slot-steps, calls and padded tokens are not logged: they are the step's decoded tokens, dispatches and
-    real prefill tokens times the replay's ``ratios`` for its kind of step (``step_kind``).
+    real prefill tokens times the replay's ``ratios`` for its kind of step (``step_kind``). Without on-policy
+    steps every dispatch runs the full slot bucket, which cannot tell a per-dispatch cost from a per-slot one;
+    decode is then priced per slot-step only (what the on-policy fits find on the tiny runs).
     """
     used = [(run.mode, r) for run in runs for r in run.used(skip) if steps is None or r["step"] in steps]
     if len(used) < 2:
@@ -147,7 +149,11 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
     k = steps_per_dispatch
     x = np.asarray([[r["rollout/dispatches"], r["rollout/tokens"] * q.slot_steps_per_token]
                     for r, q in zip(recs, kr, strict=True)], float)
-    d_disp, d_slot = nonneg_lstsq(x, np.asarray([r["rollout/decode_time"] for r in recs], float))
+    y = np.asarray([r["rollout/decode_time"] for r in recs], float)
+    if any(step_kind(m, r) == "on_policy" for m, r in used):
+        d_disp, d_slot = nonneg_lstsq(x, y)
+    else:  # every dispatch ran the full bucket: per dispatch and per slot are one number; price it per slot
+        d_disp, d_slot = 0.0, nonneg_lstsq(x[:, 1:], y)[0]
     xp = np.asarray([[r["rollout/dispatches"] * q.calls_per_dispatch, r["rollout/prefill_tokens"] * q.padded_per_token,
                       r.get("verify/tokens_total", 0) if r.get("verify/num_verified") else 0]
                      for r, q in zip(recs, kr, strict=True)], float)
