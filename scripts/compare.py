@@ -88,9 +88,12 @@ def summarize(rows: list[dict]) -> dict:
     train = [r for r in rows if r["step"] > 0]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
 
-    def mean(key):
-        vals = [r[key] for r in train if r.get(key) is not None]
+    def mean(key, rows=train):
+        vals = [r[key] for r in rows if r.get(key) is not None]
         return float(np.mean(vals)) if vals else float("nan")
+
+    def last5(key):  # where the run ended up, against the mean over the run
+        return mean(key, train[-5:])
     switch = [r["mode/switch_step"] for r in train if r.get("mode/switch_step") is not None]
     regen = [(r["verify/regen_tokens"], r["verify/regen_equal_rate"]) for r in train if r.get("verify/regen_tokens")]
     accepted = [r["verify/acceptance"] for r in train if r.get("verify/num_verified")]  # cycles that verified
@@ -109,6 +112,8 @@ def summarize(rows: list[dict]) -> dict:
         "ops_partial": float(np.mean(partial_ops)) if partial_ops else float("nan"),
         "acceptance": float(np.mean(accepted)) if accepted else float("nan"),
         "switch": float(switch[0]) if switch else float("nan"), "entropy": mean("policy/entropy"),
+        "entropy_end": last5("policy/entropy"), "ops_end": last5("ops/token_mean"),
+        "kept": mean("filter/kept_fraction"),
         "regen_equal": sum(n * x for n, x in regen) / sum(n for n, _ in regen) if regen else float("nan"),
     }
 
@@ -134,8 +139,10 @@ def cell(values: list[float], fmt: str) -> str:
 COLUMNS = [("steps", "steps", ".0f"), ("acc0", "held-out acc (start)", ".3f"), ("acc", "held-out acc (end)", ".3f"),
            ("reward", "reward (last 5)", ".3f"), ("wall", "wall (s)", ".0f"), ("rollout", "rollout (s)", ".0f"),
            ("train", "train (s)", ".0f"), ("verify", "verify (s)", ".2f"), ("util", "slot util", ".3f"),
-           ("ops", "mean OPS", ".5f"), ("ops_partial", "OPS before switch", ".5f"),
+           ("ops", "mean OPS", ".5f"), ("ops_end", "OPS (last 5)", ".5f"),
+           ("ops_partial", "OPS before switch", ".5f"), ("kept", "kept by filter", ".3f"),
            ("acceptance", "acceptance", ".3f"), ("regen_equal", "regen = cut", ".3f"), ("entropy", "entropy", ".3f"),
+           ("entropy_end", "entropy (last 5)", ".3f"),
            ("switch", "switch step", ".1f")]
 
 
