@@ -58,6 +58,10 @@ class SimConfig:
     # calibration: 'by_mode' fits the rates on the on-policy runs and compares every run's steps after
     # skip_steps; 'odd_even' fits each run's rates on its own odd steps and compares its even steps
     fit_split: str = "by_mode"
+    # calibration: a decode slot-step costs (1 + live page-table width / decode_width_ref) times the fitted rate
+    # (0: width ignored). 240 tokens: bench_decode's live-pages ratio, 1.50x at 64 slots for a mean live width
+    # of ~133 tokens against the whole 320-token table (docs/benchmarks.md)
+    decode_width_ref: float = 240.0
 
     def __post_init__(self):
         for m in self.modes:
@@ -73,6 +77,8 @@ class SimConfig:
             raise ValueError(f"SimConfig.num_devices={self.num_devices} must be >= 1.")
         if self.fit_split not in ("by_mode", "odd_even"):
             raise ValueError(f"SimConfig.fit_split={self.fit_split!r}; choose 'by_mode' or 'odd_even'.")
+        if self.decode_width_ref < 0:
+            raise ValueError(f"SimConfig.decode_width_ref={self.decode_width_ref} must be >= 0 (0: width ignored).")
         if self.skip_steps < 0 or self.prompt_len < 0:
             raise ValueError("SimConfig.skip_steps and SimConfig.prompt_len must be >= 0.")
 
@@ -97,6 +103,8 @@ class RunShape:
     live_slots: bool = True  # EngineConfig.live_slots and a pool on one device (else one bucket: all slots)
     min_prefill_len: int = 32
     max_seq_len: int = 512
+    page_size: int = 16
+    live_pages: bool = True
 
     def workload(self, mode: str, prompt_len: int) -> Workload:
         return Workload(mode=mode, batch_groups=self.batch_groups, group_size=self.group_size,
@@ -104,7 +112,8 @@ class RunShape:
                         max_new_tokens=self.max_new_tokens, prompt_len=prompt_len, queue_groups=self.queue_groups,
                         switch_window=self.switch_window, switch_threshold=self.switch_threshold,
                         switching=self.switching, verify_finished=self.verify_finished, live_slots=self.live_slots,
-                        min_prefill_len=self.min_prefill_len, max_seq_len=self.max_seq_len)
+                        min_prefill_len=self.min_prefill_len, max_seq_len=self.max_seq_len,
+                        page_size=self.page_size, live_pages=self.live_pages)
 
 
 def pool_shards(mesh_shape: tuple, num_slots: int) -> int:
@@ -131,7 +140,8 @@ def read_run_shape() -> RunShape:
                     steps_per_dispatch=e.steps_per_dispatch, switch_window=s.window, switch_threshold=s.threshold,
                     switching=s.enabled, verify_finished=v.verify_finished, num_steps=TrainConfig().num_steps,
                     mesh_shape=mesh, live_slots=e.live_slots and pool_shards(mesh, e.num_slots) == 1,
-                    min_prefill_len=e.min_prefill_len, max_seq_len=e.max_seq_len)
+                    min_prefill_len=e.min_prefill_len, max_seq_len=e.max_seq_len, page_size=e.page_size,
+                    live_pages=e.live_pages)
 
 
 @dataclasses.dataclass
@@ -187,7 +197,8 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
                                     "seed": cfg.seed}
     steps = max(r.steps[-1]["step"] for r in runs)
     ratios = replay_ratios(shape, inputs, {r.mode for r in runs}, steps)
-    costs, fit = cal.fit_costs(fit_runs, ratios, shape.steps_per_dispatch, n, inputs.prompt_len, cfg.skip_steps)
+    costs, fit = cal.fit_costs(fit_runs, ratios, shape.steps_per_dispatch, n, inputs.prompt_len, cfg.skip_steps,
+                               width_ref=cfg.decode_width_ref)
     if not any(r.mode == "rollverify" for r in fit_runs) and verify_runs:
         costs = _verification_rates(costs, verify_runs, ratios, cfg.skip_steps)
     inputs.costs = costs
@@ -247,7 +258,7 @@ COUNTS = (("dispatches", "rollout/dispatches"), ("prefill_tokens", "rollout/pref
 
 
 def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], skip: int,
-                     split: str = "by_mode") -> list[dict]:
+                     split: str = "by_mode", width_ref: float = 0.0) -> list[dict]:
     """Predicted vs measured wall-clock, timers and event counts of every run over its steps after ``skip``
     (``split='odd_even'``: each run's rates fitted on its own odd steps, compared on its even steps). A
     RollVerify run is replayed with its own acceptance trace."""
@@ -265,7 +276,7 @@ def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], s
             ratios = inputs.notes["fit"]["ratios"]
             costs, _ = cal.fit_costs([run], {k: cal.KindRatios(**v) for k, v in ratios.items()},
                                      shape.steps_per_dispatch, shape.batch_groups * shape.group_size,
-                                     inputs.prompt_len, skip, odd)
+                                     inputs.prompt_len, skip, odd, width_ref)
             run_inputs = dataclasses.replace(run_inputs, costs=costs)
         res = run_mode(run.mode, shape, run_inputs, n)
         pred = [s for s in res.steps if s.step in compared]
@@ -369,7 +380,7 @@ def _main(args: argparse.Namespace) -> None:
               "costs": dataclasses.asdict(inputs.costs), "lengths": inputs.length_kwargs,
               "prompt_len": inputs.prompt_len, "notes": inputs.notes, "modes": rows}
     if runs:
-        calib = calibration_rows(shape, inputs, runs, cfg.skip_steps, cfg.fit_split)
+        calib = calibration_rows(shape, inputs, runs, cfg.skip_steps, cfg.fit_split, cfg.decode_width_ref)
         how = ("each run's rates fitted on its own odd steps, compared on its even steps"
                if cfg.fit_split == "odd_even"
                else "rates fitted on every step after the skipped ones of: " + ", ".join(inputs.notes["fit_runs"]))

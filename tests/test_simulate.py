@@ -131,6 +131,19 @@ def test_decode_runs_over_the_live_slot_bucket():
         assert (s.dispatches, s.slot_steps, s.decode_s, s.tokens_generated) == (5, slot_steps, slot_steps, 24)
 
 
+def test_decode_reads_the_live_page_table_width():
+    # Table of 64 tokens in pages of 4: 16 pages, buckets 4, 8, 16 pages (16, 32, 64 tokens). One sequence of 20
+    # tokens, prompt 3, k = 2: after insert it holds 1; a dispatch reserves prompt + tokens + k + 1 = tokens + 6
+    # (at most 23) positions, so tokens 1, 3, 5, 7, 9 fit 4 pages (width 16) and tokens 11-19 need 5-6 (width
+    # 32): 5 dispatches at 16 and 5 at 32, 2 * (5 * 16 + 5 * 32) = 480 width-slot-steps; the whole table: 1280.
+    c = CostModel(decode_width_token_s=1.0)
+    for live, cost in ((True, 480), (False, 1280)):
+        w = Workload("on_policy", 1, 1, 1, 2, 20, prompt_len=3, max_seq_len=64, page_size=4, live_pages=live)
+        assert w.page_buckets == ([4, 8, 16] if live else [16])
+        (s,) = simulate(w, c, LengthModel(20, lengths=[20]), num_steps=1).steps
+        assert (s.dispatches, s.width_slot_steps, s.decode_s) == (10, cost, cost)
+
+
 def test_prefill_calls_per_length_bucket_and_padding():
     # Engine buckets: rows a power of two up to the slots, length a power of two from min_prefill_len = 4 up to
     # max_seq_len = 64. Partial, 2 slots, B = 1, k = 1, prompt 3, lengths (9, 1, 3, 3): step 1 ends with u0

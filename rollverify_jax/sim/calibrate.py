@@ -101,6 +101,7 @@ class KindRatios:
     on-policy phase, or a partial phase of a mode): they turn a logged step into the cost model's regressors."""
 
     slot_steps_per_token: float = 1.0  # live-bucket slot-steps per decoded token (1 / bucket utilization)
+    width_per_slot_step: float = 0.0  # mean live page-table width (tokens) a slot-step reads
     calls_per_dispatch: float = 0.0  # prefill + insert calls per decode dispatch
     padded_per_token: float = 1.0  # prefill tokens computed (padded) per real prefill token
 
@@ -110,7 +111,8 @@ def kind_ratios(steps) -> KindRatios:
     tok = sum(s.tokens_generated for s in steps)
     disp = sum(s.dispatches for s in steps)
     pf = sum(s.prefill_tokens for s in steps)
-    return KindRatios(sum(s.slot_steps for s in steps) / tok if tok else 1.0,
+    slot = sum(s.slot_steps for s in steps)
+    return KindRatios(slot / tok if tok else 1.0, sum(s.width_slot_steps for s in steps) / slot if slot else 0.0,
                       sum(s.prefill_calls for s in steps) / disp if disp else 0.0,
                       sum(s.prefill_padded_tokens for s in steps) / pf if pf else 1.0)
 
@@ -121,11 +123,12 @@ def step_kind(run_mode: str, rec: dict) -> str:
 
 
 def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_dispatch: int, batch_sequences: int,
-              prompt: int, skip: int = 1, steps=None) -> tuple[CostModel, dict]:
+              prompt: int, skip: int = 1, steps=None, width_ref: float = 0.0) -> tuple[CostModel, dict]:
     """Rates from each timer of the steps of ``runs`` after ``skip`` (they compile) and in ``steps`` (None: all);
     the runs must log the scheduler's timers. Least squares, coefficients >= 0, per step ``s``:
 
-        decode_time            = decode_dispatch_s * dispatches + decode_slot_s * slot-steps (bucket x k)
+        decode_time            = decode_dispatch_s * dispatches
+                                 + decode_slot_s * slot-steps (bucket x k) * (1 + live width / width_ref)
         prefill_time - verify  = prefill_call_s * calls + prefill_token_s * padded tokens
                                  + prefill_logp_token_s * verified tokens
         time/train             = train_step_s + train_token_s * (loss_tokens + B G prompt)
@@ -135,7 +138,9 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
     slot-steps, calls and padded tokens are not logged: they are the step's decoded tokens, dispatches and
     real prefill tokens times the replay's ``ratios`` for its kind of step (``step_kind``). Without on-policy
     steps every dispatch runs the full slot bucket, which cannot tell a per-dispatch cost from a per-slot one;
-    decode is then priced per slot-step only (what the on-policy fits find on the tiny runs).
+    decode is then priced per slot-step only (what the on-policy fits find on the tiny runs). A slot-step's
+    cost grows with the live page-table width ``W`` as ``1 + W / width_ref`` (0: width ignored): the timers
+    cannot separate it from the slot's own cost, so its scale is given (``SimConfig.decode_width_ref``).
     """
     used = [(run.mode, r) for run in runs for r in run.used(skip) if steps is None or r["step"] in steps]
     if len(used) < 2:
@@ -147,7 +152,8 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
     kr = [ratios.get(step_kind(m, r), KindRatios()) for m, r in used]
     recs = [r for _, r in used]
     k = steps_per_dispatch
-    x = np.asarray([[r["rollout/dispatches"], r["rollout/tokens"] * q.slot_steps_per_token]
+    x = np.asarray([[r["rollout/dispatches"], r["rollout/tokens"] * q.slot_steps_per_token
+                     * (1.0 + (q.width_per_slot_step / width_ref if width_ref else 0.0))]
                     for r, q in zip(recs, kr, strict=True)], float)
     y = np.asarray([r["rollout/decode_time"] for r in recs], float)
     if any(step_kind(m, r) == "on_policy" for m, r in used):
@@ -165,7 +171,8 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
                                 for r in recs)
     vtok = sum(r["verify/tokens_total"] for r in recs if r.get("verify/num_verified"))
     verify_token_s = sum(r["time/verify"] for r in recs if r.get("verify/num_verified")) / vtok if vtok else 0.0
-    costs = CostModel(decode_step_s=d_disp / k, decode_slot_s=d_slot, prefill_call_s=p_call,
+    costs = CostModel(decode_step_s=d_disp / k, decode_slot_s=d_slot,
+                      decode_width_token_s=d_slot / width_ref if width_ref else 0.0, prefill_call_s=p_call,
                       prefill_token_s=p_tok, prefill_logp_token_s=p_logp, train_step_s=t0, train_token_s=t1,
                       step_overhead_s=max(0.0, overhead), verify_token_s=verify_token_s)
     fit = {"steps": len(recs), "decode_dispatch_s": d_disp, "decode_slot_step_s": d_slot,

@@ -1,7 +1,8 @@
 """What each piece of a training step costs, in seconds: the simulator's cost model.
 
-    decode dispatch (k steps over the live bucket of b slots, A attended tokens of the running ones at its start)
-        = k * (decode_step_s + decode_slot_s * b + decode_ctx_token_s * A)
+    decode dispatch (k steps over the live bucket of b slots and a live page table W tokens wide, A attended
+    tokens of the running ones at its start)
+        = k * (decode_step_s + decode_slot_s * b + decode_width_token_s * b * W + decode_ctx_token_s * A)
     admission round (one prefill + insert per length bucket of the requests admitted together)
         = prefill_call_s * calls + prefill_token_s * padded tokens (rows x length the calls compute)
           + (prefill_logp_token_s + verify_token_s) * cached tokens that are verified
@@ -29,6 +30,9 @@ class CostModel:
     decode_step_s: float = 0.0  # per decode step (weights read, fixed-shape work, host per dispatch / k)
     decode_slot_s: float = 0.0  # per slot of the live bucket per decode step (idle slots in it compute too)
     decode_ctx_token_s: float = 0.0  # per attended (cached) token per decode step
+    # per bucket slot per token of the live page-table width per decode step (the reference attention of CPU
+    # and GPU gathers every page the table lists for every slot of the bucket; Pallas on TPU reads A only)
+    decode_width_token_s: float = 0.0
     prefill_call_s: float = 0.0  # per prefill + insert call (one per length bucket of an admission round)
     prefill_token_s: float = 0.0  # per prefilled token the calls compute (padded rows x length)
     prefill_logp_token_s: float = 0.0  # extra per verified cached token (the log-probs of the resume prefill)
@@ -45,15 +49,17 @@ class CostModel:
                 raise ValueError(f"CostModel.{f.name}={v!r} must be a number >= 0 (seconds).")
 
     def decode(self, dispatches: int, steps_per_dispatch: int, active: int, attended0: int,
-               bucket: int | None = None) -> float:
+               bucket: int | None = None, width: int = 0) -> float:
         """``dispatches`` consecutive dispatches with the same ``active`` slots running in a live bucket of
         ``bucket`` slots (None: ``active``), every one generating ``steps_per_dispatch`` tokens per running
         slot, the first starting with ``attended0`` attended tokens (each later one with ``active *
-        steps_per_dispatch`` more). Closed form of the per-dispatch sum."""
+        steps_per_dispatch`` more), all reading a page table ``width`` tokens wide. Closed form of the
+        per-dispatch sum."""
         n, k, m = dispatches, steps_per_dispatch, active
         b = m if bucket is None else bucket
         attended = n * attended0 + m * k * n * (n - 1) // 2  # sum over the dispatches of A at their start
-        return k * (n * (self.decode_step_s + self.decode_slot_s * b) + self.decode_ctx_token_s * attended)
+        per_dispatch = self.decode_step_s + self.decode_slot_s * b + self.decode_width_token_s * b * width
+        return k * (n * per_dispatch + self.decode_ctx_token_s * attended)
 
     def prefill(self, tokens: int, verified_tokens: int, calls: int = 1) -> float:
         """``calls`` prefill + insert calls computing ``tokens`` (padded) tokens, ``verified_tokens`` of them

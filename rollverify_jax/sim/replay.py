@@ -58,7 +58,9 @@ class Workload:
     verify_finished: bool = True
     live_slots: bool = True  # decode over the smallest slot bucket holding the running sequences (engine default)
     min_prefill_len: int = 0  # prefill length buckets: powers of two >= this (0: no padding)
-    max_seq_len: int = 0  # the largest prefill bucket (0: prompt_len + max_new_tokens)
+    max_seq_len: int = 0  # the largest prefill bucket and the page table's width (0: prompt_len + max_new_tokens)
+    page_size: int = 0  # > 0: track the live page-table width decode reads (EngineConfig.live_pages buckets)
+    live_pages: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -86,6 +88,25 @@ class Workload:
     def slot_bucket(self, active: int) -> int:
         """The scheduler packs running sequences below the smallest bucket that holds them."""
         return next(b for b in self.slot_buckets if b >= active)
+
+    @property
+    def page_buckets(self) -> list[int]:
+        """Page-table widths decode reads, ascending (``Engine.live_page_buckets``): the table halved (rounded
+        up) while it has at least 16 pages and the half at least 4; the whole table with live pages off."""
+        out = [-(-(self.max_seq_len or self.prompt_len + self.max_new_tokens) // max(1, self.page_size))]
+        while self.live_pages and out[0] >= 16 and out[-1] // 2 >= 4:
+            out.append(-(-out[-1] // 2))
+        return out[::-1]
+
+    def live_width(self, tokens: int) -> int:
+        """Tokens of the page-table width a dispatch reads when the longest running sequence holds ``tokens``
+        response tokens: its pages (reserved through the dispatch: prompt + tokens + k + 1, at most the cap)
+        rounded up to a bucket; 0 when ``page_size`` is 0."""
+        if not self.page_size:
+            return 0
+        need = min(self.prompt_len + self.max_new_tokens, self.prompt_len + tokens + self.steps_per_dispatch + 1)
+        pages = -(-need // self.page_size)
+        return next((b for b in self.page_buckets if b >= pages), self.page_buckets[-1]) * self.page_size
 
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
         """(rows, length) one prefill call computes (``Engine.prefill``): powers of two, rows up to the slot
@@ -183,6 +204,7 @@ class StepRecord:
     dispatches: int = 0
     decode_steps: int = 0
     slot_steps: int = 0  # live-bucket slots x decode steps (what decode computes over)
+    width_slot_steps: int = 0  # slot-steps x live page-table width in tokens (what reference attention gathers)
     tokens_generated: int = 0  # by decode dispatches (the engine's rollout/tokens)
     inserted_tokens: int = 0  # the first token of every admitted sequence, sampled by insert
     useful_token_steps: int = 0
@@ -226,8 +248,9 @@ class SimResult:
         n = len(self.steps)
         tot = {k: sum(getattr(r, k) for r in self.steps) for k in
                ("prefill_s", "decode_s", "verify_s", "train_s", "overhead_s", "tokens_generated", "regen_tokens",
-                "batch_tokens", "dispatches", "decode_steps", "slot_steps", "useful_token_steps", "verified_tokens",
-                "kept_tokens", "inserted_tokens", "prefill_tokens", "prefill_calls", "prefill_padded_tokens")}
+                "batch_tokens", "dispatches", "decode_steps", "slot_steps", "width_slot_steps", "useful_token_steps",
+                "verified_tokens", "kept_tokens", "inserted_tokens", "prefill_tokens", "prefill_calls",
+                "prefill_padded_tokens")}
         return {
             "mode": self.workload.mode, "steps": n, "wall_s": self.wall_s,
             "step_s_mean": self.wall_s / max(n, 1), "device_days": self.device_days(num_devices),
@@ -363,15 +386,19 @@ class Replay:
         # be admitted (partial phases top the queue up before every dispatch)
         one = one or (m < self.w.num_slots and (bool(self.queue) or not self.on_policy))
         n = 1 if one else int(((rem + k - 1) // k).min())
+        longest = int(self.slot_tok[act].max())
+        width = self.w.live_width(longest)
+        n = next((d for d in range(1, n) if self.w.live_width(longest + d * k) != width), n)  # until it widens
         attended = m * self.w.prompt_len + int(self.slot_tok[act].sum())
         bucket = self.w.slot_bucket(m)
-        rec.decode_s += self.costs.decode(n, k, m, attended, bucket)
+        rec.decode_s += self.costs.decode(n, k, m, attended, bucket, width)
         g = np.minimum(rem, n * k)
         self.slot_tok[act] += g
         total = int(g.sum())
         rec.dispatches += n
         rec.decode_steps += n * k
         rec.slot_steps += n * k * bucket
+        rec.width_slot_steps += n * k * bucket * width
         rec.tokens_generated += total
         rec.useful_token_steps += total
         for slot in np.flatnonzero(act & (self.slot_tok >= self.slot_tgt)).tolist():
