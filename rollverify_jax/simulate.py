@@ -188,9 +188,10 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
     n = shape.batch_groups * shape.group_size
     fit_runs = fit_runs or [r for r in runs if r.mode == "on_policy"] or runs
     inputs.prompt_len = cal.prompt_len(runs, n, cfg.skip_steps)
-    mean, mean_max = cal.length_stats(runs, cfg.skip_steps)
-    median, sigma = cal.fit_lognormal(mean, mean_max, n, shape.max_new_tokens)
-    inputs.length_kwargs = {"median": median, "sigma": sigma, "seed": cfg.seed}
+    mean, mean_max, mean_sd = cal.length_stats(runs, cfg.skip_steps)
+    median, sigma, share = cal.fit_group_lognormal(mean, mean_max, mean_sd, shape.batch_groups, shape.group_size,
+                                                   shape.max_new_tokens, cfg.seed)
+    inputs.length_kwargs = {"median": median, "sigma": sigma, "group_share": share, "seed": cfg.seed}
     verify_runs = [r for r in runs if r.mode == "rollverify"]
     if verify_runs:
         inputs.acceptance_kwargs = {"trace": cal.acceptance_trace(verify_runs[0]), "cut_model": cfg.cut_model,
@@ -203,7 +204,8 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
         costs = _verification_rates(costs, verify_runs, ratios, cfg.skip_steps)
     inputs.costs = costs
     inputs.notes = {"fit_runs": [str(r.path) for r in fit_runs], "fit": fit, "length_mean": mean,
-                    "length_max_mean": mean_max, "length_median": median, "length_sigma": sigma,
+                    "length_max_mean": mean_max, "length_mean_sd": mean_sd, "length_median": median,
+                    "length_sigma": sigma, "length_group_share": share,
                     "prompt_len": inputs.prompt_len,
                     "acceptance_trace_from": str(verify_runs[0].path) if verify_runs else None}
     return inputs

@@ -179,11 +179,20 @@ def test_partial_beats_on_policy_on_a_long_tail():
     assert walls["partial"] < walls["on_policy"]
 
 
-def test_lognormal_fit_recovers_its_parameters():
-    mu, sigma, n, cap = math.log(40.0), 0.5, 256, 200
-    mean = cal.capped_lognormal_mean(mu, sigma, cap)
-    median, s = cal.fit_lognormal(mean, cal.expected_max(mu, sigma, n, cap), n, cap)
-    assert median == pytest.approx(40.0, rel=1e-3) and s == pytest.approx(0.5, abs=0.011)
+def test_group_lengths_share_the_between_group_draw():
+    alike = LengthModel(1000, median=50, sigma=0.8, group_share=1.0, seed=3)
+    assert all(len(set(alike.draw(8))) == 1 for _ in range(5))  # all the spread between groups
+    assert len(set(LengthModel(1000, median=50, sigma=0.8, seed=3).draw(8))) > 1
+
+
+def test_group_lognormal_fit_recovers_its_parameters():
+    # 2,000 batches of 8 groups x 8 from median 40, sigma 0.5, half the log-variance between groups.
+    lm = LengthModel(200, median=40.0, sigma=0.5, group_share=0.5, seed=11)
+    batches = np.asarray([[lm.draw(8) for _ in range(8)] for _ in range(2000)], float).reshape(2000, -1)
+    median, sigma, share = cal.fit_group_lognormal(batches.mean(), batches.max(1).mean(),
+                                                   batches.mean(1).std(ddof=1), 8, 8, 200)
+    assert median == pytest.approx(40.0, rel=0.05) and sigma == pytest.approx(0.5, abs=0.05)
+    assert share == pytest.approx(0.5, abs=0.1)
 
 
 def test_cost_model_rejects_negative_costs():

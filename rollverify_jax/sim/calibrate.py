@@ -218,35 +218,47 @@ def capped_lognormal_mean(mu: float, sigma: float, cap: float) -> float:
             + cap * (1.0 - _phi((lc - mu) / sigma)))
 
 
-def expected_max(mu: float, sigma: float, n: int, cap: float) -> float:
-    """Approximate expected maximum of ``n`` draws (Blom's plotting position), capped."""
-    z = statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
-    return min(cap, math.exp(mu + sigma * z))
-
-
-def fit_lognormal(mean: float, mean_max: float, n: int, cap: float) -> tuple[float, float]:
-    """(median, sigma) of the capped lognormal whose capped mean is ``mean`` and whose expected maximum of ``n``
-    draws is closest to ``mean_max``."""
+def fit_group_lognormal(mean: float, mean_max: float, batch_mean_sd: float, groups: int, group_size: int,
+                        cap: float, seed: int = 0) -> tuple[float, float, float]:
+    """(median, sigma, group_share) of ``LengthModel``'s grouped lognormal whose capped mean is ``mean`` and
+    whose batches of ``groups`` x ``group_size`` come closest (relative squared error, Monte Carlo on fixed
+    draws) to the mean batch maximum ``mean_max`` and the batch mean's standard deviation ``batch_mean_sd``:
+    the spread between groups is what moves the batch mean, the spread within them what moves its maximum."""
+    rng = np.random.default_rng(seed)
+    zg = rng.standard_normal((400, groups, 1))
+    zi = rng.standard_normal((400, groups, group_size))
     best = None
-    for sigma in np.linspace(0.05, 2.5, 246):
+    for sigma in np.arange(0.05, 1.501, 0.025):
         lo, hi = -5.0, math.log(cap) + 5.0
-        for _ in range(80):  # capped mean rises with mu: bisection
+        for _ in range(60):  # capped mean rises with mu: bisection (the shares leave the total sigma alone)
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if capped_lognormal_mean(mid, sigma, cap) < mean else (lo, mid)
-        err = abs(expected_max(lo, sigma, n, cap) - mean_max)
-        if best is None or err < best[0]:
-            best = (err, math.exp(lo), float(sigma))
-    return best[1], best[2]
+        for share in np.arange(0.0, 1.001, 0.05):
+            x = np.clip(np.rint(np.exp(lo + sigma * (math.sqrt(share) * zg + math.sqrt(1 - share) * zi))), 1, cap)
+            x = x.reshape(len(x), -1)
+            err = ((x.max(1).mean() / mean_max - 1) ** 2
+                   + (x.mean(1).std(ddof=1) / max(batch_mean_sd, 1e-9) - 1) ** 2)
+            if best is None or err < best[0]:
+                best = (err, math.exp(lo), float(sigma), float(share))
+    return best[1], best[2], best[3]
 
 
-def length_stats(runs: list[RunData], skip: int) -> tuple[float, float]:
-    """Mean response length and mean batch maximum over the on-policy steps (unbiased batches: a partial
-    batch is the short end of what was in flight)."""
+def length_stats(runs: list[RunData], skip: int) -> tuple[float, float, float]:
+    """Mean response length, mean batch maximum and the batch mean's step-to-step standard deviation over the
+    on-policy steps (unbiased batches: a partial batch is the short end of what was in flight). The deviation
+    comes from consecutive differences (sd(diff) / sqrt 2, per run), so a slow drift of the policy's lengths
+    does not count as spread between groups."""
     on = [r for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
     if not on:
         raise ValueError("no on-policy step to fit the response-length distribution on.")
+    diffs = []
+    for run in runs:
+        steps = [r for r in run.used(skip) if r.get("mode/on_policy")]
+        diffs += [b["response/length_mean"] - a["response/length_mean"]
+                  for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1]
+    sd = math.sqrt(statistics.fmean(d * d for d in diffs) / 2) if diffs else 0.0
     return (statistics.fmean(r["response/length_mean"] for r in on),
-            statistics.fmean(r["response/length_max"] for r in on))
+            statistics.fmean(r["response/length_max"] for r in on), sd)
 
 
 def acceptance_trace(run: RunData) -> list[float]:

@@ -130,29 +130,38 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 class LengthModel:
-    """Response lengths in tokens, drawn in order: an explicit list (cycled), or a lognormal with the given
-    median and sigma, rounded and clipped to [1, max_new_tokens]."""
+    """Response lengths in tokens, drawn one group (one ``draw`` call) at a time: an explicit list (cycled), or
+    a lognormal with the given median and (total) sigma, rounded and clipped to [1, max_new_tokens]. A group's
+    members answer the same prompt, so their lengths are alike: ``group_share`` of the log-variance is drawn
+    once per group (sigma_between = sigma sqrt(share)), the rest per member."""
 
     def __init__(self, max_new_tokens: int, lengths=None, median: float = 0.0, sigma: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, group_share: float = 0.0):
         self.max_new_tokens = int(max_new_tokens)
         self.lengths = None if lengths is None else [int(x) for x in lengths]
         if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
             raise ValueError("explicit response lengths must be a non-empty list of integers >= 1.")
         if self.lengths is None and (median <= 0 or sigma < 0):
             raise ValueError(f"lognormal lengths need median > 0 and sigma >= 0 (got {median}, {sigma}).")
-        self.median, self.sigma = float(median), float(sigma)
+        if not 0.0 <= group_share <= 1.0:
+            raise ValueError(f"group_share={group_share} must be in [0, 1].")
+        self.median, self.sigma, self.group_share = float(median), float(sigma), float(group_share)
         self._rng = np.random.default_rng(seed)
         self._next = 0
 
     def draw(self, n: int) -> list[int]:
+        """The lengths of one group of ``n`` members."""
         if self.lengths is not None:
             out = [self.lengths[(self._next + i) % len(self.lengths)] for i in range(n)]
             self._next += n
+        elif self.sigma == 0:
+            out = np.rint(np.full(n, self.median)).astype(np.int64).tolist()
+        elif self.group_share == 0:
+            out = np.rint(self._rng.lognormal(math.log(self.median), self.sigma, size=n)).astype(np.int64).tolist()
         else:
-            x = self._rng.lognormal(math.log(self.median), self.sigma, size=n) if self.sigma else \
-                np.full(n, self.median)
-            out = np.rint(x).astype(np.int64).tolist()
+            between = self.sigma * math.sqrt(self.group_share) * self._rng.standard_normal()
+            within = self.sigma * math.sqrt(1.0 - self.group_share) * self._rng.standard_normal(n)
+            out = np.rint(self.median * np.exp(between + within)).astype(np.int64).tolist()
         return [min(max(1, int(v)), self.max_new_tokens) for v in out]
 
 
