@@ -1,7 +1,7 @@
 """Predicts wall-clock and device-days of a run in each rollout mode, without running it.
 
     python -m rollverify_jax.simulate --gin_file=configs/tiny_rollverify.gin [--gin_param=...] [--steps N]
-        [--calibrate_from RUN_DIR ...] [--json out.json]
+        [--calibrate_from RUN_DIR ... [--fit_from RUN_DIR ...]] [--json out.json]
 
 A discrete-event replay of the scheduler and training loop (``rollverify_jax/sim/replay.py``) over the run's
 shape (B, G, slots, steps per dispatch, response cap, switching: read from its gin config) for on-policy,
@@ -9,7 +9,8 @@ naive partial and RollVerify, with a cost model (``rollverify_jax/sim/costs.py``
 runs (``--calibrate_from``: their ``metrics.jsonl``), or the compiled programs' roofline (``SimConfig.costs =
 'roofline'`` with ``RooflineCosts`` bound, configs/sim/*.gin). With ``--calibrate_from``, the response lengths
 and RollVerify's acceptance per step come from those runs too, and the prediction for every run given is
-printed beside its measured wall-clock. docs/results/simulator.md has the equations and the calibration.
+printed beside its measured wall-clock, timers and event counts (rates from the ``--fit_from`` runs, by default
+the on-policy ones). docs/results/simulator.md has the equations and the calibration.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class SimConfig:
     cut_model: str = "fraction"
     costs: str = "costs"
     skip_steps: int = 1  # calibration: leading steps left out (they compile)
-    # calibration: 'by_mode' fits the rates on the on-policy runs and compares every run's steps after
-    # skip_steps; 'odd_even' fits each run's rates on its own odd steps and compares its even steps
+    # calibration: 'by_mode' fits the rates on the --fit_from runs (default: the on-policy runs) and compares
+    # every run's steps after skip_steps; 'odd_even' fits each run's rates on its own odd steps and compares its
+    # even steps
     fit_split: str = "by_mode"
     # calibration: a decode slot-step costs (1 + live page-table width / decode_width_ref) times the fitted rate
     # (0: width ignored). 240 tokens: bench_decode's live-pages ratio, 1.50x at 64 slots for a mean live width
