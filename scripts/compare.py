@@ -136,7 +136,8 @@ def cell(values: list[float], fmt: str) -> str:
 
 
 # (summary key, column header, format) of the report table
-COLUMNS = [("steps", "steps", ".0f"), ("acc0", "held-out acc (start)", ".3f"), ("acc", "held-out acc (end)", ".3f"),
+COLUMNS = [("seeds", "seeds", ".0f"), ("steps", "steps", ".0f"), ("acc0", "held-out acc (start)", ".3f"),
+           ("acc", "held-out acc (end)", ".3f"),
            ("reward", "reward (last 5)", ".3f"), ("wall", "wall (s)", ".0f"), ("rollout", "rollout (s)", ".0f"),
            ("train", "train (s)", ".0f"), ("verify", "verify (s)", ".2f"), ("util", "slot util", ".3f"),
            ("ops", "mean OPS", ".5f"), ("ops_end", "OPS (last 5)", ".5f"),
@@ -150,7 +151,8 @@ def table(summaries: dict[str, list[dict]], first: str) -> list[str]:
     """Markdown rows, one per label, each cell the mean ± standard error over that label's runs."""
     lines = [f"| {first} | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "| --- " * (len(COLUMNS) + 1) + "|"]
     for label, runs in summaries.items():
-        lines.append(f"| {label} | " + " | ".join(cell([r[k] for r in runs], fmt) for k, _, fmt in COLUMNS) + " |")
+        lines.append(f"| {label} | " + " | ".join(str(len(runs)) if k == "seeds" else cell([r[k] for r in runs], fmt)
+                                                 for k, _, fmt in COLUMNS) + " |")
     return lines
 
 
@@ -226,8 +228,21 @@ def main() -> None:
                                    seed, args.gin_param, args.jobs > 1) for mode, seed in todo]
             for f in futures:
                 f.result()
-    results = {mode: [read_metrics(workdir(mode, seed) / "metrics.jsonl") for seed in args.seeds]
-               for mode in gin_files}
+    # A re-read (--skip_runs) reports the seeds whose runs finished; the table's "seeds" column says how many.
+    results = {mode: [] for mode in gin_files}
+    for mode in gin_files:
+        for seed in args.seeds:
+            path = workdir(mode, seed) / "metrics.jsonl"
+            if args.skip_runs and not path.is_file():
+                continue
+            rows = read_metrics(path)
+            if args.skip_runs and max((r["step"] for r in rows), default=0) < args.steps:
+                print(f"left out {workdir(mode, seed)}: it has not reached step {args.steps}")
+                continue
+            results[mode].append(rows)
+    missing = [mode for mode, runs_of_mode in results.items() if not runs_of_mode]
+    if missing:
+        ap.error(f"no runs of {missing} under {runs}; run without --skip_runs first")
     summary = {m: [summarize(r) for r in per_seed] for m, per_seed in results.items()}
     (runs / f"summary_{args.name}.json").write_text(json.dumps(summary, indent=1))
     commit_file = runs / "commit.txt"  # the commit the runs ran at (a --skip_runs re-read keeps it)

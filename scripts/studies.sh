@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 16's studies on the tiny task (docs/results/studies.md): every configs/studies/*.gin row, 3 seeds,
+# 25 steps, 3 runs at a time, then one report per study from the shared runs (runs/compare_studies/).
+# Usage: scripts/studies.sh [--skip_runs]   (about 2 hours on a 2-core machine)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+S=configs/studies
+COMMON=(--steps 25 --seeds 0 1 2 --jobs 3)
+if [[ "${1:-}" != "--skip_runs" ]]; then
+  "$PY" scripts/compare.py --name studies "${COMMON[@]}" --configs $S/onpolicy.gin $S/partial.gin \
+    $S/rollverify.gin $S/staleness_s1.gin $S/staleness_s2.gin $S/opsfilter_d0.01.gin $S/opsfilter_d0.05.gin \
+    $S/rollverify_ds0.005.gin $S/rollverify_ds0.02.gin $S/rollverify_dt1.gin $S/rollverify_dt4.gin \
+    $S/sequence_stage_only.gin $S/two_stages_no_switch.gin $S/gspo.gin $S/sapo.gin $S/vespo.gin
+fi
+report() { name=$1; shift; "$PY" scripts/compare.py --name "$name" --runs_name studies "${COMMON[@]}" --skip_runs \
+  --configs "${@/#/$S/}"; }
+report study_drift onpolicy.gin partial.gin rollverify.gin
+report study_filters partial.gin staleness_s1.gin staleness_s2.gin opsfilter_d0.01.gin opsfilter_d0.05.gin \
+  rollverify.gin
+report study_thresholds rollverify_ds0.005.gin rollverify.gin rollverify_ds0.02.gin rollverify_dt1.gin \
+  rollverify_dt4.gin
+report study_ablation sequence_stage_only.gin two_stages_no_switch.gin rollverify.gin
+report study_losses onpolicy.gin partial.gin gspo.gin sapo.gin vespo.gin rollverify.gin
