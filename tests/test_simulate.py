@@ -287,3 +287,13 @@ def test_cli_predicts_every_mode(tmp_path, capsys):
     assert [r["mode"] for r in report["modes"]] == ["on_policy", "partial", "rollverify"]
     assert all(r["steps"] == 3 and r["wall_s"] > 0 for r in report["modes"])
     assert "| on_policy | 3 |" in capsys.readouterr().out
+
+
+def test_width_jump_matches_the_dispatch_by_dispatch_scan():
+    # The replay jumps to where the live page-table width changes in closed form; it must equal the first d >= 1
+    # at which live_width(tokens + d * k) differs (tiny table of 16 pages of 4, and a cap below the table).
+    for cap, seq in ((20, 64), (61, 64), (100, 64)):
+        w = Workload("on_policy", 1, 1, 1, 3, cap, prompt_len=3, max_seq_len=seq, page_size=4)
+        for tokens in range(cap):
+            scan = next((d for d in range(1, 200) if w.live_width(tokens + 3 * d) != w.live_width(tokens)), None)
+            assert w.widens_after(tokens) == scan, (cap, tokens)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import heapq
 import math
 
 import numpy as np
@@ -76,7 +78,7 @@ class Workload:
         if self.min_prefill_len < 0 or self.max_seq_len < 0:
             raise ValueError("min_prefill_len and max_seq_len must be >= 0.")
 
-    @property
+    @functools.cached_property
     def slot_buckets(self) -> list[int]:
         """The slot counts a decode dispatch runs over, ascending (``Engine.live_slot_buckets``): all slots
         halved while at least 8 remain, or all slots only (live slots off, or a pool sharded over devices)."""
@@ -89,7 +91,7 @@ class Workload:
         """The scheduler packs running sequences below the smallest bucket that holds them."""
         return next(b for b in self.slot_buckets if b >= active)
 
-    @property
+    @functools.cached_property
     def page_buckets(self) -> list[int]:
         """Page-table widths decode reads, ascending (``Engine.live_page_buckets``): the table halved (rounded
         up) while it has at least 16 pages and the half at least 4; the whole table with live pages off."""
@@ -108,6 +110,17 @@ class Workload:
         pages = -(-need // self.page_size)
         return next((b for b in self.page_buckets if b >= pages), self.page_buckets[-1]) * self.page_size
 
+    def widens_after(self, tokens: int) -> int | None:
+        """The first ``d >= 1`` at which ``live_width(tokens + d * k)`` differs from ``live_width(tokens)`` (None:
+        never), in closed form so that a long jump needs no scan: the width grows once the reserved positions
+        pass its bucket's pages, unless it is the last bucket or the cap stops the reservation below that."""
+        if not self.page_size:
+            return None
+        k, edge = self.steps_per_dispatch, self.live_width(tokens)
+        if edge // self.page_size == self.page_buckets[-1] or self.prompt_len + self.max_new_tokens <= edge:
+            return None
+        return (edge - self.prompt_len - tokens - k - 1) // k + 1
+
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
         """(rows, length) one prefill call computes (``Engine.prefill``): powers of two, rows up to the slot
         count, length in [min_prefill_len, max_seq_len]; unpadded when ``min_prefill_len`` is 0."""
@@ -122,11 +135,9 @@ class Workload:
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two (times ``lo``) >= n, capped at ``hi`` (the engine's ``_bucket``)."""
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
+    """Smallest power of two (times ``lo`` >= 1) >= n, capped at ``hi`` (the engine's ``_bucket``); bit length
+    instead of the engine's doubling loop, since the replay asks once per admitted sequence."""
+    return min(lo << max(-(-n // lo) - 1, 0).bit_length(), hi)
 
 
 class LengthModel:
@@ -201,6 +212,69 @@ class _Traj:
     verify: bool = False  # queued for a verified resume
 
 
+class _Slots:
+    """The decode slots on a dispatch clock: a running sequence holds ``base + k * clock`` tokens, so a jump of
+    ``n`` dispatches is one addition, the next end is a heap's top and the longest sequence another's; an event
+    costs O(log S) instead of passes over every slot."""
+
+    def __init__(self, num_slots: int, k: int):
+        self.num_slots, self.k = num_slots, k
+        self.clock = 0  # dispatches so far
+        self.base = [0] * num_slots  # tokens held - k * clock
+        self.target = [0] * num_slots
+        self._admissions = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Every slot free (``Scheduler.pause``, or nothing running)."""
+        self.uid = [-1] * self.num_slots
+        self.stamp = [-1] * self.num_slots  # admission number of the running sequence (-1: free)
+        self.free = list(range(self.num_slots))  # a heap: admission fills the lowest free slot first
+        self.ends: list[tuple[int, int]] = []  # (clock at whose dispatch it ends, slot)
+        self.longest: list[tuple[int, int, int]] = []  # (-base, stamp, slot); stale once the stamp moved on
+        self.active = self.base_sum = 0
+
+    def tokens(self, slot: int) -> int:
+        return self.base[slot] + self.k * self.clock
+
+    def place(self, slot: int, uid: int, tokens: int, target: int) -> None:
+        base = tokens - self.k * self.clock
+        self.uid[slot], self.base[slot], self.target[slot] = uid, base, target
+        self.stamp[slot] = self._admissions
+        self._admissions += 1
+        heapq.heappush(self.ends, (self.clock - (tokens - target) // self.k, slot))  # + ceil(rem / k)
+        heapq.heappush(self.longest, (-base, self.stamp[slot], slot))
+        self.active += 1
+        self.base_sum += base
+
+    def longest_tokens(self) -> int:
+        while self.stamp[self.longest[0][2]] != self.longest[0][1]:
+            heapq.heappop(self.longest)
+        return -self.longest[0][0] + self.k * self.clock
+
+    def tokens_sum(self) -> int:
+        return self.base_sum + self.active * self.k * self.clock
+
+    def to_next_end(self) -> int:
+        return self.ends[0][0] - self.clock
+
+    def advance(self, n: int) -> list[tuple[int, int]]:
+        """Runs ``n`` dispatches; frees the slots whose sequences end in them and returns their (uid, tokens
+        they still needed), those being at most ``n * k``."""
+        ended = []
+        while self.ends and self.ends[0][0] <= self.clock + n:
+            slot = heapq.heappop(self.ends)[1]
+            ended.append((self.uid[slot], self.target[slot] - self.tokens(slot)))
+            self.uid[slot], self.stamp[slot] = -1, -1
+            heapq.heappush(self.free, slot)
+            self.active -= 1
+            self.base_sum -= self.base[slot]
+        self.clock += n
+        if not self.active:
+            self.longest = []
+        return ended
+
+
 @dataclasses.dataclass
 class StepRecord:
     step: int
@@ -272,7 +346,7 @@ class SimResult:
 
 
 class Replay:
-    """The scheduler's state across steps: slots (numpy arrays), queue, paused cache, groups, switching."""
+    """The scheduler's state across steps: slots (``_Slots``), queue, paused cache, groups, switching."""
 
     def __init__(self, w: Workload, costs: CostModel, lengths: LengthModel, acceptance: AcceptanceModel):
         self.w, self.costs, self.lengths, self.acceptance = w, costs, lengths, acceptance
@@ -280,9 +354,7 @@ class Replay:
         self.group_members: dict[int, list[int]] = {}
         self.group_done: dict[int, int] = {}  # finished members per cached group
         self.complete: set[int] = set()  # groups with all G members finished
-        self.slot_uid = np.full(w.num_slots, -1, np.int64)
-        self.slot_tok = np.zeros(w.num_slots, np.int64)  # response tokens held (while in a slot)
-        self.slot_tgt = np.zeros(w.num_slots, np.int64)
+        self.slots = _Slots(w.num_slots, w.steps_per_dispatch)
         self.queue: collections.deque[int] = collections.deque()
         self.new_queued = 0  # queued requests that count as new (not verified, no tokens)
         self.paused: list[int] = []
@@ -337,7 +409,7 @@ class Replay:
                 self.trajs.pop(u, None)
 
     def _running(self) -> bool:
-        return bool((self.slot_uid >= 0).any())
+        return self.slots.active > 0
 
     # -- one admission round and the dispatches up to the next end ------------------------------------
 
@@ -345,16 +417,16 @@ class Replay:
         """Fills free slots from the queue head (``Scheduler._admit``): verifies and cuts resumed trajectories,
         prefills prompt + kept tokens (one call per length bucket), and ``insert`` samples each admitted
         sequence's next token; one that reaches its length there finishes without taking a slot."""
-        free = collections.deque(np.flatnonzero(self.slot_uid < 0).tolist())
+        slots, held = self.slots, []
         tokens = verified_tokens = 0
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        while self.queue and free:
+        while self.queue and slots.free:
             t = self.trajs[self.queue.popleft()]
             if self._is_new(t):
                 self.new_queued -= 1
             tokens += self.w.prompt_len + t.tokens
             by_bucket[self.w.prefill_bucket(self.w.prompt_len + t.tokens)].append(self.w.prompt_len + t.tokens)
-            slot = free.popleft()  # the slot is held through the prefill even when the sequence leaves at once
+            slot = heapq.heappop(slots.free)  # held through the prefill even when the sequence leaves at once
             if t.verify and t.tokens > 0:
                 n = t.tokens
                 keep = self.acceptance.keep(n, step)
@@ -365,6 +437,7 @@ class Replay:
                 t.verify = False
                 if t.finished and keep >= n:  # a finished member survived: back to its group, no decoding
                     self._group_gains(t.gid)
+                    held.append(slot)
                     continue
                 t.tokens, t.finished = keep, False
             t.verify = False
@@ -372,8 +445,11 @@ class Replay:
             rec.inserted_tokens += 1
             if t.tokens >= t.target:
                 self._finish(t)
+                held.append(slot)
                 continue
-            self.slot_uid[slot], self.slot_tok[slot], self.slot_tgt[slot] = t.uid, t.tokens, t.target
+            slots.place(slot, t.uid, t.tokens, t.target)
+        for slot in held:
+            heapq.heappush(slots.free, slot)
         calls = len(by_bucket)
         padded = sum(math.prod(self.w.prefill_shape(len(v), max(v))) for v in by_bucket.values())
         cost_all = self.costs.prefill(padded, verified_tokens, calls)
@@ -387,42 +463,40 @@ class Replay:
     def _dispatch(self, rec: StepRecord, one: bool) -> None:
         """Dispatches up to the first end of a sequence (exactly one if ``one``), each over the live slot
         bucket of the running sequences."""
-        k = self.w.steps_per_dispatch
-        act = self.slot_uid >= 0
-        m = int(act.sum())
-        rem = self.slot_tgt[act] - self.slot_tok[act]
+        k, slots = self.w.steps_per_dispatch, self.slots
+        m = slots.active
         # a slot left free by a sequence that ended at insert is refilled at the next dispatch if anything can
         # be admitted (partial phases top the queue up before every dispatch)
         one = one or (m < self.w.num_slots and (bool(self.queue) or not self.on_policy))
-        n = 1 if one else int(((rem + k - 1) // k).min())
-        longest = int(self.slot_tok[act].max())
+        n = 1 if one else slots.to_next_end()
+        longest = slots.longest_tokens()
         width = self.w.live_width(longest)
-        n = next((d for d in range(1, n) if self.w.live_width(longest + d * k) != width), n)  # until it widens
-        attended = m * self.w.prompt_len + int(self.slot_tok[act].sum())
+        widens = self.w.widens_after(longest)
+        if widens is not None:
+            n = min(n, widens)
+        attended = m * self.w.prompt_len + slots.tokens_sum()
         bucket = self.w.slot_bucket(m)
         rec.decode_s += self.costs.decode(n, k, m, attended, bucket, width)
-        g = np.minimum(rem, n * k)
-        self.slot_tok[act] += g
-        total = int(g.sum())
+        ended = slots.advance(n)
+        total = m * n * k - sum(n * k - rem for _, rem in ended)
         rec.dispatches += n
         rec.decode_steps += n * k
         rec.slot_steps += n * k * bucket
         rec.width_slot_steps += n * k * bucket * width
         rec.tokens_generated += total
         rec.useful_token_steps += total
-        for slot in np.flatnonzero(act & (self.slot_tok >= self.slot_tgt)).tolist():
-            t = self.trajs[int(self.slot_uid[slot])]
-            t.tokens = int(self.slot_tok[slot])
-            self.slot_uid[slot] = -1
+        for uid, _ in ended:
+            t = self.trajs[uid]
+            t.tokens = t.target
             self._finish(t)
 
     def _pause_all(self) -> list[int]:
         running = []
-        for slot in np.flatnonzero(self.slot_uid >= 0).tolist():
-            t = self.trajs[int(self.slot_uid[slot])]
-            t.tokens = int(self.slot_tok[slot])
-            running.append(t.uid)
-        self.slot_uid[:] = -1
+        for slot, uid in enumerate(self.slots.uid):
+            if uid >= 0:
+                self.trajs[uid].tokens = self.slots.tokens(slot)
+                running.append(uid)
+        self.slots.clear()
         queued, self.queue, self.new_queued = list(self.queue), collections.deque(), 0
         return running + queued
 
