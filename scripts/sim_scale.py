@@ -7,7 +7,8 @@ of the speed-up against context.
 Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' cost analysis and
 the stated assumptions); the 8K row is the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K
 config was compiled: its per-token costs are the ~20K programs'). ``--sigmas`` reruns on-policy and RollVerify
-with other length spreads (the assumption the speed-up depends on most).
+with other length spreads; ``VARIANTS`` reruns RollVerify without the assumed acceptance schedule (no cuts, a
+constant 0.95) or without re-verifying finished members, to show which assumption its saving depends on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ SETTINGS = [
     ("Qwen3-8B ~20K (main)", 20480, ["configs/qwen3_8b_dapo.gin", "configs/sim/qwen3_8b_v5p.gin"], []),
     ("Qwen3-8B 64K", 61440, ["configs/qwen3_8b_64k_dapo.gin", "configs/sim/qwen3_8b_64k_v5p.gin"], []),
     ("Qwen3-30B-A3B ~20K", 20480, ["configs/qwen3_30b_a3b_dapo.gin", "configs/sim/qwen3_30b_a3b_v5p.gin"], []),
+]
+# (label, bindings) of the RollVerify reruns at the Qwen3-8B contexts
+VARIANTS = [
+    ("acceptance 1.0 (no cuts, no switch)", ["SimConfig.acceptance_start = 1.0", "SimConfig.acceptance_slope = 0.0"]),
+    ("acceptance 0.95 (no switch)", ["SimConfig.acceptance_start = 0.95", "SimConfig.acceptance_slope = 0.0"]),
+    ("finished members not re-verified", ["VerifyConfig.verify_finished = False"]),
 ]
 PAPER = {  # Table 7 and the main result (GPU days): on-policy, RollVerify
     8192: (16.6, 15.1), 20480: (98.1, 57.5), 61440: (261.0, 137.0)}
@@ -51,7 +58,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
-    out = {"settings": [], "sensitivity": []}
+    out = {"settings": [], "sensitivity": [], "variants": []}
     for label, ctx, files, params in SETTINGS:
         rows = predict(files, params, sim.MODES, args.steps)
         by = {r["mode"]: r for r in rows}
@@ -74,10 +81,25 @@ def main() -> None:
                                            "rollverify_days": r2[1]["device_days"]})
                 print(f"  sigma {sigma}: {r2[0]['device_days']:.1f} -> {r2[1]['device_days']:.1f} "
                       f"({r2[0]['device_days'] / r2[1]['device_days']:.2f}x)", flush=True)
+            out["variants"] += variants(label, ctx, files, params, by["on_policy"]["device_days"], args.steps)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.plot:
         plot(out, args.plot)
+
+
+def variants(label: str, ctx: int, files: list[str], params: list[str], on_policy_days: float,
+             steps: int | None) -> list[dict]:
+    """RollVerify under each of ``VARIANTS`` against the setting's on-policy run (which they do not change)."""
+    rows = []
+    for name, bindings in VARIANTS:
+        (r,) = predict(files, [*params, *bindings], ("rollverify",), steps)
+        rows.append({"label": label, "context": ctx, "variant": name, "rollverify_days": r["device_days"],
+                     "speedup_rollverify": on_policy_days / r["device_days"], "regen_tokens": r["regen_tokens"],
+                     "tokens_generated": r["tokens_generated"], "acceptance": r["acceptance"],
+                     "switch_step": r["switch_step"], "prefill_s": r["prefill_s"], "verify_s": r["verify_s"]})
+        print(f"  RollVerify, {name}: {r['device_days']:.1f} ({on_policy_days / r['device_days']:.2f}x)", flush=True)
+    return rows
 
 
 def plot(out: dict, path: str) -> None:
@@ -95,6 +117,10 @@ def plot(out: dict, path: str) -> None:
         pts = [r for r in out["sensitivity"] if r["sigma"] == sigma]
         ax.plot([r["context"] / 1024 for r in pts], [r["speedup_rollverify"] for r in pts], "--", alpha=0.6,
                 label=f"simulated RollVerify (sigma {sigma})")
+    for name, _ in VARIANTS:
+        pts = [r for r in out["variants"] if r["variant"] == name]
+        ax.plot([r["context"] / 1024 for r in pts], [r["speedup_rollverify"] for r in pts], "x-.", alpha=0.8,
+                label=f"simulated RollVerify, {name}")
     ax.plot([c / 1024 for c in PAPER], [a / b for a, b in PAPER.values()], "k^-", label="paper, Table 7 (GPU days)")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log", base=2)
@@ -102,7 +128,7 @@ def plot(out: dict, path: str) -> None:
     ax.set_xlabel("response cap (tokens)")
     ax.set_ylabel("speed-up vs on-policy (device-days ratio)")
     ax.set_title("Qwen3-8B, 700 steps: predicted vs reported")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
