@@ -21,7 +21,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

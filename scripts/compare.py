@@ -225,7 +225,7 @@ def main() -> None:
         runs.mkdir(parents=True, exist_ok=True)
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(run_mode, gin_files[mode], workdir(mode, seed), args.steps, args.time_budget_s,
-                                   seed, args.gin_param, args.jobs > 1) for mode, seed in todo]
+                                   seed, args.gin_param, quiet=args.jobs > 1) for mode, seed in todo]
             for f in futures:
                 f.result()
     # A re-read (--skip_runs) reports the seeds whose runs finished; the table's "seeds" column says how many.

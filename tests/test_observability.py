@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -316,20 +317,37 @@ def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setattr(compare, "ROOT", tmp_path / "repo")  # its runs/ and docs/results/ go there
     ran = []
 
-    def fake_run(gin_file, workdir, steps, budget, seed, extra):  # a finished run's metrics, no training
-        ran.append((gin_file, workdir.name, seed, steps))
+    def fake_run(gin_file, workdir, steps, budget, seed, extra, quiet=False):  # a finished run, no training
+        ran.append((gin_file, workdir.name, seed, steps, quiet))
         _write_run(workdir, _rollverify_rows(3))
 
     monkeypatch.setattr(compare, "run_mode", fake_run)
-    monkeypatch.setattr(sys, "argv", ["compare.py", "--name", "mine", "--configs", str(base), str(variant),
-                                      "--steps", "3", "--seeds", "0", "1"])
+    argv = ["compare.py", "--name", "mine", "--configs", str(base), str(variant), "--steps", "3", "--seeds", "0", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
     compare.main()
-    assert ran == [(str(base), "base_s0", 0, 3), (str(base), "base_s1", 1, 3), (str(variant), "variant_s0", 0, 3),
-                   (str(variant), "variant_s1", 1, 3)]
+    # seed-major: every config's seed 0 before any seed 1, so a stopped study has whole seeds
+    assert ran == [(str(base), "base_s0", 0, 3, False), (str(variant), "variant_s0", 0, 3, False),
+                   (str(base), "base_s1", 1, 3, False), (str(variant), "variant_s1", 1, 3, False)]
     report = (tmp_path / "repo" / "docs" / "results" / "mine.md").read_text()
     assert f"--configs {base} {variant} --steps 3" in report
-    assert "| config |" in report and "\n| base |" in report and "\n| variant |" in report
+    assert "| config | seeds |" in report and "\n| base | 2 |" in report and "\n| variant | 2 |" in report
     assert (tmp_path / "repo" / "docs" / "results" / "mine_vs_step.png").stat().st_size > 1000
+
+    ran.clear()  # two at a time: the same runs, each with its output to a log file
+    monkeypatch.setattr(sys, "argv", [*argv, "--jobs", "2"])
+    compare.main()
+    assert sorted(ran) == sorted((g, w, s, n, True) for g, w, s, n, _ in
+                                 [(str(base), "base_s0", 0, 3, 0), (str(variant), "variant_s0", 0, 3, 0),
+                                  (str(base), "base_s1", 1, 3, 0), (str(variant), "variant_s1", 1, 3, 0)])
+
+    # a re-read reports the seeds whose runs finished and says which it left out
+    unfinished = tmp_path / "repo" / "runs" / "compare_mine" / "variant_s1"
+    shutil.rmtree(unfinished)
+    _write_run(unfinished, _rollverify_rows(2))
+    monkeypatch.setattr(sys, "argv", [*argv, "--skip_runs"])
+    compare.main()
+    report = (tmp_path / "repo" / "docs" / "results" / "mine.md").read_text()
+    assert "\n| base | 2 |" in report and "\n| variant | 1 |" in report
 
 
 def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split():

@@ -363,3 +363,26 @@ def test_verify_stats_rejects_negative_keep_and_2d_input():
         verify_stats(np.array([-1, 2]), np.array([2, 2]))
     with pytest.raises(ValueError, match="must both be"):
         verify_stats(np.array([[1, 2]]), np.array([[2, 2]]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_batches(), st.sampled_from([0.003, 0.01, 0.05]))
+def test_token_stage_cannot_cut_segments_shorter_than_dt_over_ds(batch, ds):
+    """A segment that passes the segment stage has OPS sum < ds * length, so no token in it reaches dt unless the
+    segment is longer than dt / ds tokens (200 at the defaults): shorter responses (the tiny task's) get exactly
+    the segment stage's cut whatever dt is."""
+    diffs, versions, lengths, _, _ = batch
+    behavior = np.full((N, L), -2.0, np.float32)
+    dt = 1.01 * ds * L  # every segment (at most L tokens) is shorter than dt / ds
+    two_stage = np.asarray(two_stage_verify(behavior + diffs, behavior, versions, lengths, ds, dt))
+    segment_only = np.asarray(two_stage_verify(behavior + diffs, behavior, versions, lengths, ds, 1e30))
+    np.testing.assert_array_equal(two_stage, segment_only)
+
+
+def test_token_stage_cuts_inside_a_segment_longer_than_dt_over_ds():
+    n = 300  # one segment of 300 > dt / ds = 200 tokens: its mean passes, one token's OPS does not
+    diffs = np.zeros((1, n), np.float32)
+    diffs[0, 150] = np.log(3.5)  # pi / mu = 3.5: OPS 2.5 >= dt; segment mean 2.5 / 300 < ds
+    versions = np.zeros((1, n), np.int32)
+    assert _verify_from_diffs(diffs, versions, [n], ds=0.01, dt=2.0).tolist() == [150]
+    assert _verify_from_diffs(diffs, versions, [n], ds=0.01, dt=1e30).tolist() == [n]
