@@ -61,7 +61,7 @@ def entries(modes: list[str] | None, configs: list[str] | None) -> dict[str, str
 
 def run_mode(gin_file: str, workdir: Path, steps: int, budget: float, seed: int, extra: list[str],
              quiet: bool = False) -> None:
-    """One training run in its own process; with `quiet` (concurrent runs) its output goes to workdir/train.log."""
+    """One training run in its own process; with `quiet` (concurrent runs) its output goes to <workdir>.log."""
     cmd = [sys.executable, "-m", "rollverify_jax.train", f"--gin_file={gin_file}", f"--workdir={workdir}",
            f"--gin_param=TrainConfig.num_steps={steps}", f"--gin_param=TrainConfig.time_budget_s={budget}",
            f"--gin_param=TrainConfig.seed={seed}", *[f"--gin_param={p}" for p in extra]]
@@ -214,6 +214,7 @@ def main() -> None:
     runs = ROOT / "runs" / f"compare_{args.runs_name or args.name}"
     out = ROOT / "docs" / "results"
     out.mkdir(parents=True, exist_ok=True)
+
     def workdir(mode: str, seed: int) -> Path:
         return runs / (mode if args.seeds == [0] else f"{mode}_s{seed}")
 
