@@ -91,7 +91,8 @@ def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
     vals = [r["rollout/prefill_tokens"] / num_sequences for run in runs for r in run.used(skip)
             if r.get("mode/on_policy")]
     if not vals:
-        raise ValueError("no on-policy step to measure the prompt length on.")
+        raise ValueError("no on-policy step to measure the prompt length on; add a run with on-policy steps to "
+                         "--calibrate_from (e.g. one of configs/tiny_onpolicy.gin, or a RollVerify run that switched).")
     return int(round(statistics.fmean(vals)))
 
 
@@ -250,7 +251,8 @@ def length_stats(runs: list[RunData], skip: int) -> tuple[float, float, float]:
     does not count as spread between groups."""
     on = [r for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
     if not on:
-        raise ValueError("no on-policy step to fit the response-length distribution on.")
+        raise ValueError("no on-policy step to fit the response-length distribution on; add a run with on-policy "
+                         "steps to --calibrate_from (e.g. one of configs/tiny_onpolicy.gin).")
     diffs = []
     for run in runs:
         steps = [r for r in run.used(skip) if r.get("mode/on_policy")]
