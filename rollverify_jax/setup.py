@@ -295,7 +295,8 @@ def run_settings(run: Run) -> dict:
     sampling = run.engine.sampling
     return {
         "rollout.mode": rc.mode, "rollout.batch_groups": rc.batch_groups, "rollout.group_size": rc.group_size,
-        "rollout.max_new_tokens": rc.max_new_tokens, "filter.name": fc.name, "filter.s_max": fc.s_max,
+        "rollout.max_new_tokens": rc.max_new_tokens, "rollout.extra_complete_groups": rc.extra_complete_groups,
+        "filter.name": fc.name, "filter.s_max": fc.s_max,
         "filter.ops_threshold": fc.ops_threshold, "verify.ds": vc.ds, "verify.dt": vc.dt,
         "verify.verify_finished": vc.verify_finished, "switch.enabled": sw.enabled, "switch.window": sw.window,
         "switch.threshold": sw.threshold, "loss.name": lc.loss_name,

@@ -25,7 +25,7 @@ from rollverify_jax.metrics import MetricsConfig, MetricsWriter, open_progress, 
 from rollverify_jax.preemption import StopRequest
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
-from rollverify_jax.rl.batch import build_batch, flatten_groups
+from rollverify_jax.rl.batch import build_batch, flatten_groups, pad_rows
 from rollverify_jax.rl.filters import FilterInputs, apply_filter
 from rollverify_jax.setup import Run, TrainConfig, build, parse_gin, run_state
 
@@ -80,6 +80,8 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
     if run.ref_params is not None:
         batch["ref_logp"] = distributed.fetch(learner_lib.compute_logprobs(
             run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
+    rollout = run.manager.config
+    batch = pad_rows(batch, rollout.batch_groups * rollout.group_size)  # more than B groups: whole batches' shapes
     return learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh), {"filter/kept_fraction": float(keep.mean())}
 
 
@@ -108,7 +110,8 @@ def train_one_step(run: Run) -> dict:
     return {**phase.metrics, **scored.metrics, **select_metrics, **train_metrics, **cycle_metrics,
             "time/train": t2 - t1, "time/step": t2 - t0,
             "time/verify_fraction": phase.metrics["time/verify"] / max(t2 - t0, 1e-9),
-            "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths))}
+            "response/length_mean": float(np.mean(lengths)), "response/length_max": int(max(lengths)),
+            "batch/groups": len(phase.groups)}
 
 
 def workdir_for(cfg: TrainConfig, gin_files: list[str]) -> epath.Path:

@@ -221,17 +221,18 @@ def test_resume_takes_paused_and_every_cached_finished_member_when_verifying(eng
     assert {t.uid for t in resumed} == expected
 
 
-def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine):
-    """A group completed beyond B trains one version later: in RollVerify mode it is verified against that
-    version first. ds = 0 cuts every verified token, so every token trained in the next phase must have been
-    sampled by the current version (unverified, a carried group would train its version-0 tokens)."""
-    mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, batch_groups=1, group_size=1)
+def _carried_phase(engine, verify_finished: bool):
+    """A phase at version 1 after phases that completed more than B groups at version 0, with ds = 0 (every
+    verified token is cut). Returns (carried group ids, the phase)."""
+    mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, batch_groups=1, group_size=1,
+                   verify_finished=verify_finished)
     for _ in range(6):
         mgr.run_phase()
         carried = [g.group_id for g in mgr.cache.groups.values() if g.complete]
         if carried:
             break
     assert carried, "a phase should complete more than B groups with 8 slots and G = 1"
+    mgr.cache.paused = []  # the carried members head the resume queue (paused ones would go first)
     mgr.verify_cfg = dataclasses.replace(mgr.verify_cfg, ds=0.0)
     engine.set_version(1)
     try:
@@ -239,8 +240,63 @@ def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine)
     finally:
         engine.set_version(0)
         mgr.scheduler.pause_all()
+    return carried, phase
+
+
+def test_carried_groups_train_as_they_are_by_default(engine):
+    """The paper verifies paused trajectories only: a carried group's version-0 tokens train unverified, and
+    the acceptance counts paused trajectories alone (all cut at ds = 0), not the finished members."""
+    carried, phase = _carried_phase(engine, verify_finished=False)
+    assert phase.groups[0].group_id == carried[0]
+    assert {v for t in phase.groups[0].finished.values() for v in t.versions} == {0}
+    assert phase.metrics["verify/finished_verified"] == 0
+
+
+def test_verification_statistics_of_a_phase(engine):
+    """ds = 0 at version 1 cuts every paused trajectory at its first (age 1) segment: all restart from zero."""
+    mgr = _manager(engine, mode="rollverify", ds=0.0, dt=1e9, batch_groups=1, group_size=2)
+    for _ in range(6):  # until a phase ends with paused tokens and no complete group carried (it would be the batch)
+        mgr.run_phase()
+        paused = {t.uid: t.num_tokens for t in mgr.cache.paused if t.num_tokens}
+        if paused and not mgr.cache.num_complete():
+            break
+    assert paused and not mgr.cache.num_complete()
+    engine.set_version(1)
+    try:
+        m = mgr.run_phase().metrics
+    finally:
+        engine.set_version(0)
+        mgr.scheduler.pause_all()
+    assert m["verify/num_verified"] == m["verify/num_cut"] == m["verify/num_restarted"] == len(paused)
+    assert m["verify/acceptance"] == 0.0
+    assert m["verify/tokens_removed"] == m["verify/tokens_total"] == sum(paused.values())
+    assert m["verify/segments_checked/1"] == m["verify/segments_failed/1"] == len(paused)
+    assert m["verify/keep_fraction/1"] == 0.0 and m["verify/token_stage_cuts"] == 0
+
+
+def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine):
+    """With verify_finished, a group completed beyond B is verified against the version it trains under.
+    ds = 0 cuts every verified token, so every token trained in the next phase must have been sampled by the
+    current version (unverified, a carried group would train its version-0 tokens)."""
+    _, phase = _carried_phase(engine, verify_finished=True)
     assert phase.groups
     assert all(t.versions and set(t.versions) == {1} for g in phase.groups for t in g.finished.values())
+    assert phase.metrics["verify/finished_verified"] > 0
+    assert phase.metrics["verify/finished_cut"] == phase.metrics["verify/finished_verified"]
+
+
+def test_extra_complete_groups_train_in_the_step_that_completed_them(engine):
+    """'train': a phase's batch is every group complete at its end (B or more), oldest first; none is carried."""
+    mgr = _manager(engine, mode="partial", batch_groups=1, group_size=1, extra_complete_groups="train")
+    sizes = []
+    for _ in range(6):
+        phase = mgr.run_phase()
+        sizes.append(len(phase.groups))
+        assert not any(g.complete for g in mgr.cache.groups.values())
+        ids = [g.group_id for g in phase.groups]
+        assert ids == sorted(ids)
+    mgr.scheduler.pause_all()
+    assert min(sizes) >= 1 and max(sizes) > 1
 
 
 def test_over_complete_groups_serve_the_next_batch_oldest_first(engine):
@@ -296,8 +352,8 @@ def test_rollverify_with_new_weights_cuts_some_tokens_and_regenerates_from_the_v
         mgr.run_phase()
         before = {uid: (list(t.tokens), list(t.logps), list(t.versions)) for uid, t in _cached(mgr).items()
                   if t.num_tokens}
-        if any(len(set(v)) > 1 for _, _, v in before.values()):
-            break
+        if any(len(set(v)) > 1 for _, _, v in before.values()) and not mgr.cache.num_complete():
+            break  # (a carried complete group would be the next batch at once, before any resume is verified)
     assert any(len(set(v)) > 1 for _, _, v in before.values())
     mgr.verify_cfg = dataclasses.replace(mgr.verify_cfg, ds=DS, dt=DT)
     new_state, new_model = _perturbed(model, 0.003, seed=7)
@@ -348,7 +404,10 @@ PHASE_KEYS = {"time/rollout", "time/verify", "rollout/tokens_per_s", "rollout/to
               "rollout/prefill_tokens", "rollout/host_time", "rollout/prefill_time", "rollout/decode_time",
               "rollout/dispatches", "rollout/decode_steps", "staleness/mean", "staleness/max", "cache/size",
               "cache/staleness_mean", "verify/acceptance", "verify/num_verified", "verify/tokens_total",
-              "verify/regen_tokens", "verify/regen_equal_rate", "mode/on_policy"}
+              "verify/regen_tokens", "verify/regen_equal_rate", "mode/on_policy", "verify/num_cut",
+              "verify/num_restarted", "verify/tokens_removed", "verify/finished_verified", "verify/finished_cut",
+              "verify/token_stage_cuts"}
+PER_AGE = ("cache/staleness_hist/", "verify/segments_checked/", "verify/segments_failed/", "verify/keep_fraction/")
 
 
 def test_phase_metrics_describe_the_phase(engine):
@@ -364,7 +423,7 @@ def test_phase_metrics_describe_the_phase(engine):
     for p, version_now in ((first, 0), (phase, version)):
         m = p.metrics
         hist = {int(k.rsplit("/", 1)[1]): v for k, v in m.items() if k.startswith("cache/staleness_hist/")}
-        assert set(m) - {k for k in m if k.startswith("cache/staleness_hist/")} == PHASE_KEYS
+        assert set(m) - {k for k in m if k.startswith(PER_AGE)} == PHASE_KEYS
         cached = [t for t in mgr.cache.paused + [t for g in mgr.cache.groups.values() for t in g.finished.values()]]
         if p is phase:  # the cache as this phase left it
             assert m["cache/size"] == len(mgr.cache.paused)

@@ -85,6 +85,17 @@ def test_uniform_groups_leave_the_loss(policy, tmp_path):
     assert any(0.0 < m["reward/uniform_group_fraction"] < 1.0 for m in metrics[1:])
 
 
+def test_extra_complete_groups_train_in_the_step_that_completed_them(policy, tmp_path):
+    """'train': every group complete at a phase's end is in its batch (B or more groups), padded with rows outside
+    the loss: the loss sees exactly the trained groups' response tokens."""
+    metrics = _train(policy, tmp_path / "run", "partial", 3, ("RolloutConfig.extra_complete_groups = 'train'",))
+    steps = [m for m in metrics if "batch/groups" in m]
+    assert len(steps) == 3 and all(m["batch/groups"] >= 2 for m in steps)
+    assert any(m["batch/groups"] > 2 for m in steps)
+    for m in steps:
+        assert m["train/loss_tokens"] == pytest.approx(m["response/length_mean"] * m["batch/groups"] * 4)
+
+
 def test_a_run_with_only_uniform_groups_trains_on_nothing(policy, tmp_path):
     """The random policy never answers right: every group is uniform, so with the DAPO group filter nothing is
     left to train on (and the packed step, which skips those rows, still runs)."""

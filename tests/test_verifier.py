@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rollverify_jax.verify import token_ops, two_stage_verify, verify_stats
+from rollverify_jax.verify import token_ops, two_stage_verify, two_stage_verify_with_stats, verify_stats
 from rollverify_jax.verify import verifier as verifier_mod
 
 N, L = 8, 16  # fixed padded shape: every hypothesis example reuses one compilation
@@ -252,6 +252,7 @@ def test_verify_stats():
     assert stats == {
         "tokens_kept": 8,
         "tokens_total": 11,
+        "tokens_removed": 3,
         "acceptance": 8 / 11,
         "num_verified": 3,
         "num_cut": 2,
@@ -349,6 +350,7 @@ def test_verify_stats_single_token_rows():
     assert stats == {
         "tokens_kept": 1,
         "tokens_total": 2,
+        "tokens_removed": 1,
         "acceptance": 0.5,
         "num_verified": 2,
         "num_cut": 1,
@@ -386,3 +388,52 @@ def test_token_stage_cuts_inside_a_segment_longer_than_dt_over_ds():
     versions = np.zeros((1, n), np.int32)
     assert _verify_from_diffs(diffs, versions, [n], ds=0.01, dt=2.0).tolist() == [150]
     assert _verify_from_diffs(diffs, versions, [n], ds=0.01, dt=1e30).tolist() == [n]
+
+
+# --- cut statistics (the logged data a cut model is fitted on) --------------------------------------------------
+
+
+def _segmented(rows, ds=0.01, dt=2.0, current=5):
+    """rows: per trajectory a list of (version, ops of each token). Returns (keep, CutStats)."""
+    n, width = len(rows), max(sum(len(o) for _, o in r) for r in rows)
+    behavior = np.zeros((n, width), np.float32)
+    new = np.zeros((n, width), np.float32)
+    versions = np.zeros((n, width), np.int32)
+    lengths = np.zeros(n, np.int32)
+    for i, r in enumerate(rows):
+        t = 0
+        for v, ops in r:
+            for o in ops:
+                new[i, t] = np.log1p(o)  # ratio 1 + o: token OPS o
+                versions[i, t] = v
+                t += 1
+        lengths[i] = t
+    return two_stage_verify_with_stats(new, behavior, versions, lengths, ds, dt, current)
+
+
+def test_cut_stats_count_examined_and_failed_segments_by_age():
+    keep, cuts = _segmented([
+        [(2, [0.0, 0.0]), (3, [0.5, 0.5]), (4, [0.0])],  # ages 3 (passes), 2 (fails: cut at 2); age 1 censored
+        [(4, [0.0, 0.0, 0.0])],  # one segment of age 1, passes
+        [(3, [0.2, 0.2]), (4, [0.0])],  # age 2 fails at once: restart
+    ])
+    assert keep.tolist() == [2, 3, 0]
+    assert dict(cuts.checked) == {3: 1, 2: 2, 1: 1}
+    assert dict(cuts.failed) == {2: 2}
+    m = cuts.metrics()
+    assert m["verify/segments_failed/2"] == 2 and m["verify/segments_checked/1"] == 1
+    assert m["verify/keep_fraction/2"] == pytest.approx((2 / 5 + 0 / 3) / 2)
+    assert "verify/keep_fraction/3" not in m and m["verify/token_stage_cuts"] == 0
+
+
+def test_cut_stats_token_stage_cut_inside_a_passing_segment():
+    keep, cuts = _segmented([[(3, [0.0] * 300 + [2.5] + [0.0] * 99)]])  # mean 0.00625 < ds; one token >= dt
+    assert keep.tolist() == [300]
+    assert cuts.token_cuts == 1 and dict(cuts.failed) == {} and dict(cuts.checked) == {2: 1}
+
+
+def test_cut_stats_merge_sums_counts():
+    _, a = _segmented([[(4, [0.5])]])
+    _, b = _segmented([[(4, [0.5]), (4, [0.0])], [(3, [0.0])]])
+    a.merge(b)
+    assert dict(a.checked) == {1: 2, 2: 1} and dict(a.failed) == {1: 2}

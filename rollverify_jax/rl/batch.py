@@ -40,3 +40,13 @@ def build_batch(trajs: list[Trajectory], advantages: np.ndarray, max_len: int | 
         valid[i, : p + r] = True
     return {"tokens": tokens, "behavior_logp": behavior, "loss_mask": mask, "attention_mask": valid,
             "advantages": np.asarray(advantages, np.float32)}
+
+
+def pad_rows(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """Rows appended (all zeros: no tokens, outside the loss) up to a multiple of ``multiple``, so a batch of
+    more than B groups keeps the shapes of whole batches (packing skips the empty rows: they cost no compute)."""
+    n = len(batch["advantages"])
+    extra = -n % multiple
+    if not extra:
+        return batch
+    return {k: np.concatenate([v, np.zeros((extra, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}

@@ -16,20 +16,22 @@ from collections.abc import Callable
 import gin
 import numpy as np
 
+from rollverify_jax import schedule_rules
 from rollverify_jax.rl.buffer import Group, PausedCache
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.verify import (
+    CutStats,
     SwitchConfig,
     SwitchState,
     VerifyConfig,
     trajectory_staleness,
-    two_stage_verify,
+    two_stage_verify_with_stats,
     verify_stats,
     window_mean,
 )
 
-MODES = ("on_policy", "partial", "rollverify")
+MODES = schedule_rules.MODES
 
 
 @gin.configurable
@@ -43,10 +45,16 @@ class RolloutConfig:
     group_size: int = 8  # G: samples per prompt
     max_new_tokens: int = 256
     queue_groups: int = 0  # new groups kept queued ahead of free slots (0: enough to fill every slot)
+    # Groups complete beyond B when a partial phase ends: 'carry' them to the next step's batch, or 'train' them
+    # in this step (a batch of at least B groups, padded to a multiple of B with rows outside the loss).
+    extra_complete_groups: str = "carry"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"Unknown rollout mode {self.mode!r}; known modes: {list(MODES)}.")
+        if self.extra_complete_groups not in ("carry", "train"):
+            raise ValueError(f"RolloutConfig.extra_complete_groups={self.extra_complete_groups!r}: use 'carry' or "
+                             "'train'.")
         for name in ("batch_groups", "group_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name}={getattr(self, name)} must be >= 1.")
@@ -78,6 +86,7 @@ class RolloutManager:
         self.next_group_id = 0
         self.next_uid = 0
         self.verify_time = 0.0
+        self.cut_stats = CutStats()
 
     @property
     def verifying(self) -> bool:
@@ -101,10 +110,11 @@ class RolloutManager:
         return trajs
 
     def _keep_fn(self, new_logp, behavior_logp, versions, lengths):
-        """Two-stage verification on the resume prefill's log-probs (timed as verification)."""
+        """Two-stage verification on the resume prefill's log-probs (timed as verification), noting where it cut."""
         t0 = time.perf_counter()
-        keep = np.asarray(two_stage_verify(new_logp, behavior_logp, versions, lengths, self.verify_cfg.ds,
-                                           self.verify_cfg.dt))
+        keep, cuts = two_stage_verify_with_stats(new_logp, behavior_logp, versions, lengths, self.verify_cfg.ds,
+                                                 self.verify_cfg.dt, self.scheduler.engine.version)
+        self.cut_stats.merge(cuts)
         self.verify_time += time.perf_counter() - t0
         return keep
 
@@ -134,6 +144,7 @@ class RolloutManager:
         sched = self.scheduler
         sched.reset_stats()
         self.verify_time = 0.0
+        self.cut_stats = CutStats()
         t0 = time.perf_counter()
         if self.on_policy:
             groups = self._on_policy_phase()
@@ -145,8 +156,8 @@ class RolloutManager:
         batch_stale = trajectory_staleness(version, [t.versions for g in groups for t in g.finished.values()
                                                      if t.versions])
         cache_stale = self.cache.staleness(version)
-        verified = verify_stats(np.asarray([k for k, _ in sched.verified], np.int64),
-                                np.asarray([n for _, n in sched.verified], np.int64))
+        verified = _verify_summary(sched.verified)  # paused trajectories: the acceptance rate's tokens
+        rechecked = _verify_summary(sched.verified_finished)
         metrics = {
             "time/rollout": wall - self.verify_time,
             "time/verify": self.verify_time,
@@ -166,7 +177,13 @@ class RolloutManager:
             "cache/staleness_mean": float(cache_stale.mean()) if cache_stale.size else 0.0,
             "verify/acceptance": verified["acceptance"],
             "verify/num_verified": verified["num_verified"],
+            "verify/num_cut": verified["num_cut"],
+            "verify/num_restarted": verified["num_restarted"],
             "verify/tokens_total": verified["tokens_total"],
+            "verify/tokens_removed": verified["tokens_removed"],
+            "verify/finished_verified": rechecked["num_verified"],
+            "verify/finished_cut": rechecked["num_cut"],
+            **self.cut_stats.metrics(),
             "verify/regen_tokens": stats.regen_tokens,
             "verify/regen_equal_rate": stats.regen_equal / stats.regen_tokens if stats.regen_tokens else float("nan"),
             "mode/on_policy": int(self.on_policy),
@@ -202,7 +219,7 @@ class RolloutManager:
                 fresh_queued += cfg.group_size
             sched.step()
             self._collect_finished()
-        groups = self.cache.pop_complete(cfg.batch_groups)
+        groups = self.cache.pop_complete(cfg.batch_groups if cfg.extra_complete_groups == "carry" else None)
         self.cache.pause(sched.pause_all())
         return groups
 
@@ -220,3 +237,7 @@ class RolloutManager:
         self.switch_state = SwitchState.from_dict(d["switch"])
         self.next_group_id = int(d["next_group_id"])
         self.next_uid = int(d["next_uid"])
+
+
+def _verify_summary(verified: list[tuple[int, int]]) -> dict:
+    return verify_stats(np.asarray([k for k, _ in verified], np.int64), np.asarray([n for _, n in verified], np.int64))

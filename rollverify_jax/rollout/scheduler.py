@@ -73,7 +73,8 @@ class Scheduler:
         self.slots: dict[int, Trajectory] = {}
         self.finished: list[Trajectory] = []
         self.stats = RolloutStats()
-        self.verified: list[tuple[int, int]] = []  # (keep, n) per trajectory verified since reset
+        self.verified: list[tuple[int, int]] = []  # (keep, n) per paused trajectory verified since reset
+        self.verified_finished: list[tuple[int, int]] = []  # (keep, n) per finished member re-verified
         self._cut_suffix: dict[int, tuple[int, list[int]]] = {}  # uid -> (keep, tokens the cut removed)
 
     # ------------------------------------------------------------------------------------------------
@@ -211,7 +212,8 @@ class Scheduler:
             keep = np.asarray(batch[idx[0]][1].keep_fn(new_logp_all, behavior, versions, lengths))[idx]
             keep = np.clip(keep, 0, lengths[idx])
             keeps[idx] = keep
-            self.verified.extend(zip(keep.tolist(), lengths[idx].tolist(), strict=True))
+            for i, k, n in zip(idx, keep.tolist(), lengths[idx].tolist(), strict=True):
+                (self.verified_finished if batch[i][1].traj.finished else self.verified).append((k, n))
         return keeps
 
     def _append(self, t: Trajectory, token: int, logp: float, version: int) -> None:
@@ -334,3 +336,4 @@ class Scheduler:
     def reset_stats(self) -> None:
         self.stats = RolloutStats()
         self.verified = []
+        self.verified_finished = []

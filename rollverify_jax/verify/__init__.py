@@ -20,9 +20,16 @@ from rollverify_jax.verify.switching import (
     update_switch_state,
     window_mean,
 )
-from rollverify_jax.verify.verifier import VerifyConfig, two_stage_verify, verify_stats
+from rollverify_jax.verify.verifier import (
+    CutStats,
+    VerifyConfig,
+    two_stage_verify,
+    two_stage_verify_with_stats,
+    verify_stats,
+)
 
 __all__ = [
+    "CutStats",
     "SwitchConfig",
     "SwitchState",
     "VerifyConfig",
@@ -36,6 +43,7 @@ __all__ = [
     "token_ops",
     "trajectory_staleness",
     "two_stage_verify",
+    "two_stage_verify_with_stats",
     "update_switch_state",
     "verify_stats",
     "window_mean",

@@ -12,6 +12,7 @@ thresholds are traced arguments so changing them never recompiles.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
 
@@ -31,11 +32,12 @@ DEFAULT_DT = 2.0  # token-stage threshold on OPS
 class VerifyConfig:
     """RollVerify's verification settings. ds: segment threshold on mean OPS; dt: token threshold on OPS;
     verify_finished: also re-verify finished trajectories still in the cache (members waiting for their group,
-    and complete groups carried to a later batch). The acceptance window is `SwitchConfig`."""
+    and complete groups carried to a later batch), each re-prefilled in a slot every cycle. Off by default, as
+    the paper verifies paused (unfinished) trajectories only. The acceptance window is `SwitchConfig`."""
 
     ds: float = DEFAULT_DS
     dt: float = DEFAULT_DT
-    verify_finished: bool = True
+    verify_finished: bool = False
 
     def __post_init__(self):
         _check_thresholds(self.ds, self.dt)
@@ -70,14 +72,15 @@ def _check_shapes(new_logp, behavior_logp, versions, lengths) -> None:
             )
 
 
-def _keep_lengths(
+def _verify_arrays(
     new_logp: jax.Array,  # [N, L] float32
     behavior_logp: jax.Array,  # [N, L] float32
     versions: jax.Array,  # [N, L] int32
     lengths: jax.Array,  # [N] int32
     ds: jax.Array,  # [] float32
     dt: jax.Array,  # [] float32
-) -> jax.Array:  # [N] int32
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(keep [N], keep1 [N]: the segment stage's keep, seg_start [N, L]: first tokens of segments)."""
     max_len = new_logp.shape[1]
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)  # [N]
     valid = response_mask(lengths, max_len)  # [N, L]
@@ -87,17 +90,31 @@ def _keep_lengths(
     positions = jnp.arange(max_len, dtype=jnp.int32)[None, :]  # [1, L]
 
     seg_mean = segment_mean_ops(ops, versions, valid)  # [N, L]
-    seg_cut = segment_starts(versions, valid) & (seg_mean >= ds)  # [N, L]
+    starts = segment_starts(versions, valid)  # [N, L]
+    seg_cut = starts & (seg_mean >= ds)  # [N, L]
     keep1 = jnp.min(jnp.where(seg_cut, positions, max_len), axis=1)  # [N]
     keep1 = jnp.minimum(keep1, lengths)
 
     tok_cut = (positions < keep1[:, None]) & (ops >= dt)  # [N, L]; t < keep1 <= n implies valid
     keep = jnp.min(jnp.where(tok_cut, positions, max_len), axis=1)  # [N]
-    return jnp.minimum(keep, keep1).astype(jnp.int32)
+    return jnp.minimum(keep, keep1).astype(jnp.int32), keep1.astype(jnp.int32), starts
+
+
+def _keep_lengths(new_logp, behavior_logp, versions, lengths, ds, dt) -> jax.Array:  # [N] int32
+    return _verify_arrays(new_logp, behavior_logp, versions, lengths, ds, dt)[0]
 
 
 # Wrapped here rather than decorated, so mutation testing (which skips decorated functions) reaches the body.
 _two_stage_verify = jax.jit(_keep_lengths)
+_two_stage_verify_detail = jax.jit(_verify_arrays)
+
+
+def _device_inputs(new_logp, behavior_logp, versions, lengths, ds, dt) -> tuple:
+    _check_thresholds(ds, dt)
+    _check_shapes(new_logp, behavior_logp, versions, lengths)
+    return (jnp.asarray(new_logp, jnp.float32), jnp.asarray(behavior_logp, jnp.float32),
+            jnp.asarray(versions, jnp.int32), jnp.asarray(lengths, jnp.int32), jnp.asarray(ds, jnp.float32),
+            jnp.asarray(dt, jnp.float32))
 
 
 def two_stage_verify(
@@ -114,25 +131,74 @@ def two_stage_verify(
     must lie in `[0, L]`; device arrays are clipped into that range (a check would force a host sync).
     A NaN log-prob inside a response counts as infinite OPS. Works under an outer `jit` and on sharded inputs.
     """
-    _check_thresholds(ds, dt)
-    _check_shapes(new_logp, behavior_logp, versions, lengths)
-    return _two_stage_verify(
-        jnp.asarray(new_logp, jnp.float32),
-        jnp.asarray(behavior_logp, jnp.float32),
-        jnp.asarray(versions, jnp.int32),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(ds, jnp.float32),
-        jnp.asarray(dt, jnp.float32),
-    )
+    return _two_stage_verify(*_device_inputs(new_logp, behavior_logp, versions, lengths, ds, dt))
+
+
+def two_stage_verify_with_stats(new_logp, behavior_logp, versions, lengths, ds: float, dt: float,
+                                current_version: int) -> tuple[np.ndarray, CutStats]:
+    """`two_stage_verify` on host inputs, plus where it cut (`CutStats`) for a verifier at ``current_version``."""
+    keep, keep1, starts = jax.device_get(
+        _two_stage_verify_detail(*_device_inputs(new_logp, behavior_logp, versions, lengths, ds, dt)))
+    return keep, CutStats.of(keep, keep1, starts, np.asarray(versions), np.asarray(lengths), current_version)
+
+
+@dataclasses.dataclass
+class CutStats:
+    """Where verification cut, summed over a cycle, so that a cut model can be fitted from runs. Per segment age
+    ``c`` (the verifying version minus the version that sampled the segment): segments the segment stage
+    examined (each trajectory's segments up to and including its first failing one; later ones are censored),
+    those that failed, and the sum of ``keep / n`` over trajectories whose first failing segment had age ``c``;
+    ``token_cuts`` counts trajectories the token stage cut inside the segment stage's prefix."""
+
+    checked: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    failed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    keep_fraction_sum: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    token_cuts: int = 0
+
+    @classmethod
+    def of(cls, keep, keep1, starts, versions, lengths, current_version: int) -> CutStats:
+        """From one verification: keep, keep1 [N] (final and segment-stage keeps), starts [N, L] (segment
+        starts), versions [N, L], lengths [N]."""
+        lengths = np.asarray(lengths, np.int64)
+        pos = np.arange(starts.shape[1])[None, :]
+        ages = current_version - np.asarray(versions, np.int64)  # [N, L]
+        examined = starts & (pos <= keep1[:, None])  # a start at keep1 < n is the failing segment's
+        failing = starts & (pos == keep1[:, None]) & (keep1 < lengths)[:, None]
+        rows = np.flatnonzero(failing.any(axis=1))
+        fail_age = ages[rows, keep1[rows]]
+        out = cls(token_cuts=int(np.sum(keep < keep1)))
+        out.checked.update(ages[examined].tolist())
+        out.failed.update(fail_age.tolist())
+        for age, frac in zip(fail_age.tolist(), (keep[rows] / lengths[rows]).tolist(), strict=True):
+            out.keep_fraction_sum[age] += frac
+        return out
+
+    def merge(self, other: CutStats) -> None:
+        self.checked.update(other.checked)
+        self.failed.update(other.failed)
+        self.keep_fraction_sum.update(other.keep_fraction_sum)
+        self.token_cuts += other.token_cuts
+
+    def metrics(self) -> dict[str, float | int]:
+        """``verify/segments_checked/<c>``, ``verify/segments_failed/<c>``, ``verify/keep_fraction/<c>`` (mean
+        keep / n of the trajectories cut at a segment of age c) and ``verify/token_stage_cuts``."""
+        out: dict[str, float | int] = {"verify/token_stage_cuts": self.token_cuts}
+        for age in sorted(self.checked):
+            out[f"verify/segments_checked/{age}"] = self.checked[age]
+            out[f"verify/segments_failed/{age}"] = self.failed[age]
+            if self.failed[age]:
+                out[f"verify/keep_fraction/{age}"] = self.keep_fraction_sum[age] / self.failed[age]
+        return out
 
 
 def verify_stats(keep, lengths) -> dict[str, float | int]:
     """Host-side summary of one verification cycle: tokens kept/total and the acceptance rate.
 
-    `acceptance = sum(keep) / sum(lengths)`, the fraction of cached tokens retained (METHOD.md section 4).
+    `acceptance = sum(keep) / sum(lengths)`, the fraction of partially generated tokens retained, when given the
+    paused trajectories of a cycle (METHOD.md section 4).
     When nothing was verified (no cached tokens) acceptance is defined as 1.0: an empty cycle rejected
     nothing, so it must not pull the switching window towards on-policy mode.
-    Keys: `tokens_kept`, `tokens_total`, `acceptance`, `num_verified` (trajectories with tokens),
+    Keys: `tokens_kept`, `tokens_total`, `tokens_removed`, `acceptance`, `num_verified` (trajectories with tokens),
     `num_cut` (keep < length), `num_restarted` (keep == 0 < length).
     """
     keep = np.asarray(keep).astype(np.int64)  # [N]
@@ -145,6 +211,7 @@ def verify_stats(keep, lengths) -> dict[str, float | int]:
     return {
         "tokens_kept": kept,
         "tokens_total": total,
+        "tokens_removed": total - kept,
         "acceptance": kept / total if total > 0 else 1.0,
         "num_verified": int(np.sum(lengths > 0)),
         "num_cut": int(np.sum(keep < lengths)),
