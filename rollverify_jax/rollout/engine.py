@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rollverify_jax import distributed
+from rollverify_jax import distributed, schedule_rules
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import FlashConfig
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
@@ -205,11 +205,8 @@ class _Static:
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two >= n within [lo, hi] (bounded recompiles)."""
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
+    """Smallest power of two (times lo) >= n, capped at hi (bounded recompiles; the simulator's rule too)."""
+    return schedule_rules.pow2_bucket(n, lo, hi)
 
 
 def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens,
@@ -473,11 +470,8 @@ class Engine:
     def live_slot_buckets(self) -> list[int]:
         """The slot counts decode compiles for, ascending: all slots halved while at least 8 remain (256: 8, 16,
         ..., 256). One bucket (all slots) when ``live_slots`` is off or the slots are split over devices."""
-        out = [self.config.num_slots]
-        if self.config.live_slots and self.layout.num_shards == 1:
-            while out[-1] // 2 >= 8:
-                out.append(out[-1] // 2)
-        return out[::-1]
+        live = self.config.live_slots and self.layout.num_shards == 1
+        return schedule_rules.live_slot_buckets(self.config.num_slots, live)
 
     def live_slots(self) -> int:
         """The smallest slot bucket above every slot that holds pages (a running sequence)."""
@@ -494,11 +488,7 @@ class Engine:
     def live_page_buckets(self) -> list[int]:
         """The page-table widths decode compiles for, ascending: the full table halved while at least 4 pages
         remain (20 pages: 5, 10, 20). Tables under 16 pages are read whole (one compile; little to save)."""
-        pps = self.allocator.pages_per_seq
-        out = [pps]
-        while pps >= 16 and out[-1] // 2 >= 4:
-            out.append(-(-out[-1] // 2))
-        return out[::-1]
+        return schedule_rules.live_page_buckets(self.allocator.pages_per_seq)
 
     def live_pages(self) -> int:
         """The smallest bucket that holds every slot's pages: decode attends over live pages only, not over the

@@ -16,6 +16,8 @@ import numbers
 import gin
 import numpy as np
 
+from rollverify_jax import schedule_rules
+
 DEFAULT_WINDOW = 8
 DEFAULT_THRESHOLD = 0.5
 
@@ -115,9 +117,7 @@ def init_switch_state(window: int = DEFAULT_WINDOW) -> SwitchState:
 
 def window_mean(state: SwitchState) -> float:
     """Mean acceptance over the filled part of the window; 1.0 while empty (nothing rejected yet)."""
-    if state.count == 0:
-        return 1.0
-    return float(np.mean(state.rates[state.window - state.count :], dtype=np.float64))
+    return schedule_rules.window_mean(state.rates[state.window - state.count :])
 
 
 def update_switch_state(
@@ -141,7 +141,7 @@ def update_switch_state(
     pushed = SwitchState(
         rates=rates, count=min(state.count + 1, state.window), on_policy=False, switch_step=-1
     )
-    if pushed.count == pushed.window and window_mean(pushed) < threshold:
+    if schedule_rules.switch_due(pushed.rates[pushed.window - pushed.count :], pushed.window, threshold):
         return dataclasses.replace(pushed, on_policy=True, switch_step=int(step))
     return pushed
 

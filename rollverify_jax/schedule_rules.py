@@ -1,0 +1,66 @@
+"""The scheduling rules the engine, the scheduler, the switching logic and the simulator must agree on.
+
+One home, so that the discrete-event replay (``rollverify_jax/sim``) cannot drift from what the engine compiles
+and the trainer decides: the rollout modes, the power-of-two buckets (prefill lengths and rows), the live
+slot and page-table buckets decode compiles for, and the switch to on-policy rollout. Pure Python + numpy:
+importing this never imports JAX or gin, so the simulator stays JAX-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+MODES = ("on_policy", "partial", "rollverify")
+
+MIN_LIVE_SLOTS = 8  # a live slot bucket holds at least this many slots
+MIN_LIVE_PAGES = 4  # a live page-table bucket holds at least this many pages
+LIVE_PAGES_FROM = 16  # tables of fewer pages are read whole (one compile; little to save)
+
+
+def pow2_bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest ``lo * 2^j >= n`` (``lo >= 1``), capped at ``hi``: bounded recompiles for prefill lengths and
+    rows. Bit length instead of a doubling loop, since the replay asks once per admitted sequence."""
+    if lo < 1:
+        raise ValueError(f"pow2_bucket: lo={lo} must be >= 1.")
+    return min(lo << max(-(-n // lo) - 1, 0).bit_length(), hi)
+
+
+def live_slot_buckets(num_slots: int, live: bool = True) -> list[int]:
+    """The slot counts decode compiles for, ascending: all slots halved while at least ``MIN_LIVE_SLOTS`` remain
+    (256: 8, 16, ..., 256); all slots only when ``live`` is off (live slots disabled, or a pool sharded over
+    devices, where every device decodes its own slots)."""
+    out = [num_slots]
+    while live and out[-1] // 2 >= MIN_LIVE_SLOTS:
+        out.append(out[-1] // 2)
+    return out[::-1]
+
+
+def live_page_buckets(pages_per_seq: int, live: bool = True) -> list[int]:
+    """The page-table widths (pages) decode compiles for, ascending: the whole table halved (rounded up) while
+    the half keeps at least ``MIN_LIVE_PAGES`` pages, for tables of at least ``LIVE_PAGES_FROM`` pages (20
+    pages: 5, 10, 20); the whole table only when ``live`` is off or the table is small."""
+    out = [pages_per_seq]
+    while live and pages_per_seq >= LIVE_PAGES_FROM and out[-1] // 2 >= MIN_LIVE_PAGES:
+        out.append(-(-out[-1] // 2))
+    return out[::-1]
+
+
+def smallest_holding(buckets: Sequence[int], n: int) -> int:
+    """The first of ascending ``buckets`` that holds ``n`` (the largest when none does)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+def window_mean(rates: Sequence[float]) -> float:
+    """Mean of acceptance rates as the switching state stores them (float32), summed in float64; 1.0 when
+    empty (nothing rejected yet)."""
+    if len(rates) == 0:
+        return 1.0
+    return float(np.mean(np.asarray(rates, np.float32), dtype=np.float64))
+
+
+def switch_due(rates: Sequence[float], window: int, threshold: float) -> bool:
+    """RollVerify's one-way switch to on-policy rollout: the window of the last ``window`` verifying cycles is
+    full and its mean acceptance is below ``threshold`` (strictly)."""
+    return len(rates) == window and window_mean(rates) < threshold
