@@ -10,7 +10,9 @@ runs (``--calibrate_from``: their ``metrics.jsonl``), or the compiled programs' 
 'roofline'`` with ``RooflineCosts`` bound, configs/sim/*.gin). With ``--calibrate_from``, the response lengths
 and RollVerify's acceptance per step come from those runs too, and the prediction for every run given is
 printed beside its measured wall-clock, timers and event counts (rates from the ``--fit_from`` runs, by default
-the on-policy ones). docs/results/simulator.md has the equations and the calibration.
+the on-policy ones). With ``--calibrate_from``, RollVerify's per-segment failure probability by age comes from
+the RollVerify runs' logged segment statistics (``calibrate.fit_segment_fail_prob``). docs/results/simulator.md
+has the equations and the calibration.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import gin
 from rollverify_jax.cli import run_cli
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
-from rollverify_jax.sim.replay import CUT_MODELS, MODES, AcceptanceModel, LengthModel, Workload, simulate
+from rollverify_jax.sim.replay import MODES, CutModel, LengthModel, Workload, simulate
 
 COST_SOURCES = ("costs", "roofline")
 
@@ -38,8 +40,10 @@ class SimConfig:
 
     costs: 'costs' (the ``CostModel`` bindings) or 'roofline' (``RooflineCosts`` bindings); ``--calibrate_from``
     replaces either with rates fitted on the runs. Lengths: ``lengths`` (explicit, cycled) or a lognormal
-    (``length_median``, ``length_sigma``) capped at ``RolloutConfig.max_new_tokens``. Acceptance per step:
-    ``acceptance_trace`` or ``acceptance_start + acceptance_slope * (step - 1)``.
+    (``length_median``, ``length_sigma``) capped at ``RolloutConfig.max_new_tokens``. Where verification cuts
+    (``CutModel``): ``segment_fail_prob = (p1, p2, ...)``, the probability that a cached segment of age 1, 2, ...
+    steps fails verification (the last value repeats), and a late ramp of that hazard from step
+    ``fail_ramp_start`` on (0: none), doubling every ``fail_ramp_doubling`` steps.
     """
 
     modes: tuple = MODES
@@ -50,10 +54,9 @@ class SimConfig:
     length_median: float = 64.0
     length_sigma: float = 1.0
     seed: int = 0
-    acceptance_trace: tuple | None = None
-    acceptance_start: float = 1.0
-    acceptance_slope: float = 0.0
-    cut_model: str = "fraction"
+    segment_fail_prob: tuple = (0.0,)
+    fail_ramp_start: int = 0
+    fail_ramp_doubling: float = 10.0
     costs: str = "costs"
     skip_steps: int = 1  # calibration: leading steps left out (they compile)
     # calibration: 'by_mode' fits the rates on the --fit_from runs (default: the on-policy runs) and compares
@@ -71,8 +74,12 @@ class SimConfig:
                 raise ValueError(f"SimConfig.modes: unknown mode {m!r}; known: {list(MODES)}.")
         if self.costs not in COST_SOURCES:
             raise ValueError(f"SimConfig.costs={self.costs!r}; choose one of {list(COST_SOURCES)}.")
-        if self.cut_model not in CUT_MODELS:
-            raise ValueError(f"SimConfig.cut_model={self.cut_model!r}; choose one of {list(CUT_MODELS)}.")
+        p = self.segment_fail_prob if isinstance(self.segment_fail_prob, list | tuple) else (self.segment_fail_prob,)
+        if not p or not all(isinstance(x, int | float) and 0.0 <= x <= 1.0 for x in p):
+            raise ValueError(f"SimConfig.segment_fail_prob={self.segment_fail_prob!r}: probabilities in [0, 1], "
+                             "one per segment age (1, 2, ...; the last repeats).")
+        if self.fail_ramp_start < 0 or self.fail_ramp_doubling <= 0:
+            raise ValueError("SimConfig.fail_ramp_start must be >= 0 (0: no ramp) and fail_ramp_doubling > 0.")
         if self.num_steps is not None and self.num_steps < 1:
             raise ValueError(f"SimConfig.num_steps={self.num_steps} must be >= 1.")
         if self.num_devices is not None and self.num_devices < 1:
@@ -107,6 +114,9 @@ class RunShape:
     max_seq_len: int = 512
     page_size: int = 16
     live_pages: bool = True
+    kv_pages_per_shard: int = 0  # pages a pool shard hands out (0: no limit)
+    pool_shards: int = 1
+    page_reservation: str = "incremental"
 
     def workload(self, mode: str, prompt_len: int) -> Workload:
         return Workload(mode=mode, batch_groups=self.batch_groups, group_size=self.group_size,
@@ -115,7 +125,9 @@ class RunShape:
                         switch_window=self.switch_window, switch_threshold=self.switch_threshold,
                         switching=self.switching, verify_finished=self.verify_finished, live_slots=self.live_slots,
                         min_prefill_len=self.min_prefill_len, max_seq_len=self.max_seq_len,
-                        page_size=self.page_size, live_pages=self.live_pages)
+                        page_size=self.page_size, live_pages=self.live_pages,
+                        kv_pages_per_shard=self.kv_pages_per_shard, pool_shards=self.pool_shards,
+                        page_reservation=self.page_reservation)
 
 
 def pool_shards(mesh_shape: tuple, num_slots: int) -> int:
@@ -137,13 +149,26 @@ def read_run_shape() -> RunShape:
         mesh = tuple(gin.query_parameter("make_mesh.shape"))
     except ValueError:
         mesh = (1, -1, 1)
+    shards = pool_shards(mesh, e.num_slots)
+    pages = shard_pages(e, shards)
     return RunShape(mode=r.mode, batch_groups=r.batch_groups, group_size=r.group_size,
                     max_new_tokens=r.max_new_tokens, queue_groups=r.queue_groups, num_slots=e.num_slots,
                     steps_per_dispatch=e.steps_per_dispatch, switch_window=s.window, switch_threshold=s.threshold,
                     switching=s.enabled, verify_finished=v.verify_finished, num_steps=TrainConfig().num_steps,
                     mesh_shape=mesh, live_slots=e.live_slots and pool_shards(mesh, e.num_slots) == 1,
                     min_prefill_len=e.min_prefill_len, max_seq_len=e.max_seq_len, page_size=e.page_size,
-                    live_pages=e.live_pages)
+                    live_pages=e.live_pages, kv_pages_per_shard=pages, pool_shards=shards,
+                    page_reservation=e.page_reservation)
+
+
+def shard_pages(e, shards: int) -> int:
+    """Pages one shard of the engine's KV pool hands out (``engine.pool_pages``, less the shard's scratch page):
+    ``EngineConfig.kv_memory_bytes`` over the pages of the gin-configured model (``model_config``), or enough
+    for every slot at ``max_seq_len`` when no budget is set."""
+    from rollverify_jax.models import model_config
+    from rollverify_jax.rollout.engine import pool_pages
+
+    return pool_pages(model_config(), e, shards) // shards - 1
 
 
 @dataclasses.dataclass
@@ -153,7 +178,7 @@ class Inputs:
     costs: CostModel
     prompt_len: int
     length_kwargs: dict
-    acceptance_kwargs: dict
+    cut_kwargs: dict
     num_devices: int
     notes: dict
 
@@ -181,10 +206,10 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
     prompt = cfg.prompt_len
     lengths = ({"lengths": list(cfg.lengths)} if cfg.lengths else
                {"median": cfg.length_median, "sigma": cfg.length_sigma, "seed": cfg.seed})
-    accept = ({"trace": list(cfg.acceptance_trace)} if cfg.acceptance_trace else
-              {"start": cfg.acceptance_start, "slope": cfg.acceptance_slope})
-    accept.update(cut_model=cfg.cut_model, seed=cfg.seed)
-    inputs = Inputs(costs, prompt, lengths, accept, devices, {})
+    cut = {"fail_prob": tuple(cfg.segment_fail_prob) if isinstance(cfg.segment_fail_prob, list | tuple)
+           else (cfg.segment_fail_prob,), "ramp_start": cfg.fail_ramp_start,
+           "ramp_doubling": cfg.fail_ramp_doubling, "seed": cfg.seed}
+    inputs = Inputs(costs, prompt, lengths, cut, devices, {})
     if not runs:
         return inputs
     n = shape.batch_groups * shape.group_size
@@ -195,9 +220,10 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
                                                    shape.max_new_tokens, cfg.seed)
     inputs.length_kwargs = {"median": median, "sigma": sigma, "group_share": share, "seed": cfg.seed}
     verify_runs = [r for r in runs if r.mode == "rollverify"]
+    cut_fit = None
     if verify_runs:
-        inputs.acceptance_kwargs = {"trace": cal.acceptance_trace(verify_runs[0]), "cut_model": cfg.cut_model,
-                                    "seed": cfg.seed}
+        fail_prob, cut_fit = cal.fit_segment_fail_prob(verify_runs)
+        inputs.cut_kwargs = {**cut, "fail_prob": fail_prob}
     steps = max(r.steps[-1]["step"] for r in runs)
     ratios = replay_ratios(shape, inputs, {r.mode for r in runs}, steps)
     costs, fit = cal.fit_costs(fit_runs, ratios, shape.steps_per_dispatch, n, inputs.prompt_len, cfg.skip_steps,
@@ -209,7 +235,8 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
                     "length_max_mean": mean_max, "length_mean_sd": mean_sd, "length_median": median,
                     "length_sigma": sigma, "length_group_share": share,
                     "prompt_len": inputs.prompt_len,
-                    "acceptance_trace_from": str(verify_runs[0].path) if verify_runs else None}
+                    "segment_fail_prob": inputs.cut_kwargs["fail_prob"], "segment_fail_prob_fit": cut_fit,
+                    "segment_fail_prob_from": [str(r.path) for r in verify_runs]}
     return inputs
 
 
@@ -241,7 +268,7 @@ def _verification_rates(costs: CostModel, runs: list[cal.RunData], ratios: dict,
 def run_mode(mode: str, shape: RunShape, inputs: Inputs, num_steps: int):
     w = shape.workload(mode, inputs.prompt_len)
     lengths = LengthModel(shape.max_new_tokens, **inputs.length_kwargs)
-    return simulate(w, inputs.costs, lengths, AcceptanceModel(**inputs.acceptance_kwargs), num_steps)
+    return simulate(w, inputs.costs, lengths, CutModel(**inputs.cut_kwargs), num_steps)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -265,15 +292,15 @@ def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], s
                      split: str = "by_mode", width_ref: float = 0.0) -> list[dict]:
     """Predicted vs measured wall-clock, timers and event counts of every run over its steps after ``skip``
     (``split='odd_even'``: each run's rates fitted on its own odd steps, compared on its even steps). A
-    RollVerify run is replayed with its own acceptance trace."""
+    RollVerify run is replayed with its own per-step segment failure rates (``calibrate.fail_prob_trace``)."""
     out = []
     for run in runs:
         n = run.steps[-1]["step"]
         compared = {r["step"] for r in run.used(skip)}
         run_inputs = inputs
         if run.mode == "rollverify":
-            run_inputs = dataclasses.replace(inputs, acceptance_kwargs={**inputs.acceptance_kwargs,
-                                                                        "trace": cal.acceptance_trace(run)})
+            run_inputs = dataclasses.replace(inputs, cut_kwargs={**inputs.cut_kwargs,
+                                                                 "trace": cal.fail_prob_trace(run)})
         if split == "odd_even":
             odd = {s for s in compared if s % 2 == 1}
             compared -= odd

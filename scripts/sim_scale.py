@@ -6,9 +6,13 @@ of the speed-up against context.
 
 Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' cost analysis and
 the stated assumptions); the 8K row is the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K
-config was compiled: its per-token costs are the ~20K programs'). ``--sigmas`` reruns on-policy and RollVerify
-with other length spreads; ``VARIANTS`` reruns RollVerify without the assumed acceptance schedule (no cuts, a
-constant 0.95) or without re-verifying finished members, to show which assumption its saving depends on.
+config was compiled: its per-token costs are the ~20K programs'). RollVerify runs under two acceptances:
+``default`` (the shipped defaults and the paper-shaped acceptance of configs/sim/scale_common.gin) and
+``tiny_acceptance`` (the per-segment failure probability fitted on the RollVerify runs under ``--runs`` that log
+the segment statistics, else 0.1 at every age: a one-segment trajectory then passes with 0.9, the tiny runs'
+measured cycle acceptance; no ramp). On-policy and naive partial do not verify, so they are run once per
+setting. ``DIAGNOSTICS`` and ``--sigmas`` rerun RollVerify (and on-policy for the sigmas) at the Qwen3-8B
+contexts to show what its saving depends on, and every row carries its cost terms in device-days.
 """
 
 from __future__ import annotations
@@ -20,24 +24,26 @@ from pathlib import Path
 import gin
 
 from rollverify_jax import simulate as sim
+from rollverify_jax.sim import calibrate as cal
 
-# (label, context tokens of the response cap, gin files, bindings)
+# (model, context tokens of the response cap, gin files, bindings)
 SETTINGS = [
-    ("Qwen3-8B 8K", 8192, ["configs/qwen3_8b_dapo.gin", "configs/sim/qwen3_8b_v5p.gin"],
+    ("Qwen3-8B", 8192, ["configs/qwen3_8b_dapo.gin", "configs/sim/qwen3_8b_v5p.gin"],
      ["RolloutConfig.max_new_tokens = 8192", "EngineConfig.max_seq_len = 10240",
       "RewardScorer.max_response_length = 8192", "LossConfig.max_response_length = 8192"]),
-    ("Qwen3-8B ~20K (main)", 20480, ["configs/qwen3_8b_dapo.gin", "configs/sim/qwen3_8b_v5p.gin"], []),
-    ("Qwen3-8B 64K", 61440, ["configs/qwen3_8b_64k_dapo.gin", "configs/sim/qwen3_8b_64k_v5p.gin"], []),
-    ("Qwen3-30B-A3B ~20K", 20480, ["configs/qwen3_30b_a3b_dapo.gin", "configs/sim/qwen3_30b_a3b_v5p.gin"], []),
+    ("Qwen3-8B", 20480, ["configs/qwen3_8b_dapo.gin", "configs/sim/qwen3_8b_v5p.gin"], []),
+    ("Qwen3-8B", 61440, ["configs/qwen3_8b_64k_dapo.gin", "configs/sim/qwen3_8b_64k_v5p.gin"], []),
+    ("Qwen3-30B-A3B", 20480, ["configs/qwen3_30b_a3b_dapo.gin", "configs/sim/qwen3_30b_a3b_v5p.gin"], []),
 ]
-# (label, bindings) of the RollVerify reruns at the Qwen3-8B contexts
-VARIANTS = [
-    ("acceptance 1.0 (no cuts, no switch)", ["SimConfig.acceptance_start = 1.0", "SimConfig.acceptance_slope = 0.0"]),
-    ("acceptance 0.95 (no switch)", ["SimConfig.acceptance_start = 0.95", "SimConfig.acceptance_slope = 0.0"]),
-    ("finished members not re-verified", ["VerifyConfig.verify_finished = False"]),
+TINY_FAIL_PROB = (0.1,)  # without runs that log segment statistics: the tiny runs' ~0.9 acceptance
+# (variant, bindings) of the RollVerify reruns at the Qwen3-8B contexts (paper-shaped acceptance unless said)
+DIAGNOSTICS = [
+    ("no_cuts", ["SimConfig.segment_fail_prob = (0.0,)", "SimConfig.fail_ramp_start = 0"]),
+    ("verify_finished", ["VerifyConfig.verify_finished = True"]),
 ]
-PAPER = {  # Table 7 and the main result (GPU days): on-policy, RollVerify
-    8192: (16.6, 15.1), 20480: (98.1, 57.5), 61440: (261.0, 137.0)}
+PAPER = {8192: (16.6, 15.1), 20480: (98.1, 57.5), 61440: (261.0, 137.0)}  # Table 7 (GPU days): on-policy, RV
+GOAL = {8192: 1.1, 20480: 1.5, 61440: 1.8}  # issue 25: RollVerify speed-up wanted for Qwen3-8B
+TERMS = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "overhead_s")
 
 
 def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
@@ -48,58 +54,110 @@ def predict(files: list[str], params: list[str], modes, steps: int | None) -> li
     cfg, shape = sim.SimConfig(), sim.read_run_shape()
     inputs = sim.build_inputs(cfg, shape, [])
     n = steps or cfg.num_steps or shape.num_steps
-    return [sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices) for m in modes]
+    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices)) for m in modes]
+
+
+def with_terms(summary: dict) -> dict:
+    """The summary plus each cost term in device-days (``prefill_attn`` is part of ``prefill``)."""
+    scale = summary["num_devices"] / 86400.0
+    return {**summary, "terms_days": {t.removesuffix("_s"): summary[t] * scale for t in TERMS}}
+
+
+def tiny_fail_prob(runs_root: Path) -> tuple[tuple[float, ...], str]:
+    """p(c) fitted on every RollVerify run under ``runs_root`` that logs segment statistics, else the constant."""
+    runs = []
+    for metrics in sorted(runs_root.glob("**/metrics.jsonl")) if runs_root.is_dir() else []:
+        try:
+            run = cal.read_run(metrics.parent)
+        except ValueError:
+            continue
+        if run.mode == "rollverify" and any(k.startswith("verify/segments_checked/") for r in run.steps for k in r):
+            runs.append(run)
+    if not runs:
+        return TINY_FAIL_PROB, f"no run under {runs_root} logs verify/segments_checked: p(c) = 0.1 at every age"
+    p, _ = cal.fit_segment_fail_prob(runs)
+    return p, "fitted on " + ", ".join(str(r.path) for r in runs)
+
+
+def row(model: str, ctx: int, variant: str, r: dict, on_policy_days: float) -> dict:
+    return {"model": model, "context": ctx, "mode": r["mode"], "variant": variant, "device_days": r["device_days"],
+            "speedup_vs_on_policy": on_policy_days / r["device_days"]}
+
+
+def shortfall(on: dict, rv: dict, ctx: int) -> dict | None:
+    """For a Qwen3-8B row below its goal: the device-days missing, and RollVerify's cost terms against
+    on-policy's (what it saves on each, and what it spends more)."""
+    goal = GOAL.get(ctx)
+    if goal is None:
+        return None
+    need = on["device_days"] / goal
+    return {"goal": goal, "met": rv["device_days"] <= need, "needed_days": need,
+            "missing_days": max(0.0, rv["device_days"] - need),
+            "terms_on_policy": on["terms_days"], "terms_rollverify": rv["terms_days"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=None, help="default: each config's TrainConfig.num_steps")
     ap.add_argument("--sigmas", type=float, nargs="*", default=[0.75, 1.25])
+    ap.add_argument("--runs", default="runs", help="where to look for runs with segment statistics")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
-    out = {"settings": [], "sensitivity": [], "variants": []}
-    for label, ctx, files, params in SETTINGS:
-        rows = predict(files, params, sim.MODES, args.steps)
-        by = {r["mode"]: r for r in rows}
-        speed = by["on_policy"]["device_days"] / by["rollverify"]["device_days"]
-        out["settings"].append({"label": label, "context": ctx, "files": files, "params": params, "modes": rows,
-                                "speedup_rollverify": speed,
-                                "speedup_partial": by["on_policy"]["device_days"] / by["partial"]["device_days"],
-                                "paper": PAPER.get(ctx) if "8B" in label else None})
-        print(f"{label}: on-policy {by['on_policy']['device_days']:.1f}, partial {by['partial']['device_days']:.1f}, "
-              f"RollVerify {by['rollverify']['device_days']:.1f} device-days ({speed:.2f}x; switch step "
-              f"{by['rollverify']['switch_step']}; on-policy rollout share {by['on_policy']['rollout_fraction']:.2f})",
-              flush=True)
-        if "8B" in label:
-            for sigma in args.sigmas:
-                r2 = predict(files, [*params, f"SimConfig.length_sigma = {sigma}"], ("on_policy", "rollverify"),
-                             args.steps)
-                out["sensitivity"].append({"label": label, "context": ctx, "sigma": sigma,
-                                           "speedup_rollverify": r2[0]["device_days"] / r2[1]["device_days"],
-                                           "on_policy_days": r2[0]["device_days"],
-                                           "rollverify_days": r2[1]["device_days"]})
-                print(f"  sigma {sigma}: {r2[0]['device_days']:.1f} -> {r2[1]['device_days']:.1f} "
-                      f"({r2[0]['device_days'] / r2[1]['device_days']:.2f}x)", flush=True)
-            out["variants"] += variants(label, ctx, files, params, by["on_policy"]["device_days"], args.steps)
+    tiny_p, tiny_source = tiny_fail_prob(Path(args.runs))
+    tiny = [f"SimConfig.segment_fail_prob = {tuple(tiny_p)!r}", "SimConfig.fail_ramp_start = 0"]
+    out = {"rows": [], "settings": [], "tiny_fail_prob": list(tiny_p), "tiny_source": tiny_source}
+    print(f"tiny acceptance: p(c) = {tiny_p} ({tiny_source})", flush=True)
+    for model, ctx, files, params in SETTINGS:
+        on, partial, rv = predict(files, params, sim.MODES, args.steps)
+        (rv_tiny,) = predict(files, [*params, *tiny], ("rollverify",), args.steps)
+        days = on["device_days"]
+        for variant, rv_row in (("default", rv), ("tiny_acceptance", rv_tiny)):
+            out["rows"] += [row(model, ctx, variant, r, days) for r in (on, partial, rv_row)]
+        setting = {"model": model, "context": ctx, "files": files, "params": params,
+                   "modes": {"on_policy": on, "partial": partial, "rollverify": rv, "rollverify_tiny": rv_tiny},
+                   "paper": PAPER.get(ctx) if model == "Qwen3-8B" else None,
+                   "shortfall": shortfall(on, rv, ctx) if model == "Qwen3-8B" else None}
+        print(f"{model} {ctx}: on-policy {days:.2f}, partial {partial['device_days']:.2f} "
+              f"({days / partial['device_days']:.2f}x), "
+              f"RollVerify {rv['device_days']:.2f} ({days / rv['device_days']:.2f}x, switch {rv['switch_step']}, "
+              f"acceptance {rv['acceptance']:.3f}), tiny acceptance {rv_tiny['device_days']:.2f} "
+              f"({days / rv_tiny['device_days']:.2f}x, switch {rv_tiny['switch_step']}, acceptance "
+              f"{rv_tiny['acceptance']:.3f})", flush=True)
+        if model == "Qwen3-8B":
+            setting["diagnostics"] = diagnostics(model, ctx, files, params, days, args, out["rows"])
+        out["settings"].append(setting)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(_finite(out), indent=1) + "\n")
     if args.plot:
         plot(out, args.plot)
 
 
-def variants(label: str, ctx: int, files: list[str], params: list[str], on_policy_days: float,
-             steps: int | None) -> list[dict]:
-    """RollVerify under each of ``VARIANTS`` against the setting's on-policy run (which they do not change)."""
-    rows = []
-    for name, bindings in VARIANTS:
-        (r,) = predict(files, [*params, *bindings], ("rollverify",), steps)
-        rows.append({"label": label, "context": ctx, "variant": name, "rollverify_days": r["device_days"],
-                     "speedup_rollverify": on_policy_days / r["device_days"], "regen_tokens": r["regen_tokens"],
-                     "tokens_generated": r["tokens_generated"], "acceptance": r["acceptance"],
-                     "switch_step": r["switch_step"], "prefill_s": r["prefill_s"], "verify_s": r["verify_s"]})
-        print(f"  RollVerify, {name}: {r['device_days']:.1f} ({on_policy_days / r['device_days']:.2f}x)", flush=True)
-    return rows
+def diagnostics(model: str, ctx: int, files: list[str], params: list[str], on_days: float, args, rows: list) -> dict:
+    """RollVerify under each of ``DIAGNOSTICS``, and on-policy and RollVerify at each of ``--sigmas``."""
+    found = {}
+    for variant, bindings in DIAGNOSTICS:
+        (r,) = predict(files, [*params, *bindings], ("rollverify",), args.steps)
+        rows.append(row(model, ctx, variant, r, on_days))
+        found[variant] = r
+        print(f"  RollVerify, {variant}: {r['device_days']:.2f} ({on_days / r['device_days']:.2f}x)", flush=True)
+    for sigma in args.sigmas:
+        on, rv = predict(files, [*params, f"SimConfig.length_sigma = {sigma}"], ("on_policy", "rollverify"),
+                         args.steps)
+        rows += [row(model, ctx, f"sigma_{sigma}", r, on["device_days"]) for r in (on, rv)]
+        found[f"sigma_{sigma}"] = {"on_policy": on, "rollverify": rv}
+        print(f"  sigma {sigma}: {on['device_days']:.2f} -> {rv['device_days']:.2f} "
+              f"({on['device_days'] / rv['device_days']:.2f}x)", flush=True)
+    return found
+
+
+def _finite(x):
+    """NaN (an on-policy run's acceptance) as null: strict JSON."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and x != x else x
 
 
 def plot(out: dict, path: str) -> None:
@@ -108,23 +166,26 @@ def plot(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dense = [s for s in out["settings"] if "8B" in s["label"]]
-    ctx = [s["context"] / 1024 for s in dense]
+    def series(mode: str, variant: str) -> list[tuple[int, float]]:
+        return sorted((r["context"], r["speedup_vs_on_policy"]) for r in out["rows"]
+                      if r["model"] == "Qwen3-8B" and r["mode"] == mode and r["variant"] == variant)
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ctx, [s["speedup_rollverify"] for s in dense], "o-", label="simulated RollVerify (sigma 1.0)")
-    ax.plot(ctx, [s["speedup_partial"] for s in dense], "s:", label="simulated naive partial (sigma 1.0)")
-    for sigma in sorted({r["sigma"] for r in out["sensitivity"]}):
-        pts = [r for r in out["sensitivity"] if r["sigma"] == sigma]
-        ax.plot([r["context"] / 1024 for r in pts], [r["speedup_rollverify"] for r in pts], "--", alpha=0.6,
-                label=f"simulated RollVerify (sigma {sigma})")
-    for name, _ in VARIANTS:
-        pts = [r for r in out["variants"] if r["variant"] == name]
-        ax.plot([r["context"] / 1024 for r in pts], [r["speedup_rollverify"] for r in pts], "x-.", alpha=0.8,
-                label=f"simulated RollVerify, {name}")
+    styles = [("rollverify", "default", "o-", "RollVerify, paper-shaped acceptance (default)"),
+              ("rollverify", "tiny_acceptance", "o--", "RollVerify, tiny-run acceptance"),
+              ("partial", "default", "s:", "naive partial"),
+              ("rollverify", "no_cuts", "x-.", "RollVerify, nothing cut (diagnostic)")]
+    for sigma in sorted({r["variant"] for r in out["rows"] if r["variant"].startswith("sigma_")}):
+        styles.append(("rollverify", sigma, "--", f"RollVerify, length {sigma.replace('_', ' ')}"))
+    for mode, variant, style, label in styles:
+        pts = series(mode, variant)
+        ax.plot([c / 1024 for c, _ in pts], [s for _, s in pts], style, alpha=0.8, label=f"simulated {label}")
     ax.plot([c / 1024 for c in PAPER], [a / b for a, b in PAPER.values()], "k^-", label="paper, Table 7 (GPU days)")
+    ax.plot([c / 1024 for c in GOAL], list(GOAL.values()), "rv", ls="none", label="issue 25 goal")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(ctx, [f"{c:.0f}K" for c in ctx])
+    ctx = sorted(GOAL)
+    ax.set_xticks([c / 1024 for c in ctx], [f"{c / 1024:.0f}K" for c in ctx])
     ax.set_xlabel("response cap (tokens)")
     ax.set_ylabel("speed-up vs on-policy (device-days ratio)")
     ax.set_title("Qwen3-8B, 700 steps: predicted vs reported")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from rollverify_jax import simulate as sim_cli
-from rollverify_jax.sim import AcceptanceModel, CostModel, LengthModel, Workload, simulate
+from rollverify_jax.sim import CostModel, CutModel, LengthModel, RooflineCosts, Workload, simulate
 from rollverify_jax.sim import calibrate as cal
 
 UNIT = CostModel(decode_step_s=1.0)  # one second per decode step, everything else free
@@ -72,49 +73,107 @@ def test_all_costs_by_hand():
     assert (s.dispatches, s.decode_steps, s.tokens_generated, s.inserted_tokens) == (1, 2, 2, 1)
 
 
-def test_rollverify_cuts_and_regenerates_by_hand():
-    # Partial RollVerify, 2 slots, B = 1, k = 1, acceptance 0.4, finished members not verified; lengths cycle
-    # (5, 1, 3, 3): g0 = (u0: 5, u1: 1), g1 = (u2: 3, u3: 3), g2 = (u4: 5, u5: 1).
+def test_rollverify_restart_redraws_by_hand():
+    # Partial RollVerify, 2 slots, B = 1, k = 1, every segment of age 1 fails; lengths cycle (5, 1, 3, 3):
+    # g0 = (u0: 5, u1: 1), g1 = (u2: 3, u3: 3), g2 = (u4: 5, u5: 1).
     # Step 1: u0 = 1, u1 ends at insert; 1 dispatch (free slot): u0 = 2; u2 = 1; 2 dispatches: u0 = 4, u2 ends;
-    # u3 = 1; 1 dispatch: u0 ends (g0 complete), u3 = 2. 4 s; u3 (2 tokens) and g2 (queued) are paused.
-    # Step 2: u3 is verified: keeps floor(0.4 * 2 + 0.5) = 1 (its log-probs: 2 tokens x 10 s), insert makes it 2;
-    # u4 (no tokens: nothing to verify) = 1. 1 dispatch: u3 ends, g1 complete. 1 + 20 = 21 s.
+    # u3 = 1; 1 dispatch: u0 ends (g0 complete), u3 = 2. 4 s; u3 (2 tokens, one segment of step 1) and g2
+    # (queued) are paused.
+    # Step 2: u3's segment (age 1) fails: keep = 0, a restart from the prompt (its log-probs: 2 tokens x 10 s),
+    # which draws a fresh length: the first value of the redraw cycle, 5. Insert makes u3 1 and u4 1; 4
+    # dispatches: both end, g1 complete with u2 (3) + u3 (5). 4 + 20 = 24 s; acceptance 0 / 2.
     c = CostModel(decode_step_s=1.0, prefill_logp_token_s=10.0)
-    w = workload("rollverify", batch_groups=1, verify_finished=False, switching=False)
-    res = simulate(w, c, LengthModel(10, lengths=[5, 1, 3, 3]), AcceptanceModel(start=0.4), num_steps=2)
+    w = workload("rollverify", batch_groups=1, switching=False)
+    res = simulate(w, c, LengthModel(10, lengths=[5, 1, 3, 3]), CutModel(fail_prob=(1.0,)), num_steps=2)
     s1, s2 = res.steps
     assert s1.step_s == 4.0 and s1.verified == 0 and s1.batch_tokens == 6
-    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, s2.regen_tokens) == (1, 2, 1, 1)
-    assert s2.decode_s == 1.0 and s2.verify_s == 20.0 and s2.step_s == 21.0 and s2.acceptance == 0.5
-    assert s2.batch_tokens == 6
+    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, s2.removed_tokens) == (1, 2, 0, 2)
+    assert (s2.num_cut, s2.num_restarted, dict(s2.segments_checked), dict(s2.segments_failed)) == (1, 1, {1: 1}, {1: 1})
+    assert s2.decode_s == 4.0 and s2.verify_s == 20.0 and s2.step_s == 24.0 and s2.acceptance == 0.0
+    assert s2.batch_tokens == 8
+
+
+def test_segment_of_age_one_always_failing_cuts_exactly_there():
+    # B = 1, 2 slots, k = 1, lengths cycle (9, 1, 30, 1). Step 1 ends with u2 paused at 8 tokens (one segment,
+    # step 1); step 2 (nothing fails) verifies it whole and u2 decodes 11 more (a second segment, step 2). At
+    # step 3 its segments have ages 2 and 1; p(1) = 1, p(2) = 0: the cut falls at the age-1 segment's first token,
+    # keep = 8, and u2 regenerates to a fresh length (next redraw value 9, at least keep + 1): insert's token
+    # finishes it. A response passes whole unless a segment fails: at p = 0 nothing is cut.
+    w = workload("rollverify", batch_groups=1, max_new_tokens=40, switching=False)
+    res = simulate(w, UNIT, LengthModel(40, lengths=[9, 1, 30, 1]), CutModel(trace=[(0.0,), (0.0,), (1.0, 0.0)]), 3)
+    s2, s3 = res.steps[1:]
+    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, dict(s2.segments_checked)) == (1, 8, 8, {1: 1})
+    assert (s3.verified, s3.verified_tokens, s3.kept_tokens, s3.removed_tokens) == (1, 19, 8, 11)
+    assert dict(s3.segments_checked) == {2: 1, 1: 1} and dict(s3.segments_failed) == {1: 1}
+    assert s3.verify_metrics()["verify/keep_fraction/1"] == 8 / 19 and s3.num_restarted == 0
+    assert s3.batch_tokens == 9 + 1
+    never = simulate(w, UNIT, LengthModel(40, lengths=[9, 1, 30, 1]), CutModel(fail_prob=(0.0,)), 3)
+    assert all(s.kept_tokens == s.verified_tokens and s.num_cut == 0 for s in never.steps)
+    assert sum(s.verified for s in never.steps) > 0
+
+
+def test_cut_model_segments_ages_and_ramp():
+    cut = CutModel(fail_prob=(1.0, 0.0))  # age 1 always fails, age 2 and older never
+    assert cut.verify([[1, 3], [2, 4]], 3) == (3, [2, 1], 1)  # ages 2, 1: cut at the second segment's start
+    assert cut.verify([[1, 3], [2, 4]], 4) == (7, [3, 2], None)  # ages 3, 2 (the last value repeats): whole
+    assert cut.verify([[3, 5]], 4) == (0, [1], 1)  # a restart
+    assert CutModel().verify([[1, 3], [2, 4]], 3) == (7, [2, 1], None)
+    ramp = CutModel(fail_prob=(0.1,), ramp_start=100, ramp_doubling=10.0)
+    assert ramp.prob(1, 100) == 0.1 and ramp.scale(110) == 2.0
+    assert ramp.prob(1, 120) == pytest.approx(1 - 0.9 ** 4)  # the log-survival doubles every 10 steps
+    with pytest.raises(ValueError, match="ages start at 1"):
+        cut.verify([[3, 2]], 3)
+
+
+def test_redraw_is_a_fresh_length_conditioned_on_the_kept_prefix():
+    # A restart (keep = 0) draws from the member distribution; a cut at keep draws L | L > keep: every redraw
+    # exceeds keep, and its distribution is the lognormal's tail (median of L | L > 2,500 for median 2,500 is
+    # the 75th percentile of the lognormal: 2,500 * e^(0.674 sigma)).
+    lm = LengthModel(100_000, median=2500.0, sigma=1.0, seed=5)
+    fresh = [lm.redraw(math.log(2500.0), 0) for _ in range(4000)]
+    assert np.median(fresh) == pytest.approx(2500, rel=0.06)
+    tail = [lm.redraw(math.log(2500.0), 2500) for _ in range(4000)]
+    assert min(tail) > 2500 and np.median(tail) == pytest.approx(2500 * math.exp(0.6745), rel=0.06)
+    assert LengthModel(10, lengths=[3, 7]).redraw(0.0, 5) == 6  # explicit: next value, at least keep + 1
 
 
 def test_verified_finished_member_that_survives_is_not_decoded():
-    # Step 1 ends with u1 (length 1) finished and waiting for u0 (paused at 4 of 9 tokens); at acceptance 1
-    # both survive: u1 goes back to its group without a slot, u0 decodes its last 5 tokens alone.
-    w = workload("rollverify", batch_groups=1, num_slots=2, switching=False)
-    res = simulate(w, UNIT, LengthModel(10, lengths=[9, 1, 3, 3]), AcceptanceModel(start=1.0), num_steps=2)
+    # Step 1 ends with u1 (length 1) finished and waiting for u0 (paused at 6 of 9 tokens); with verify_finished
+    # and nothing failing both survive: u1 goes back to its group without decoding, u0 decodes its last 3
+    # tokens. The acceptance counts the paused trajectory only (u0), as the rollout phase does.
+    w = workload("rollverify", batch_groups=1, num_slots=2, switching=False, verify_finished=True)
+    res = simulate(w, UNIT, LengthModel(10, lengths=[9, 1, 3, 3]), CutModel(), num_steps=2)
     s2 = res.steps[1]
-    assert s2.verified == 2 and s2.kept_tokens == s2.verified_tokens
+    assert (s2.verified, s2.finished_verified, s2.verified_tokens) == (1, 1, 6) and s2.kept_tokens == 6
     assert s2.batch_tokens == 10  # g0 = (9, 1)
+    default = simulate(dataclass_replace(w, verify_finished=False), UNIT, LengthModel(10, lengths=[9, 1, 3, 3]),
+                       CutModel(), num_steps=2).steps[1]
+    assert (default.verified, default.finished_verified) == (1, 0)  # paused trajectories only, by default
+    assert Workload("rollverify", 1, 1, 1, 1, 1, 0).verify_finished is False
 
 
 def test_switching_after_a_full_window_below_threshold():
-    # Acceptance per step 1, 1, 1, 0, 1, 0, 0, 0 (all-or-nothing rates are exact); window 2, threshold 0.5.
-    # Step 1 has nothing cached (verifies nothing, not in the window). Window means: step 3 (1 + 1) / 2,
-    # step 4 (1 + 0) / 2 = 0.5, step 5 (0 + 1) / 2, step 6 (1 + 0) / 2: never below 0.5; step 7 (0 + 0) / 2 = 0:
-    # switch at step 7; step 8 runs on-policy (cache dropped, nothing verified).
+    # Per step every segment fails (p = 1: acceptance 0) or none does (p = 0: acceptance 1): the trace gives
+    # acceptance 1, 1, 1, 0, 1, 0, 0, 0 where a step verifies something; window 2, threshold 0.5. A restarted
+    # member redraws 1000, so long members stay cached. Step 1 has nothing cached; step 4's restarts make
+    # enough groups complete at its end that step 5 trains carried groups without admitting anything (it
+    # verifies nothing and stays out of the window). Windows: step 3 (1 + 1) / 2, step 4 (1 + 0) / 2 = 0.5 (not
+    # below), step 6 (0 + 0) / 2 = 0: switch at step 6 (had step 5 entered as 1.0, the mean would be 0.5: no
+    # switch); steps 7-8 run on-policy (cache dropped, nothing verified).
     w = Workload("rollverify", batch_groups=2, group_size=4, num_slots=8, steps_per_dispatch=1,
                  max_new_tokens=1000, prompt_len=0, switch_window=2, switch_threshold=0.5)
     trace = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    res = simulate(w, UNIT, LengthModel(1000, lengths=[1000, 10, 10, 10]), AcceptanceModel(trace=trace), 8)
-    assert res.steps[0].verified == 0 and math.isnan(res.steps[0].acceptance)
-    assert [s.acceptance for s in res.steps[1:7]] == trace[1:7]
-    assert res.switch_step == 7 and res.steps[6].switched
-    assert [s.on_policy for s in res.steps] == [False] * 7 + [True]
-    assert res.steps[7].verified == 0
-    no_switch = simulate(dataclass_replace(w, switching=False), UNIT, LengthModel(1000, lengths=[1000, 10, 10, 10]),
-                         AcceptanceModel(trace=trace), 8)
+    cut = [(1.0 - a,) for a in trace]
+
+    def lengths():
+        return LengthModel(1000, lengths=[1000, 10, 10, 10], redraw_lengths=[1000])
+
+    res = simulate(w, UNIT, lengths(), CutModel(trace=cut), 8)
+    assert [s.verified > 0 for s in res.steps] == [False, True, True, True, False, True, False, False]
+    assert [s.acceptance for s in res.steps[1:4]] == trace[1:4] and res.steps[5].acceptance == 0.0
+    assert res.switch_step == 6 and res.steps[5].switched
+    assert [s.on_policy for s in res.steps] == [False] * 6 + [True] * 2
+    no_switch = simulate(dataclass_replace(w, switching=False), UNIT, lengths(), CutModel(trace=cut), 8)
     assert no_switch.switch_step == -1 and not any(s.on_policy for s in no_switch.steps)
 
 
@@ -148,20 +207,103 @@ def test_prefill_calls_per_length_bucket_and_padding():
     # Engine buckets: rows a power of two up to the slots, length a power of two from min_prefill_len = 4 up to
     # max_seq_len = 64. Partial, 2 slots, B = 1, k = 1, prompt 3, lengths (9, 1, 3, 3): step 1 ends with u0
     # paused at 6 tokens (as in the verified-finished case). Step 2's first round admits u0 (3 + 6 = 9 tokens:
-    # bucket 16) and u4 (3: bucket 4): 2 calls of 1 row, 16 + 4 = 20 tokens computed for 12 real ones; then
-    # u0 needs 2 more tokens: 2 dispatches, and g0 is complete.
+    # bucket 16) and u4 (3: bucket 4): 2 calls of 1 row, 16 + 4 = 20 tokens computed for 12 real ones, and
+    # causal attention over 16^2 + 4^2 = 272 (row x length^2, the halving is in the rate); then u0 needs 2 more
+    # tokens: 2 dispatches, and g0 is complete.
     w = workload("partial", batch_groups=1, prompt_len=3, min_prefill_len=4, max_seq_len=64)
     assert w.prefill_shape(2, 3) == (2, 4) and w.prefill_shape(1, 40) == (1, 64)
     assert dataclass_replace(w, num_slots=8).prefill_shape(5, 3) == (8, 4)  # rows padded to a power of two
-    c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, decode_step_s=1.0)
+    c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_attn_s=0.01, decode_step_s=1.0)
     s2 = simulate(w, c, LengthModel(10, lengths=[9, 1, 3, 3]), num_steps=2).steps[1]
     assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.prefill_tokens) == (2, 20, 12)
-    assert (s2.prefill_s, s2.decode_s, s2.batch_tokens) == (2 * 1.0 + 20 * 0.5, 2.0, 10)
+    assert s2.prefill_s == pytest.approx(2 * 1.0 + 20 * 0.5 + 272 * 0.01) and s2.prefill_attn_s == pytest.approx(2.72)
+    assert (s2.decode_s, s2.batch_tokens) == (2.0, 10)
 
 
-def test_fraction_cuts_round_half_up():
-    a = AcceptanceModel(start=0.5)
-    assert [a.keep(n, 1) for n in (1, 2, 3, 10)] == [1, 1, 2, 5]
+def test_roofline_prefill_attention_is_causal_and_quadratic():
+    # Attention FLOPs per token per context token a; a prefilled row of T tokens costs a T^2 / 2 (causal), so
+    # doubling the row quadruples the term while the matmul term only doubles.
+    r = RooflineCosts(num_devices=2, peak_flops=1e12, mfu=0.5, prefill_flops_per_token=1e9,
+                      attn_flops_per_token_ctx=1e6).cost_model()
+    assert r.prefill_attn_s == pytest.approx(1e6 / 2 / (2 * 1e12 * 0.5))
+    one, two = r.prefill(1024, 0, 1, 1024 ** 2), r.prefill(2048, 0, 1, 2048 ** 2)
+    attn = r.prefill_attn_s * 1024 ** 2
+    assert two - 2 * one == pytest.approx(2 * attn)  # 4 attn - 2 attn
+
+
+def test_page_pool_limit_makes_a_request_wait():
+    # One shard of 2 pages of 4 tokens, 2 slots, k = 1, prompt 0, two sequences of 8 (cap 8: 2 pages each).
+    # u0 takes 1 page (0 + 0 + k + 1 = 2 positions); u1 needs 1 page plus a page of headroom for u0: only 1 is
+    # free, so it waits at the queue head until u0 ends (u0 grows to 2 pages): 7 + 7 dispatches. Without the
+    # limit both run together: 7.
+    w = Workload("on_policy", 1, 2, 2, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=2)
+    assert w.pool_binds and w.reserved_pages(0) == 1 and w.reserved_pages(7) == 2
+    (s,) = simulate(w, UNIT, LengthModel(8, lengths=[8, 8]), num_steps=1).steps
+    assert (s.dispatches, s.tokens_generated, s.batch_tokens, s.preemptions) == (14, 14, 16, 0) and s.page_waits > 0
+    (free,) = simulate(dataclass_replace(w, kv_pages_per_shard=0), UNIT, LengthModel(8, lengths=[8, 8]), 1).steps
+    assert (free.dispatches, free.page_waits) == (7, 0)
+    assert not dataclass_replace(w, kv_pages_per_shard=5).pool_binds  # 2 slots x 2 pages + 1 of headroom fit
+    with pytest.raises(ValueError, match="raise the KV memory budget"):
+        dataclass_replace(w, kv_pages_per_shard=1)
+
+
+def test_page_pool_preempts_a_sequence_that_cannot_grow():
+    # 3 pages of 4 tokens, both sequences admitted (1 page each, with a page of headroom). At 3 tokens each needs
+    # a second page (3 + k + 1 = 5 positions): 4 > 3, so in admission order u0 grows and u1 is preempted to the
+    # queue head. u1 cannot come back while u0 runs (2 pages + headroom): u0 decodes its 7, then u1 is
+    # re-prefilled (3 tokens), insert makes 4 and 4 dispatches end it. 7 + 4 = 11 dispatches.
+    w = Workload("on_policy", 1, 2, 2, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=3)
+    (s,) = simulate(w, UNIT, LengthModel(8, lengths=[8, 8]), num_steps=1).steps
+    assert (s.preemptions, s.dispatches, s.prefill_tokens, s.inserted_tokens, s.batch_tokens) == (1, 11, 3, 3, 16)
+
+
+def test_page_pool_over_shards_matches_an_unlimited_pool_when_it_never_binds():
+    # A budget that holds every slot at full length never changes a decision: identical records.
+    base = dict(mode="rollverify", batch_groups=4, group_size=4, num_slots=16, steps_per_dispatch=4,
+                max_new_tokens=200, prompt_len=10, page_size=8, min_prefill_len=16, max_seq_len=256)
+    lengths = dict(median=40.0, sigma=1.0, seed=2)
+    roomy = Workload(**base, kv_pages_per_shard=4 * 27 + 3, pool_shards=4)
+    assert not roomy.pool_binds
+    a = simulate(roomy, UNIT, LengthModel(200, **lengths), CutModel(fail_prob=(0.2,)), 6)
+    b = simulate(Workload(**base), UNIT, LengthModel(200, **lengths), CutModel(fail_prob=(0.2,)), 6)
+    assert [dataclasses.asdict(x) for x in a.steps] == [dataclasses.asdict(x) for x in b.steps]
+    tight = simulate(Workload(**base, kv_pages_per_shard=40, pool_shards=4), UNIT, LengthModel(200, **lengths),
+                     CutModel(fail_prob=(0.2,)), 6)
+    assert sum(s.page_waits for s in tight.steps) > 0 and tight.wall_s > a.wall_s
+
+
+def test_fit_segment_fail_prob_from_synthetic_logs(tmp_path):
+    # Logged counts by age over 3 steps: p(1) = 30 / 300, p(2) = 20 / 100, age 3 never examined (takes age 2's),
+    # p(4) = 5 / 10. Pooled over steps; steps that verified nothing are ignored.
+    recs = [{"step": 1, "time/step": 1.0, "verify/num_verified": 0},
+            {"step": 2, "time/step": 1.0, "verify/num_verified": 100, "verify/segments_checked/1": 100,
+             "verify/segments_failed/1": 10, "verify/segments_checked/2": 40, "verify/segments_failed/2": 8},
+            {"step": 3, "time/step": 1.0, "verify/num_verified": 200, "verify/segments_checked/1": 200,
+             "verify/segments_failed/1": 20, "verify/segments_checked/2": 60, "verify/segments_failed/2": 12,
+             "verify/segments_checked/4": 10, "verify/segments_failed/4": 5}]
+    run = cal.read_run(_fake_run(tmp_path / "rv", "rollverify", recs))
+    p, fit = cal.fit_segment_fail_prob([run])
+    assert p == pytest.approx((0.1, 0.2, 0.2, 0.5)) and fit["source"] == "segments"
+    trace = cal.fail_prob_trace(run)
+    assert trace[0] == (0.0,) and trace[1] == pytest.approx((0.1, 0.2, 0.2, 0.5))  # age 4 unseen at step 2: pooled
+    assert trace[2] == pytest.approx((0.1, 0.2, 0.2, 0.5))
+    old = cal.read_run(_fake_run(tmp_path / "old", "rollverify", [
+        {"step": 2, "time/step": 1.0, "verify/num_verified": 40, "verify/num_cut": 10}]))
+    assert cal.fit_segment_fail_prob([old])[0] == (0.25,)  # before the segment logs: one segment per trajectory
+    with pytest.raises(ValueError, match="verified nothing"):
+        cal.fit_segment_fail_prob([cal.read_run(_fake_run(tmp_path / "none", "rollverify", recs[:1]))])
+
+
+def test_fit_recovers_the_replays_own_fail_prob(tmp_path):
+    # A replay at known p(c) = (0.05, 0.15, 0.3) writes its verification counts as a run's metrics.jsonl; the fit
+    # recovers p(c) where enough segments were examined.
+    w = Workload("rollverify", 4, 8, 64, 8, 2000, prompt_len=20, switching=False)
+    res = simulate(w, UNIT, LengthModel(2000, median=300.0, sigma=1.0, seed=4), CutModel(fail_prob=(0.05, 0.15, 0.3)),
+                   40)
+    recs = [{"step": s.step, "time/step": s.step_s, **s.verify_metrics()} for s in res.steps]
+    p, fit = cal.fit_segment_fail_prob([cal.read_run(_fake_run(tmp_path / "replay", "rollverify", recs))])
+    assert fit["checked"][1] > 1000 and fit["checked"][3] > 100
+    assert p[:3] == pytest.approx((0.05, 0.15, 0.3), abs=0.03)
 
 
 def dataclass_replace(w, **kw):

@@ -1,17 +1,20 @@
 """Measured rates from a run's ``metrics.jsonl``: cost coefficients, the response-length distribution and the
-acceptance trace the simulator replays (pure Python + numpy; reads files only).
+cut rates the simulator replays (pure Python + numpy; reads files only).
 
 What a step's record holds (``rl/partial_rollout.py``, ``train.py``): ``time/rollout`` (prefill + decode +
 host, without verification), ``time/verify``, ``time/train``, ``time/step``, the scheduler's timers
 ``rollout/prefill_time`` (prefill + insert calls; it includes ``time/verify``, which runs inside them) and
 ``rollout/decode_time`` (generate calls), ``rollout/dispatches``, ``rollout/tokens`` (decoded),
 ``rollout/slot_utilization`` (decoded tokens / (slots x decode steps)), ``rollout/prefill_tokens``,
-``train/loss_tokens``, ``response/length_mean`` / ``length_max`` of the batch, ``verify/acceptance`` and
-``verify/num_verified``, ``mode/on_policy``.
+``train/loss_tokens``, ``response/length_mean`` / ``length_max`` of the batch, ``verify/acceptance``,
+``verify/num_verified`` / ``num_cut`` / ``num_restarted`` (paused trajectories), ``verify/segments_checked/<c>``
+and ``verify/segments_failed/<c>`` (segments of age c the segment stage examined and those that failed),
+``mode/on_policy``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -142,6 +145,8 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
     decode is then priced per slot-step only (what the on-policy fits find on the tiny runs). A slot-step's
     cost grows with the live page-table width ``W`` as ``1 + W / width_ref`` (0: width ignored): the timers
     cannot separate it from the slot's own cost, so its scale is given (``SimConfig.decode_width_ref``).
+    Prefill's attention term (``prefill_attn_s``, quadratic in the row length) is left at 0: on the tiny runs'
+    rows of at most a few hundred tokens it cannot be told from the per-token rate, which absorbs it.
     """
     used = [(run.mode, r) for run in runs for r in run.used(skip) if steps is None or r["step"] in steps]
     if len(used) < 2:
@@ -263,13 +268,74 @@ def length_stats(runs: list[RunData], skip: int) -> tuple[float, float, float]:
             statistics.fmean(r["response/length_max"] for r in on), sd)
 
 
-def acceptance_trace(run: RunData) -> list[float]:
-    """Per step (1-based, from step 1): the run's acceptance where it verified something, else the previous
-    value (1.0 before the first verification)."""
-    out, last = [], 1.0
+# -- where verification cuts ------------------------------------------------------------------------------
+
+_CHECKED = re.compile(r"^verify/segments_checked/(\d+)$")
+
+
+def segment_counts(records) -> tuple[dict[int, int], dict[int, int]]:
+    """(checked, failed) segments by age summed over ``records`` (``verify/segments_checked/<c>``,
+    ``verify/segments_failed/<c>``: what the segment stage examined, each trajectory's segments up to its first
+    failing one, and how many of those failed)."""
+    checked: dict[int, int] = collections.Counter()
+    failed: dict[int, int] = collections.Counter()
+    for r in records:
+        for key, value in r.items():
+            m = _CHECKED.match(key)
+            if m:
+                age = int(m.group(1))
+                checked[age] += int(value)
+                failed[age] += int(r.get(f"verify/segments_failed/{age}", 0))
+    return checked, failed
+
+
+def fail_prob_from_counts(checked: dict[int, int], failed: dict[int, int]) -> tuple[float, ...]:
+    """``p(c) = failed / checked`` for ages 1 .. the oldest examined (``CutModel.fail_prob``: the last value
+    repeats beyond it). An age never examined takes the nearest younger age's rate (better measured: most
+    segments are young), age 1 the nearest older one's."""
+    seen = sorted(a for a, n in checked.items() if n > 0 and a >= 1)
+    if not seen:
+        raise ValueError("no segment was examined: the runs verified nothing (or log no verify/segments_checked).")
+    out, last = [], failed.get(seen[0], 0) / checked[seen[0]]
+    for age in range(1, seen[-1] + 1):
+        if checked.get(age, 0) > 0:
+            last = failed.get(age, 0) / checked[age]
+        out.append(last)
+    return tuple(out)
+
+
+def fit_segment_fail_prob(runs: list[RunData], skip: int = 0) -> tuple[tuple[float, ...], dict]:
+    """The per-segment failure probability by age, pooled over the runs' steps after ``skip``, and how it was
+    measured. Runs from before the segment statistics were logged (no ``verify/segments_checked/<c>``) give
+    ``num_cut / num_verified`` at every age: each verified trajectory counted as one segment, an upper bound
+    on the per-segment rate when trajectories hold several."""
+    recs = [r for run in runs for r in run.used(skip) if r.get("verify/num_verified")]
+    checked, failed = segment_counts(recs)
+    if checked:
+        return fail_prob_from_counts(checked, failed), {"source": "segments", "checked": dict(sorted(checked.items())),
+                                                        "failed": dict(sorted(failed.items()))}
+    verified = sum(r["verify/num_verified"] for r in recs)
+    if not verified:
+        raise ValueError("the RollVerify runs verified nothing after the skipped steps: no cut rate to fit.")
+    cut = sum(r.get("verify/num_cut", 0) for r in recs)
+    return (cut / verified,), {"source": "num_cut / num_verified (no segment statistics logged)",
+                               "verified": verified, "cut": cut}
+
+
+def fail_prob_trace(run: RunData) -> list[tuple[float, ...]]:
+    """Per step (1-based, from step 1), the run's own ``p(c)`` where it verified something (ages that step did
+    not examine: the run's pooled rate), else the previous step's (no cuts before the first verification):
+    what a replay of that run takes, as it takes its lengths."""
+    pooled, _ = fit_segment_fail_prob([run])
+    out, last = [], (0.0,)
     for r in run.steps:
         if r.get("verify/num_verified"):
-            last = float(r["verify/acceptance"])
+            checked, failed = segment_counts([r])
+            if checked:
+                last = tuple(failed.get(a, 0) / checked[a] if checked.get(a) else pooled[min(a, len(pooled)) - 1]
+                             for a in range(1, max(max(checked), len(pooled)) + 1))
+            else:
+                last = (r.get("verify/num_cut", 0) / r["verify/num_verified"],)
         out.append(last)
     return out
 

@@ -5,6 +5,7 @@
         = k * (decode_step_s + decode_slot_s * b + decode_width_token_s * b * W + decode_ctx_token_s * A)
     admission round (one prefill + insert per length bucket of the requests admitted together)
         = prefill_call_s * calls + prefill_token_s * padded tokens (rows x length the calls compute)
+          + prefill_attn_s * sum over the calls of rows x length^2 (causal attention of every padded row)
           + (prefill_logp_token_s + verify_token_s) * cached tokens that are verified
     train step (sequences of p + L_i tokens)
         = train_step_s + train_token_s * sum_i (p + L_i) + train_attn_s * sum_i (p + L_i)^2
@@ -35,6 +36,7 @@ class CostModel:
     decode_width_token_s: float = 0.0
     prefill_call_s: float = 0.0  # per prefill + insert call (one per length bucket of an admission round)
     prefill_token_s: float = 0.0  # per prefilled token the calls compute (padded rows x length)
+    prefill_attn_s: float = 0.0  # per row x length^2 of every prefill call (causal attention: halved already)
     prefill_logp_token_s: float = 0.0  # extra per verified cached token (the log-probs of the resume prefill)
     verify_token_s: float = 0.0  # two-stage verification per verified cached token
     train_step_s: float = 0.0  # per train step
@@ -61,12 +63,12 @@ class CostModel:
         per_dispatch = self.decode_step_s + self.decode_slot_s * b + self.decode_width_token_s * b * width
         return k * (n * per_dispatch + self.decode_ctx_token_s * attended)
 
-    def prefill(self, tokens: int, verified_tokens: int, calls: int = 1) -> float:
-        """``calls`` prefill + insert calls computing ``tokens`` (padded) tokens, ``verified_tokens`` of them
-        cached tokens that get log-probs and verification."""
+    def prefill(self, tokens: int, verified_tokens: int, calls: int = 1, squares: int = 0) -> float:
+        """``calls`` prefill + insert calls computing ``tokens`` (padded) tokens in rows whose squared lengths sum
+        to ``squares``, ``verified_tokens`` of them cached tokens that get log-probs and verification."""
         if tokens == 0 and verified_tokens == 0:
             return 0.0
-        return (self.prefill_call_s * calls + self.prefill_token_s * tokens
+        return (self.prefill_call_s * calls + self.prefill_token_s * tokens + self.prefill_attn_s * squares
                 + (self.prefill_logp_token_s + self.verify_token_s) * verified_tokens)
 
     def train(self, seq_lengths) -> float:
@@ -87,7 +89,10 @@ class RooflineCosts:
       token: ``kv_bytes_per_token / num_devices / (bandwidth * hbm_efficiency)`` (slots and KV heads are
       spread over every chip).
     - prefill token: ``prefill_flops_per_token / (num_devices * peak * mfu)``; the verification log-probs
-      (full-vocabulary projection of every cached token) add ``2 * hidden * vocab`` FLOPs per token.
+      (full-vocabulary projection of every cached token) add ``2 * hidden * vocab`` FLOPs per token. The cost
+      analysis does not count the attention kernel (splash on TPU is a custom call: the per-token FLOPs are
+      the matmuls only), so causal attention is added: a row of ``T`` (padded) tokens costs
+      ``attn_flops_per_token_ctx * T^2 / 2``.
     - train: forward ``2 * (active params + head)`` FLOPs per token, attention ``attn_flops_per_token_ctx *
       length`` per token, times ``train_passes`` (4 with full remat: forward, recomputed forward, backward x 2).
     """
@@ -116,6 +121,8 @@ class RooflineCosts:
             decode_step_s=step,
             decode_ctx_token_s=self.kv_bytes_per_token / self.num_devices / bw,
             prefill_token_s=self.prefill_flops_per_token / flops,
+            # causal attention of a prefilled row of T tokens: sum_t attn * t ~ attn * T^2 / 2
+            prefill_attn_s=self.attn_flops_per_token_ctx / 2 / flops,
             prefill_logp_token_s=self.logp_flops_per_token / flops,
             train_token_s=self.train_passes * self.train_flops_per_token / flops,
             # causal attention of a sequence of length L: sum_t attn * t ~ attn * L^2 / 2

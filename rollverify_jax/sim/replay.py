@@ -10,20 +10,25 @@ jump is exact and the cost of the dispatches in between has a closed form, ``Cos
   ``ceil(S / G)`` groups queued ahead of the free slots); it ends after the first dispatch at whose end ``B``
   groups are complete, and pauses everything unfinished. A resumed trajectory is re-prefilled (prompt + its
   tokens) when admitted and keeps all its tokens.
-- rollverify: as partial, but the resume prefill also returns log-probs, everything cached is verified
-  (paused trajectories and, with ``verify_finished``, finished members waiting for their group and complete
-  groups carried beyond ``B``); a verified trajectory of ``n`` tokens keeps ``keep = round(a * n)`` of them
-  (``cut_model='fraction'``, rounded half up; ``'all_or_nothing'``: all with probability ``a``, else none),
-  where ``a`` is the step's acceptance (``AcceptanceModel``), and regenerates the cut suffix up to its drawn
-  length. The cycle's acceptance ``sum keep / sum n`` enters the switching window; once the full window's
-  mean is below the threshold the run goes on-policy and the cache is dropped.
+- rollverify: as partial, but the resume prefill also returns log-probs and the paused trajectories are
+  verified (with ``verify_finished`` also finished members waiting for their group and complete groups carried
+  beyond ``B``). A trajectory's cached tokens are segments, one per step that sampled some of them; at
+  verification each segment of age ``c`` (the verifying step minus the segment's) fails with probability
+  ``p(c)`` (``CutModel``), oldest first, and the cut falls at the first failing segment's first token (keep =
+  the tokens before it; 0 restarts from the prompt). A cut trajectory regenerates with a fresh length
+  (``LengthModel.redraw``). The cycle's acceptance ``sum keep / sum n`` over the verified paused trajectories
+  enters the switching window; once the full window's mean is below the threshold
+  (``schedule_rules.switch_due``) the run goes on-policy and the cache is dropped.
 
-A sequence's response length is drawn once, when its group is created (``LengthModel``), and a cut
-trajectory regenerates up to that same length. As in the engine, an admitted sequence's first token is sampled
-by ``insert`` (counted apart from decode's tokens), a decode dispatch runs over the live slot bucket (the smallest
-of ``Workload.slot_buckets`` that holds the running sequences, which the scheduler packs below it), and an
-admission round prefills once per length bucket (padded rows x length). Time of a step = prefill calls + decode
-dispatches + train step + overhead (``CostModel``); nothing overlaps.
+A sequence's response length is drawn when its group is created (``LengthModel``). As in the engine, an
+admitted sequence's first token is sampled by ``insert`` (counted apart from decode's tokens), a decode dispatch
+runs over the live slot bucket (the smallest of ``Workload.slot_buckets`` that holds the running sequences,
+which the scheduler packs below it), and an admission round prefills once per length bucket (padded rows x
+length). With a KV page pool too small for every slot at full length (``Workload.kv_pages_per_shard``), a
+request waits at the queue head until its shard has its pages plus a page of headroom per running slot
+(``Scheduler._admit``), and a running sequence that cannot get the pages of its next dispatch is preempted back
+to the queue head (``Scheduler._grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
+step + overhead (``CostModel``); nothing overlaps.
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ import dataclasses
 import functools
 import heapq
 import math
+import statistics
 
 import numpy as np
 
+from rollverify_jax import schedule_rules
+from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim.costs import CostModel
 
-MODES = ("on_policy", "partial", "rollverify")
-CUT_MODELS = ("fraction", "all_or_nothing")
+RESERVATIONS = ("incremental", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,48 +64,62 @@ class Workload:
     switch_window: int = 8
     switch_threshold: float = 0.5
     switching: bool = True
-    verify_finished: bool = True
+    verify_finished: bool = False  # also re-verify finished members of cached groups (VerifyConfig)
     live_slots: bool = True  # decode over the smallest slot bucket holding the running sequences (engine default)
     min_prefill_len: int = 0  # prefill length buckets: powers of two >= this (0: no padding)
     max_seq_len: int = 0  # the largest prefill bucket and the page table's width (0: prompt_len + max_new_tokens)
     page_size: int = 0  # > 0: track the live page-table width decode reads (EngineConfig.live_pages buckets)
     live_pages: bool = True
+    kv_pages_per_shard: int = 0  # pages one pool shard can hand out (its scratch page excluded); 0: no limit
+    pool_shards: int = 1  # the pool and the slots are split into this many shards (a slot takes its shard's pages)
+    page_reservation: str = "incremental"  # EngineConfig.page_reservation
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {list(MODES)}.")
         for name in ("batch_groups", "group_size", "num_slots", "steps_per_dispatch", "max_new_tokens",
-                     "switch_window"):
+                     "switch_window", "pool_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.prompt_len < 0 or self.queue_groups < 0:
             raise ValueError("prompt_len and queue_groups must be >= 0.")
         if not 0.0 <= self.switch_threshold <= 1.0:
             raise ValueError(f"switch_threshold={self.switch_threshold} must be in [0, 1].")
-        if self.min_prefill_len < 0 or self.max_seq_len < 0:
-            raise ValueError("min_prefill_len and max_seq_len must be >= 0.")
+        if self.min_prefill_len < 0 or self.max_seq_len < 0 or self.kv_pages_per_shard < 0:
+            raise ValueError("min_prefill_len, max_seq_len and kv_pages_per_shard must be >= 0.")
+        if self.page_reservation not in RESERVATIONS:
+            raise ValueError(f"page_reservation={self.page_reservation!r}; known: {list(RESERVATIONS)}.")
+        if self.kv_pages_per_shard:
+            if self.page_size < 1 or self.num_slots % self.pool_shards:
+                raise ValueError("a KV page limit needs page_size >= 1 and the slots divided evenly over the shards.")
+            if self.kv_pages_per_shard < self.full_pages:
+                raise ValueError(f"a sequence of {self.full_tokens} tokens needs {self.full_pages} pages but a pool "
+                                 f"shard has {self.kv_pages_per_shard}: raise the KV memory budget.")
+
+    @property
+    def full_tokens(self) -> int:
+        """Prompt + response cap: the most cache positions a sequence ever reserves."""
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def full_pages(self) -> int:
+        return -(-self.full_tokens // max(1, self.page_size))
 
     @functools.cached_property
     def slot_buckets(self) -> list[int]:
-        """The slot counts a decode dispatch runs over, ascending (``Engine.live_slot_buckets``): all slots
-        halved while at least 8 remain, or all slots only (live slots off, or a pool sharded over devices)."""
-        out = [self.num_slots]
-        while self.live_slots and out[-1] // 2 >= 8:
-            out.append(out[-1] // 2)
-        return out[::-1]
+        """The slot counts a decode dispatch runs over, ascending (``Engine.live_slot_buckets``)."""
+        return schedule_rules.live_slot_buckets(self.num_slots, self.live_slots)
 
     def slot_bucket(self, active: int) -> int:
         """The scheduler packs running sequences below the smallest bucket that holds them."""
-        return next(b for b in self.slot_buckets if b >= active)
+        return schedule_rules.smallest_holding(self.slot_buckets, active)
 
     @functools.cached_property
     def page_buckets(self) -> list[int]:
-        """Page-table widths decode reads, ascending (``Engine.live_page_buckets``): the table halved (rounded
-        up) while it has at least 16 pages and the half at least 4; the whole table with live pages off."""
-        out = [-(-(self.max_seq_len or self.prompt_len + self.max_new_tokens) // max(1, self.page_size))]
-        while self.live_pages and out[0] >= 16 and out[-1] // 2 >= 4:
-            out.append(-(-out[-1] // 2))
-        return out[::-1]
+        """Page-table widths decode reads, ascending (``Engine.live_page_buckets``; the whole table with live
+        pages off)."""
+        pages_per_seq = -(-(self.max_seq_len or self.full_tokens) // max(1, self.page_size))
+        return schedule_rules.live_page_buckets(pages_per_seq, self.live_pages)
 
     def live_width(self, tokens: int) -> int:
         """Tokens of the page-table width a dispatch reads when the longest running sequence holds ``tokens``
@@ -106,9 +127,8 @@ class Workload:
         rounded up to a bucket; 0 when ``page_size`` is 0."""
         if not self.page_size:
             return 0
-        need = min(self.prompt_len + self.max_new_tokens, self.prompt_len + tokens + self.steps_per_dispatch + 1)
-        pages = -(-need // self.page_size)
-        return next((b for b in self.page_buckets if b >= pages), self.page_buckets[-1]) * self.page_size
+        need = min(self.full_tokens, self.prompt_len + tokens + self.steps_per_dispatch + 1)
+        return schedule_rules.smallest_holding(self.page_buckets, -(-need // self.page_size)) * self.page_size
 
     def widens_after(self, tokens: int) -> int | None:
         """The first ``d >= 1`` at which ``live_width(tokens + d * k)`` differs from ``live_width(tokens)`` (None:
@@ -117,7 +137,7 @@ class Workload:
         if not self.page_size:
             return None
         k, edge = self.steps_per_dispatch, self.live_width(tokens)
-        if edge // self.page_size == self.page_buckets[-1] or self.prompt_len + self.max_new_tokens <= edge:
+        if edge // self.page_size == self.page_buckets[-1] or self.full_tokens <= edge:
             return None
         return (edge - self.prompt_len - tokens - k - 1) // k + 1
 
@@ -126,31 +146,42 @@ class Workload:
         count, length in [min_prefill_len, max_seq_len]; unpadded when ``min_prefill_len`` is 0."""
         if self.min_prefill_len == 0:
             return rows, longest
-        return _pow2(rows, 1, max(self.num_slots, rows)), self.prefill_bucket(longest)
+        return schedule_rules.pow2_bucket(rows, 1, max(self.num_slots, rows)), self.prefill_bucket(longest)
 
     def prefill_bucket(self, tokens: int) -> int:
         if self.min_prefill_len == 0:
             return tokens
-        return _pow2(tokens, self.min_prefill_len, self.max_seq_len or self.prompt_len + self.max_new_tokens)
+        return schedule_rules.pow2_bucket(tokens, self.min_prefill_len, self.max_seq_len or self.full_tokens)
 
+    def reserved_pages(self, tokens: int) -> int:
+        """Pages a sequence holding ``tokens`` response tokens must own through its next dispatch
+        (``Scheduler._tokens_to_reserve``): prompt + tokens + k + 1 positions, at most the cap."""
+        if self.page_reservation == "full":
+            return self.full_pages
+        return -(-min(self.full_tokens, self.prompt_len + tokens + self.steps_per_dispatch + 1) // self.page_size)
 
-def _pow2(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two (times ``lo`` >= 1) >= n, capped at ``hi`` (the engine's ``_bucket``); bit length
-    instead of the engine's doubling loop, since the replay asks once per admitted sequence."""
-    return min(lo << max(-(-n // lo) - 1, 0).bit_length(), hi)
+    @functools.cached_property
+    def pool_binds(self) -> bool:
+        """Whether the page limit can ever hold a request back: a shard's pages are fewer than its slots at full
+        length plus the admission headroom (a page per other running slot). If not, the replay skips the
+        page accounting (it could never change a decision)."""
+        per_shard = self.num_slots // self.pool_shards
+        return 0 < self.kv_pages_per_shard < per_shard * self.full_pages + per_shard - 1
 
 
 class LengthModel:
     """Response lengths in tokens, drawn one group (one ``draw`` call) at a time: an explicit list (cycled), or
     a lognormal with the given median and (total) sigma, rounded and clipped to [1, max_new_tokens]. A group's
     members answer the same prompt, so their lengths are alike: ``group_share`` of the log-variance is drawn
-    once per group (sigma_between = sigma sqrt(share)), the rest per member."""
+    once per group (sigma_between = sigma sqrt(share)), the rest per member. Regenerated lengths (``redraw``)
+    come from a generator of their own, so the new groups' lengths are the same in every mode."""
 
     def __init__(self, max_new_tokens: int, lengths=None, median: float = 0.0, sigma: float = 0.0,
-                 seed: int = 0, group_share: float = 0.0):
+                 seed: int = 0, group_share: float = 0.0, redraw_lengths=None):
         self.max_new_tokens = int(max_new_tokens)
         self.lengths = None if lengths is None else [int(x) for x in lengths]
-        if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
+        self.redraw_lengths = self.lengths if redraw_lengths is None else [int(x) for x in redraw_lengths]
+        if any(v is not None and (not v or min(v) < 1) for v in (self.lengths, self.redraw_lengths)):
             raise ValueError("explicit response lengths must be a non-empty list of integers >= 1.")
         if self.lengths is None and (median <= 0 or sigma < 0):
             raise ValueError(f"lognormal lengths need median > 0 and sigma >= 0 (got {median}, {sigma}).")
@@ -158,70 +189,142 @@ class LengthModel:
             raise ValueError(f"group_share={group_share} must be in [0, 1].")
         self.median, self.sigma, self.group_share = float(median), float(sigma), float(group_share)
         self._rng = np.random.default_rng(seed)
-        self._next = 0
+        self._redraw_rng = np.random.default_rng([seed, 1])
+        self._next = self._next_redraw = 0
 
     def draw(self, n: int) -> list[int]:
         """The lengths of one group of ``n`` members."""
+        return self.draw_group(n)[0]
+
+    def draw_group(self, n: int) -> tuple[list[int], float]:
+        """One group's lengths and its log-median (the prompt's part: what a redraw of a member keeps)."""
+        mu = math.log(self.median) if self.lengths is None else 0.0
         if self.lengths is not None:
             out = [self.lengths[(self._next + i) % len(self.lengths)] for i in range(n)]
             self._next += n
         elif self.sigma == 0:
             out = np.rint(np.full(n, self.median)).astype(np.int64).tolist()
         elif self.group_share == 0:
-            out = np.rint(self._rng.lognormal(math.log(self.median), self.sigma, size=n)).astype(np.int64).tolist()
+            out = np.rint(self._rng.lognormal(mu, self.sigma, size=n)).astype(np.int64).tolist()
         else:
-            between = self.sigma * math.sqrt(self.group_share) * self._rng.standard_normal()
+            mu += self.sigma * math.sqrt(self.group_share) * self._rng.standard_normal()
             within = self.sigma * math.sqrt(1.0 - self.group_share) * self._rng.standard_normal(n)
-            out = np.rint(self.median * np.exp(between + within)).astype(np.int64).tolist()
-        return [min(max(1, int(v)), self.max_new_tokens) for v in out]
+            out = np.rint(np.exp(mu + within)).astype(np.int64).tolist()
+        return [self._clip(v) for v in out], mu
+
+    def _clip(self, v) -> int:
+        return min(max(1, int(v)), self.max_new_tokens)
+
+    def redraw(self, mu: float, keep: int) -> int:
+        """The new length of a member that regenerates from its first ``keep`` tokens (0: a restart from the
+        prompt, a fresh draw), for a group of log-median ``mu``: the member distribution conditioned on not having
+        ended within the kept prefix, ``L | L > keep``. That is what a fresh sample of the same policy from that
+        prefix does (the engine samples the regenerated tokens with a new seed). The original length is not kept:
+        it was conditioned on surviving past every token the cut removed. Explicit lists give the next value of
+        ``redraw_lengths`` (default: the lengths; a cycle of its own), at least ``keep + 1``."""
+        if self.lengths is not None:
+            v = self.redraw_lengths[self._next_redraw % len(self.redraw_lengths)]
+            self._next_redraw += 1
+            return min(max(v, keep + 1), self.max_new_tokens)
+        s = self.sigma * math.sqrt(1.0 - self.group_share)
+        if s == 0:
+            return min(max(int(np.rint(math.exp(mu))), keep + 1), self.max_new_tokens)
+        z0 = (math.log(keep + 0.5) - mu) / s  # rint(x) > keep  <=>  x >= keep + 0.5
+        tail = 0.5 * math.erfc(z0 / math.sqrt(2.0))  # P(Z >= z0), accurate far in the tail
+        q = min(tail * (1.0 - self._redraw_rng.random()), 1.0 - 1e-16)  # uniform in (0, tail]
+        if q <= 0.0:
+            return min(keep + 1, self.max_new_tokens)
+        z = -statistics.NormalDist().inv_cdf(q)
+        return min(max(int(np.rint(math.exp(mu + s * z))), keep + 1), self.max_new_tokens)
 
 
-class AcceptanceModel:
-    """The acceptance ``a`` a verification at step ``s`` (1-based) applies: ``trace[s - 1]`` (the last value
-    beyond the trace), or ``clip(start + slope * (s - 1), 0, 1)``."""
+class CutModel:
+    """Where verification cuts a cached trajectory, from its segments (runs of tokens one policy version
+    sampled: here one per step that decoded some of them). Checked oldest first, a segment of age ``c >= 1``
+    (the verifying step minus its own) fails with probability ``p_s(c)``; the cut falls at the first failing
+    segment's first token, and a trajectory none of whose segments fails passes whole. This is the verifier's
+    segment stage (the first segment whose mean OPS reaches ``ds`` cuts; the token stage can only cut inside
+    it, and ``verify/token_stage_cuts`` measures how often it does).
 
-    def __init__(self, trace=None, start: float = 1.0, slope: float = 0.0, cut_model: str = "fraction",
+    ``p(c) = fail_prob[min(c, len) - 1]`` (the last value repeats); ``trace`` gives a ``fail_prob`` per step
+    instead (step ``s`` reads ``trace[s - 1]``, the last beyond it: a run's own measured rates). A late fall of
+    the acceptance is a ramp of the per-segment hazard: from step ``ramp_start`` on (0: never)
+    ``p_s(c) = 1 - (1 - p(c)) ** f(s)`` with ``f(s) = 2 ** ((s - ramp_start) / ramp_doubling)``, so each
+    segment's log-survival doubles every ``ramp_doubling`` steps (probabilities stay in [0, 1]; p = 0 or 1
+    stay as they are)."""
+
+    def __init__(self, fail_prob=(0.0,), trace=None, ramp_start: int = 0, ramp_doubling: float = 10.0,
                  seed: int = 0):
-        if cut_model not in CUT_MODELS:
-            raise ValueError(f"unknown cut model {cut_model!r}; known: {list(CUT_MODELS)}.")
-        self.trace = None if trace is None else [float(a) for a in trace]
-        if self.trace is not None and (not self.trace or not all(0.0 <= a <= 1.0 for a in self.trace)):
-            raise ValueError("an acceptance trace must be a non-empty list of rates in [0, 1].")
-        self.start, self.slope, self.cut_model = float(start), float(slope), cut_model
-        self._rng = np.random.default_rng(seed)
+        self.fail_prob = _check_probs(fail_prob, "fail_prob")
+        self.trace = None if trace is None else [_check_probs(p, "trace entry") for p in trace]
+        if self.trace is not None and not self.trace:
+            raise ValueError("a fail-probability trace needs at least one step.")
+        if ramp_start < 0 or ramp_doubling <= 0:
+            raise ValueError(f"ramp_start={ramp_start} must be >= 0 and ramp_doubling={ramp_doubling} > 0.")
+        self.ramp_start, self.ramp_doubling = int(ramp_start), float(ramp_doubling)
+        self._rng = np.random.default_rng([seed, 2])
 
-    def at(self, step: int) -> float:
-        if self.trace is not None:
-            return self.trace[min(step, len(self.trace)) - 1]
-        return min(1.0, max(0.0, self.start + self.slope * (step - 1)))
+    def scale(self, step: int) -> float:
+        """``f(s)``: the hazard multiplier of step ``step`` (1 before the ramp)."""
+        if not self.ramp_start or step <= self.ramp_start:
+            return 1.0
+        return 2.0 ** ((step - self.ramp_start) / self.ramp_doubling)
 
-    def keep(self, n: int, step: int) -> int:
-        a = self.at(step)
-        if self.cut_model == "fraction":
-            return min(n, math.floor(a * n + 0.5))  # round half up
-        return n if self._rng.random() < a else 0
+    def prob(self, age: int, step: int) -> float:
+        base = self.fail_prob if self.trace is None else self.trace[min(step, len(self.trace)) - 1]
+        p = base[min(age, len(base)) - 1]
+        f = self.scale(step)
+        return p if f == 1.0 or p in (0.0, 1.0) else 1.0 - (1.0 - p) ** f
+
+    def verify(self, segments, step: int) -> tuple[int, list[int], int | None]:
+        """(keep, ages of the segments examined, age of the failing one or None) for ``segments`` [(step that
+        sampled it, tokens)] in position order, verified at ``step``."""
+        keep, checked = 0, []
+        for seg_step, count in segments:
+            age = step - seg_step
+            if age < 1:
+                raise ValueError(f"a segment of step {seg_step} verified at step {step}: ages start at 1.")
+            checked.append(age)
+            p = self.prob(age, step)
+            if p >= 1.0 or (p > 0.0 and self._rng.random() < p):
+                return keep, checked, age
+            keep += count
+        return keep, checked, None
+
+
+def _check_probs(p, what: str) -> tuple[float, ...]:
+    p = tuple(float(x) for x in (p if isinstance(p, list | tuple) else (p,)))
+    if not p or not all(0.0 <= x <= 1.0 for x in p):
+        raise ValueError(f"CutModel: {what} must be a non-empty list of probabilities in [0, 1], got {p}.")
+    return p
 
 
 @dataclasses.dataclass
 class _Traj:
     uid: int
     gid: int
-    target: int  # response length drawn at creation; a cut suffix regenerates up to it
+    target: int  # response length (drawn at creation, redrawn after a cut)
+    mu: float = 0.0  # its group's log-median (LengthModel.redraw)
     tokens: int = 0
     finished: bool = False
     verify: bool = False  # queued for a verified resume
+    segments: list[list[int]] = dataclasses.field(default_factory=list)  # [[step, tokens]] in position order
 
 
 class _Slots:
     """The decode slots on a dispatch clock: a running sequence holds ``base + k * clock`` tokens, so a jump of
     ``n`` dispatches is one addition, the next end is a heap's top and the longest sequence another's; an event
-    costs O(log S) instead of passes over every slot."""
+    costs O(log S) instead of passes over every slot. Free slots are kept per pool shard (admission takes the
+    lowest free slot whose shard has room), and the bases are mirrored in an array for the page accounting."""
 
-    def __init__(self, num_slots: int, k: int):
-        self.num_slots, self.k = num_slots, k
+    def __init__(self, num_slots: int, k: int, shards: int = 1):
+        self.num_slots, self.k, self.shards = num_slots, k, shards
+        self.per_shard = num_slots // shards
         self.clock = 0  # dispatches so far
         self.base = [0] * num_slots  # tokens held - k * clock
         self.target = [0] * num_slots
+        self.base_np = np.zeros(num_slots, np.int64)
+        self.floor_np = np.zeros(num_slots, np.int64)  # pages granted at admission (a grant never shrinks)
         self._admissions = 0
         self.clear()
 
@@ -229,23 +332,47 @@ class _Slots:
         """Every slot free (``Scheduler.pause``, or nothing running)."""
         self.uid = [-1] * self.num_slots
         self.stamp = [-1] * self.num_slots  # admission number of the running sequence (-1: free)
-        self.free = list(range(self.num_slots))  # a heap: admission fills the lowest free slot first
-        self.ends: list[tuple[int, int]] = []  # (clock at whose dispatch it ends, slot)
+        self.free = [list(range(s * self.per_shard, (s + 1) * self.per_shard)) for s in range(self.shards)]  # heaps
+        self.num_free = self.num_slots
+        self.ends: list[tuple[int, int, int]] = []  # (clock at whose dispatch it ends, stamp, slot)
         self.longest: list[tuple[int, int, int]] = []  # (-base, stamp, slot); stale once the stamp moved on
+        self.live_np = np.zeros(self.num_slots, bool)
         self.active = self.base_sum = 0
+
+    def take(self, shard: int = 0) -> int:
+        """The lowest free slot of ``shard``."""
+        self.num_free -= 1
+        return heapq.heappop(self.free[shard])
+
+    def give(self, slot: int) -> None:
+        self.num_free += 1
+        heapq.heappush(self.free[slot // self.per_shard], slot)
 
     def tokens(self, slot: int) -> int:
         return self.base[slot] + self.k * self.clock
 
-    def place(self, slot: int, uid: int, tokens: int, target: int) -> None:
+    def place(self, slot: int, uid: int, tokens: int, target: int, pages: int = 0) -> None:
         base = tokens - self.k * self.clock
         self.uid[slot], self.base[slot], self.target[slot] = uid, base, target
         self.stamp[slot] = self._admissions
         self._admissions += 1
-        heapq.heappush(self.ends, (self.clock - (tokens - target) // self.k, slot))  # + ceil(rem / k)
+        heapq.heappush(self.ends, (self.clock - (tokens - target) // self.k, self.stamp[slot], slot))  # + ceil(rem/k)
         heapq.heappush(self.longest, (-base, self.stamp[slot], slot))
+        self.base_np[slot], self.floor_np[slot], self.live_np[slot] = base, pages, True
         self.active += 1
         self.base_sum += base
+
+    def remove(self, slot: int) -> None:
+        """Frees a running slot (its sequence ended or was preempted); its heap entries go stale."""
+        self.uid[slot], self.stamp[slot] = -1, -1
+        self.live_np[slot] = False
+        self.give(slot)
+        self.active -= 1
+        self.base_sum -= self.base[slot]
+
+    def _drop_stale_ends(self) -> None:
+        while self.ends and self.stamp[self.ends[0][2]] != self.ends[0][1]:
+            heapq.heappop(self.ends)
 
     def longest_tokens(self) -> int:
         while self.stamp[self.longest[0][2]] != self.longest[0][1]:
@@ -256,30 +383,44 @@ class _Slots:
         return self.base_sum + self.active * self.k * self.clock
 
     def to_next_end(self) -> int:
+        self._drop_stale_ends()
         return self.ends[0][0] - self.clock
 
     def advance(self, n: int) -> list[tuple[int, int]]:
         """Runs ``n`` dispatches; frees the slots whose sequences end in them and returns their (uid, tokens
         they still needed), those being at most ``n * k``."""
         ended = []
+        self._drop_stale_ends()
         while self.ends and self.ends[0][0] <= self.clock + n:
-            slot = heapq.heappop(self.ends)[1]
+            slot = heapq.heappop(self.ends)[2]
             ended.append((self.uid[slot], self.target[slot] - self.tokens(slot)))
-            self.uid[slot], self.stamp[slot] = -1, -1
-            heapq.heappush(self.free, slot)
-            self.active -= 1
-            self.base_sum -= self.base[slot]
+            self.remove(slot)
+            self._drop_stale_ends()
         self.clock += n
         if not self.active:
             self.longest = []
         return ended
+
+    def pages(self, w: Workload, ahead: int) -> np.ndarray:
+        """[S] pages each running slot holds with ``ahead`` positions past its tokens reserved (1: what it holds
+        after a dispatch; k + 1: what its next dispatch needs), never below its admission grant; 0 when free."""
+        if w.page_reservation == "full":
+            need = np.full(self.num_slots, w.full_pages, np.int64)
+        else:
+            tok = self.base_np + self.k * self.clock
+            need = -(-np.minimum(w.full_tokens, w.prompt_len + tok + ahead) // w.page_size)
+        return np.where(self.live_np, np.maximum(need, self.floor_np), 0)
+
+    def by_shard(self, per_slot: np.ndarray) -> np.ndarray:
+        return per_slot.reshape(self.shards, self.per_shard).sum(1)
 
 
 @dataclasses.dataclass
 class StepRecord:
     step: int
     on_policy: bool
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # prefill + insert calls, without the verification share (verify_s)
+    prefill_attn_s: float = 0.0  # of prefill_s: the attention (quadratic) term
     decode_s: float = 0.0
     verify_s: float = 0.0  # the verification share of the prefill rounds (log-probs + verifier)
     train_s: float = 0.0
@@ -294,11 +435,20 @@ class StepRecord:
     prefill_tokens: int = 0
     prefill_calls: int = 0  # one prefill + insert per length bucket per admission round
     prefill_padded_tokens: int = 0  # rows x length the prefill calls compute
-    regen_tokens: int = 0  # tokens decoded again where a cut removed them
+    removed_tokens: int = 0  # cached tokens verification cut (paused and finished)
     batch_tokens: int = 0  # response tokens of the trained batch
-    verified: int = 0
+    verified: int = 0  # paused trajectories verified (what the acceptance counts: verify/num_verified)
     verified_tokens: int = 0
     kept_tokens: int = 0
+    num_cut: int = 0
+    num_restarted: int = 0
+    finished_verified: int = 0  # finished members re-verified (verify_finished)
+    finished_cut: int = 0
+    preemptions: int = 0  # running sequences sent back to the queue for want of KV pages
+    page_waits: int = 0  # admission rounds that stopped because the queue head's shard lacked pages
+    segments_checked: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by age
+    segments_failed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    keep_fraction_sum: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     acceptance: float = float("nan")
     switched: bool = False
 
@@ -312,6 +462,27 @@ class StepRecord:
 
     def slot_utilization(self, num_slots: int) -> float:
         return self.useful_token_steps / max(1, num_slots * self.decode_steps)
+
+    def verify_metrics(self) -> dict:
+        """The step's verification counts under the keys the rollout phase logs (``metrics.jsonl``), so that
+        ``calibrate.fit_segment_fail_prob`` reads a replay as it reads a run."""
+        out = {"verify/num_verified": self.verified, "verify/num_cut": self.num_cut,
+               "verify/num_restarted": self.num_restarted, "verify/tokens_total": self.verified_tokens,
+               "verify/tokens_removed": self.verified_tokens - self.kept_tokens,
+               "verify/acceptance": 1.0 if math.isnan(self.acceptance) else self.acceptance}
+        for age in sorted(self.segments_checked):
+            out[f"verify/segments_checked/{age}"] = self.segments_checked[age]
+            out[f"verify/segments_failed/{age}"] = self.segments_failed[age]
+            if self.segments_failed[age]:
+                out[f"verify/keep_fraction/{age}"] = self.keep_fraction_sum[age] / self.segments_failed[age]
+        return out
+
+
+SUMMED = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "overhead_s", "tokens_generated",
+          "removed_tokens", "batch_tokens", "dispatches", "decode_steps", "slot_steps", "width_slot_steps",
+          "useful_token_steps", "verified", "verified_tokens", "kept_tokens", "num_cut", "num_restarted",
+          "finished_verified", "finished_cut", "preemptions", "page_waits", "inserted_tokens", "prefill_tokens",
+          "prefill_calls", "prefill_padded_tokens")
 
 
 @dataclasses.dataclass
@@ -329,11 +500,7 @@ class SimResult:
 
     def summary(self, num_devices: int) -> dict:
         n = len(self.steps)
-        tot = {k: sum(getattr(r, k) for r in self.steps) for k in
-               ("prefill_s", "decode_s", "verify_s", "train_s", "overhead_s", "tokens_generated", "regen_tokens",
-                "batch_tokens", "dispatches", "decode_steps", "slot_steps", "width_slot_steps", "useful_token_steps",
-                "verified_tokens", "kept_tokens", "inserted_tokens", "prefill_tokens", "prefill_calls",
-                "prefill_padded_tokens")}
+        tot = {k: sum(getattr(r, k) for r in self.steps) for k in SUMMED}
         return {
             "mode": self.workload.mode, "steps": n, "wall_s": self.wall_s,
             "step_s_mean": self.wall_s / max(n, 1), "device_days": self.device_days(num_devices),
@@ -348,13 +515,13 @@ class SimResult:
 class Replay:
     """The scheduler's state across steps: slots (``_Slots``), queue, paused cache, groups, switching."""
 
-    def __init__(self, w: Workload, costs: CostModel, lengths: LengthModel, acceptance: AcceptanceModel):
-        self.w, self.costs, self.lengths, self.acceptance = w, costs, lengths, acceptance
+    def __init__(self, w: Workload, costs: CostModel, lengths: LengthModel, cut: CutModel):
+        self.w, self.costs, self.lengths, self.cut = w, costs, lengths, cut
         self.trajs: dict[int, _Traj] = {}
         self.group_members: dict[int, list[int]] = {}
         self.group_done: dict[int, int] = {}  # finished members per cached group
         self.complete: set[int] = set()  # groups with all G members finished
-        self.slots = _Slots(w.num_slots, w.steps_per_dispatch)
+        self.slots = _Slots(w.num_slots, w.steps_per_dispatch, w.pool_shards if w.pool_binds else 1)
         self.queue: collections.deque[int] = collections.deque()
         self.new_queued = 0  # queued requests that count as new (not verified, no tokens)
         self.paused: list[int] = []
@@ -362,6 +529,8 @@ class Replay:
         self.on_policy = w.mode == "on_policy"
         self.window: list[float] = []
         self.switch_step = -1
+        self.step = 0
+        self.page_blocked = False  # the last admission round stopped for want of pages
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -369,8 +538,9 @@ class Replay:
         gid = self.next_gid
         self.next_gid += 1
         uids = []
-        for target in self.lengths.draw(self.w.group_size):
-            self.trajs[self.next_uid] = _Traj(self.next_uid, gid, target)
+        lengths, mu = self.lengths.draw_group(self.w.group_size)
+        for target in lengths:
+            self.trajs[self.next_uid] = _Traj(self.next_uid, gid, target, mu)
             uids.append(self.next_uid)
             self.next_uid += 1
         self.group_members[gid], self.group_done[gid] = uids, 0
@@ -386,6 +556,27 @@ class Replay:
             self.queue.extendleft(reversed(uids))
         else:
             self.queue.extend(uids)
+
+    def _grow_tokens(self, t: _Traj, tokens: int) -> None:
+        """``t`` now holds ``tokens``: the new ones belong to this step's segment."""
+        new = tokens - t.tokens
+        if new > 0:
+            if t.segments and t.segments[-1][0] == self.step:
+                t.segments[-1][1] += new
+            else:
+                t.segments.append([self.step, new])
+            t.tokens = tokens
+
+    def _cut(self, t: _Traj, keep: int) -> None:
+        """Truncates ``t`` to its first ``keep`` tokens and draws the length it regenerates to."""
+        left, segs = keep, []
+        for step, count in t.segments:
+            if left <= 0:
+                break
+            segs.append([step, min(count, left)])
+            left -= count
+        t.segments, t.tokens, t.finished = segs, keep, False
+        t.target = self.lengths.redraw(t.mu, keep)
 
     def _group_gains(self, gid: int) -> None:
         self.group_done[gid] += 1
@@ -413,62 +604,154 @@ class Replay:
 
     # -- one admission round and the dispatches up to the next end ------------------------------------
 
+    def _verify(self, rec: StepRecord, t: _Traj, step: int) -> int:
+        """Verifies ``t``'s cached tokens at ``step``, records the cycle's statistics, returns the keep."""
+        n = t.tokens
+        keep, checked, fail_age = self.cut.verify(t.segments, step)
+        rec.segments_checked.update(checked)
+        if fail_age is not None:
+            rec.segments_failed[fail_age] += 1
+            rec.keep_fraction_sum[fail_age] += keep / n
+        rec.removed_tokens += n - keep
+        if t.finished:
+            rec.finished_verified += 1
+            rec.finished_cut += keep < n
+        else:
+            rec.verified += 1
+            rec.verified_tokens += n
+            rec.kept_tokens += keep
+            rec.num_cut += keep < n
+            rec.num_restarted += keep == 0
+        return keep
+
+    def _take_slot(self, t: _Traj, free_pages: list[int] | None, busy: list[int] | None) -> int | None:
+        """The slot the queue head gets (``PageAllocator.slot_with_room``: the lowest free slot whose shard has
+        the pages of its next dispatch plus a page per other running slot there), or None: it waits."""
+        slots = self.slots
+        if free_pages is None:
+            return slots.take(0)
+        need = self.w.reserved_pages(t.tokens)
+        headroom = self.w.page_reservation == "incremental"
+        for shard in range(slots.shards):
+            if slots.free[shard] and need + headroom * busy[shard] <= free_pages[shard]:
+                free_pages[shard] -= need
+                busy[shard] += 1
+                self._grant = need
+                return slots.take(shard)
+        return None
+
     def _admit(self, rec: StepRecord, step: int) -> None:
-        """Fills free slots from the queue head (``Scheduler._admit``): verifies and cuts resumed trajectories,
-        prefills prompt + kept tokens (one call per length bucket), and ``insert`` samples each admitted
-        sequence's next token; one that reaches its length there finishes without taking a slot."""
+        """Fills free slots from the queue head while pages fit (``Scheduler._admit``): verifies and cuts resumed
+        trajectories, prefills prompt + cached tokens (one call per length bucket), and ``insert`` samples each
+        admitted sequence's next token; one that reaches its length there finishes without taking a slot."""
         slots, held = self.slots, []
         tokens = verified_tokens = 0
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        while self.queue and slots.free:
-            t = self.trajs[self.queue.popleft()]
+        free_pages = busy = None
+        if self.w.pool_binds:
+            free_pages = (self.w.kv_pages_per_shard - slots.by_shard(slots.pages(self.w, 1))).tolist()
+            busy = slots.by_shard(slots.live_np.astype(np.int64)).tolist()
+        self._grant, self.page_blocked = 0, False
+        while self.queue and slots.num_free:
+            t = self.trajs[self.queue[0]]
+            slot = self._take_slot(t, free_pages, busy)  # held through the round even if the sequence leaves
+            if slot is None:
+                self.page_blocked = True
+                rec.page_waits += 1
+                break
+            self.queue.popleft()
             if self._is_new(t):
                 self.new_queued -= 1
             tokens += self.w.prompt_len + t.tokens
             by_bucket[self.w.prefill_bucket(self.w.prompt_len + t.tokens)].append(self.w.prompt_len + t.tokens)
-            slot = heapq.heappop(slots.free)  # held through the prefill even when the sequence leaves at once
             if t.verify and t.tokens > 0:
-                n = t.tokens
-                keep = self.acceptance.keep(n, step)
-                verified_tokens += n
-                rec.verified += 1
-                rec.verified_tokens += n
-                rec.kept_tokens += keep
+                verified_tokens += t.tokens
+                keep = self._verify(rec, t, step)
                 t.verify = False
-                if t.finished and keep >= n:  # a finished member survived: back to its group, no decoding
+                if t.finished and keep >= t.tokens:  # a finished member survived: back to its group, no decoding
                     self._group_gains(t.gid)
                     held.append(slot)
                     continue
-                t.tokens, t.finished = keep, False
+                if keep < t.tokens:
+                    self._cut(t, keep)
+                t.finished = False
             t.verify = False
-            t.tokens += 1  # insert's sample
+            self._grow_tokens(t, t.tokens + 1)  # insert's sample
             rec.inserted_tokens += 1
             if t.tokens >= t.target:
                 self._finish(t)
                 held.append(slot)
                 continue
-            slots.place(slot, t.uid, t.tokens, t.target)
+            slots.place(slot, t.uid, t.tokens, t.target, self._grant)
         for slot in held:
-            heapq.heappush(slots.free, slot)
-        calls = len(by_bucket)
-        padded = sum(math.prod(self.w.prefill_shape(len(v), max(v))) for v in by_bucket.values())
-        cost_all = self.costs.prefill(padded, verified_tokens, calls)
+            slots.give(slot)
+        self._charge_prefill(rec, by_bucket, verified_tokens)
+        rec.prefill_tokens += tokens
+
+    def _charge_prefill(self, rec: StepRecord, by_bucket: dict[int, list[int]], verified_tokens: int) -> None:
+        """One prefill + insert call per length bucket: padded rows x length, and causal attention over each
+        padded row."""
+        shapes = [self.w.prefill_shape(len(v), max(v)) for v in by_bucket.values()]
+        padded = sum(r * n for r, n in shapes)
+        squares = sum(r * n * n for r, n in shapes)
+        cost_all = self.costs.prefill(padded, verified_tokens, len(shapes), squares)
         verify_part = (self.costs.prefill_logp_token_s + self.costs.verify_token_s) * verified_tokens
         rec.prefill_s += cost_all - verify_part
+        rec.prefill_attn_s += self.costs.prefill_attn_s * squares
         rec.verify_s += verify_part
-        rec.prefill_tokens += tokens
-        rec.prefill_calls += calls
+        rec.prefill_calls += len(shapes)
         rec.prefill_padded_tokens += padded
+
+    def _grow_or_preempt(self, rec: StepRecord) -> np.ndarray | None:
+        """Grants every running slot the pages of its next dispatch (``Scheduler._grow_or_preempt``): on a shard
+        that cannot, slots are served in admission order (uid) and those that do not fit go back to the queue
+        head. Returns the pages each shard's slots then hold (None: no page limit)."""
+        w, slots = self.w, self.slots
+        if not w.pool_binds or not slots.active:
+            return None
+        need = slots.pages(w, w.steps_per_dispatch + 1)
+        over = np.flatnonzero(slots.by_shard(need) > w.kv_pages_per_shard)
+        if not over.size:
+            return slots.by_shard(need)
+        have = slots.pages(w, 1)
+        preempted = []
+        for shard in over.tolist():
+            lo = shard * slots.per_shard
+            running = [s for s in range(lo, lo + slots.per_shard) if slots.live_np[s]]
+            free = w.kv_pages_per_shard - int(have[lo: lo + slots.per_shard].sum())
+            for s in sorted(running, key=lambda s: slots.uid[s]):
+                extra = int(need[s] - have[s])
+                if extra <= free:
+                    free -= extra
+                else:
+                    preempted.append(s)
+        uids = []
+        for s in sorted(preempted, key=lambda s: slots.uid[s]):
+            t = self.trajs[slots.uid[s]]
+            self._grow_tokens(t, slots.tokens(s))
+            slots.remove(s)
+            uids.append(t.uid)
+        self._enqueue(uids, front=True)
+        rec.preemptions += len(uids)
+        return slots.by_shard(slots.pages(w, w.steps_per_dispatch + 1))
 
     def _dispatch(self, rec: StepRecord, one: bool) -> None:
         """Dispatches up to the first end of a sequence (exactly one if ``one``), each over the live slot
-        bucket of the running sequences."""
+        bucket of the running sequences, after granting their pages."""
         k, slots = self.w.steps_per_dispatch, self.slots
+        preempted = rec.preemptions
+        held = self._grow_or_preempt(rec)
         m = slots.active
+        if not m:
+            return
         # a slot left free by a sequence that ended at insert is refilled at the next dispatch if anything can
-        # be admitted (partial phases top the queue up before every dispatch)
-        one = one or (m < self.w.num_slots and (bool(self.queue) or not self.on_policy))
-        n = 1 if one else slots.to_next_end()
+        # be admitted (partial phases top the queue up before every dispatch); a queue head waiting for pages
+        # waits until a sequence ends or is preempted (running sequences only ever take pages)
+        waits = self.page_blocked and rec.preemptions == preempted
+        refill = m < self.w.num_slots and not waits and (bool(self.queue) or not self.on_policy)
+        n = 1 if one or refill else slots.to_next_end()
+        if held is not None and n > 1:
+            n = min(n, self._pages_safe(held) + 1)
         longest = slots.longest_tokens()
         width = self.w.live_width(longest)
         widens = self.w.widens_after(longest)
@@ -487,14 +770,25 @@ class Replay:
         rec.useful_token_steps += total
         for uid, _ in ended:
             t = self.trajs[uid]
-            t.tokens = t.target
+            self._grow_tokens(t, t.target)
             self._finish(t)
+
+    def _pages_safe(self, held: np.ndarray) -> int:
+        """Dispatches after the next one that surely need no preemption: a running slot gains at most
+        ceil(k / page) pages a dispatch, so shard ``s`` with ``m_s`` of them has room for (free / (m_s * that))."""
+        w, slots = self.w, self.slots
+        if w.page_reservation == "full":
+            return 1 << 62
+        gain = -(-w.steps_per_dispatch // w.page_size)
+        counts = slots.by_shard(slots.live_np.astype(np.int64))
+        room = [(w.kv_pages_per_shard - int(h)) // (int(c) * gain) for h, c in zip(held, counts, strict=True) if c]
+        return min(room)
 
     def _pause_all(self) -> list[int]:
         running = []
         for slot, uid in enumerate(self.slots.uid):
             if uid >= 0:
-                self.trajs[uid].tokens = self.slots.tokens(slot)
+                self._grow_tokens(self.trajs[uid], self.slots.tokens(slot))
                 running.append(uid)
         self.slots.clear()
         queued, self.queue, self.new_queued = list(self.queue), collections.deque(), 0
@@ -536,20 +830,20 @@ class Replay:
         return batch
 
     def run_step(self, step: int) -> StepRecord:
+        self.step = step
         rec = StepRecord(step=step, on_policy=self.on_policy)
         batch = self._on_policy_phase(rec, step) if self.on_policy else self._partial_phase(rec, step)
         lengths = [self.trajs[u].target for g in batch for u in self.group_members[g]]
         rec.batch_tokens = sum(lengths)
-        rec.regen_tokens = rec.verified_tokens - rec.kept_tokens
         rec.train_s = self.costs.train([self.w.prompt_len + x for x in lengths])
         rec.overhead_s = self.costs.step_overhead_s
         self._drop_groups(batch)
         if rec.verified_tokens:
             rec.acceptance = rec.kept_tokens / rec.verified_tokens
-        if self.w.mode == "rollverify" and not self.on_policy and rec.verified > 0:
+        if self.w.mode == "rollverify" and not self.on_policy and rec.verified > 0:  # cycles that verified
             self.window = (self.window + [rec.acceptance])[-self.w.switch_window:]
-            full = len(self.window) == self.w.switch_window
-            if self.w.switching and full and sum(self.window) / len(self.window) < self.w.switch_threshold:
+            if self.w.switching and schedule_rules.switch_due(self.window, self.w.switch_window,
+                                                              self.w.switch_threshold):
                 self.on_policy, self.switch_step, rec.switched = True, step, True
                 self.paused = []
                 self._drop_groups(list(self.group_done))
@@ -557,11 +851,11 @@ class Replay:
         return rec
 
 
-def simulate(w: Workload, costs: CostModel, lengths: LengthModel, acceptance: AcceptanceModel | None = None,
+def simulate(w: Workload, costs: CostModel, lengths: LengthModel, cut: CutModel | None = None,
              num_steps: int = 1) -> SimResult:
-    """Replays ``num_steps`` training steps of ``w`` and returns every step's record."""
+    """Replays ``num_steps`` training steps of ``w`` and returns every step's record (``cut``: no cuts)."""
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps} must be >= 1.")
-    replay = Replay(w, costs, lengths, acceptance or AcceptanceModel())
+    replay = Replay(w, costs, lengths, cut or CutModel())
     steps = [replay.run_step(s) for s in range(1, num_steps + 1)]
     return SimResult(w, steps, replay.switch_step)

@@ -1,0 +1,155 @@
+"""The engine, the switching state and the simulator agree on the shared scheduling rules (schedule_rules.py):
+the same buckets for every shape, the same switch for every acceptance sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax import schedule_rules
+from rollverify_jax import simulate as sim_cli
+from rollverify_jax.rl import partial_rollout
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig
+from rollverify_jax.rollout import engine as engine_lib
+from rollverify_jax.sim import CostModel, CutModel, LengthModel, Workload, simulate
+from rollverify_jax.verify import SwitchConfig, update_switch_state
+
+
+def _doubling(n: int, lo: int, hi: int) -> int:
+    """The engine's bucket as it was written before the shared rule: double from lo until >= n."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+def _workload(cfg: EngineConfig, live_slots: bool) -> Workload:
+    """The simulator's view of an engine config (what ``simulate.read_run_shape`` builds)."""
+    return Workload("partial", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, cfg.max_seq_len - 1, prompt_len=1,
+                    live_slots=live_slots, min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len,
+                    page_size=cfg.page_size, live_pages=cfg.live_pages)
+
+
+def test_modes_are_one_tuple():
+    assert partial_rollout.MODES is schedule_rules.MODES and sim_cli.MODES is schedule_rules.MODES
+
+
+def test_pow2_bucket_is_the_engine_bucket():
+    for lo in (1, 3, 16, 32, 512):
+        for hi in (lo, 64, 1000, 22528, 65536):
+            for n in [*range(0, 140), 511, 512, 513, 4095, 4096, 4097, 20000, 70000]:
+                assert engine_lib._bucket(n, lo, hi) == schedule_rules.pow2_bucket(n, lo, hi) == _doubling(n, lo, hi)
+    with pytest.raises(ValueError, match="lo=0"):
+        schedule_rules.pow2_bucket(5, 0, 64)
+
+
+SHAPES = [  # (num_slots, page_size, max_seq_len, min_prefill_len)
+    (4, 8, 64, 32), (8, 4, 64, 4), (16, 4, 256, 16), (17, 16, 330, 8), (24, 8, 96, 32), (64, 2, 128, 2),
+    (12, 64, 512, 32)]
+
+
+@pytest.mark.parametrize("num_slots, page_size, max_seq_len, min_prefill", SHAPES)
+def test_a_real_engine_and_the_simulator_give_the_same_buckets(model, num_slots, page_size, max_seq_len,
+                                                              min_prefill):
+    for live_slots, live_pages in ((True, True), (False, True), (True, False)):
+        cfg = EngineConfig(num_slots=num_slots, page_size=page_size, max_seq_len=max_seq_len, steps_per_dispatch=4,
+                           min_prefill_len=min_prefill, live_slots=live_slots, live_pages=live_pages)
+        engine = Engine(model, cfg, SamplingConfig(greedy=True))
+        w = _workload(cfg, live_slots and sim_cli.pool_shards((1, 1, 1), num_slots) == 1)
+        assert engine.live_slot_buckets() == w.slot_buckets
+        if live_pages:  # the engine reads the whole table when live pages are off, whatever its buckets
+            assert engine.live_page_buckets() == w.page_buckets
+        else:
+            assert w.page_buckets == [engine.allocator.pages_per_seq]
+        for n in range(1, max_seq_len + 1):
+            assert engine.prefill_bucket(n) == w.prefill_bucket(n)
+        for rows in range(1, num_slots + 1):
+            assert schedule_rules.pow2_bucket(rows, 1, num_slots) == w.prefill_shape(rows, 1)[0]
+        for active in range(1, num_slots + 1):
+            assert w.slot_bucket(active) == next(b for b in engine.live_slot_buckets() if b >= active)
+
+
+def test_a_sharded_engine_and_the_simulator_decode_over_all_slots(model):
+    # Mesh (2, 2, 2): the pool is split over the 4 data x fsdp devices, so decode compiles for all slots only;
+    # the simulator's pool_shards reads the same from make_mesh.shape, and its pages per shard are the engine's.
+    cfg = EngineConfig(num_slots=16, page_size=8, max_seq_len=64, steps_per_dispatch=4)
+    engine = Engine(model, cfg, SamplingConfig(greedy=True), mesh=mesh_lib.make_mesh((2, 2, 2)))
+    shards = sim_cli.pool_shards((2, 2, 2), cfg.num_slots)
+    assert engine.layout.num_shards == shards == 4
+    assert engine.live_slot_buckets() == _workload(cfg, cfg.live_slots and shards == 1).slot_buckets == [16]
+    budget = dataclasses.replace(cfg, kv_memory_bytes=20 * engine_lib.paged_cache.kv_bytes_per_page(
+        model.cfg, cfg.page_size, cfg.kv_dtype))
+    pages = engine_lib.pool_pages(model.cfg, budget, shards)
+    assert Engine(model, budget, SamplingConfig(greedy=True), mesh=mesh_lib.make_mesh((2, 2, 2))).allocator \
+        .shard_capacity == pages // shards - 1
+
+
+def test_many_shapes_without_an_engine():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        slots, page = int(rng.integers(1, 600)), int(rng.integers(1, 80))
+        seq = int(rng.integers(page, 70000))
+        live = bool(rng.integers(2))
+        w = Workload("on_policy", 1, 1, slots, 8, seq, prompt_len=0, max_seq_len=seq, page_size=page,
+                     live_slots=live)
+        pps = -(-seq // page)
+        assert w.slot_buckets == schedule_rules.live_slot_buckets(slots, live)
+        assert w.page_buckets == schedule_rules.live_page_buckets(pps)
+        assert w.slot_buckets[-1] == slots and w.page_buckets[-1] == pps
+        assert all(b >= 8 for b in w.slot_buckets[:-1]) and all(b >= 4 for b in w.page_buckets[:-1])
+
+
+def _switch_step(rates: list[tuple[int, float]], cfg: SwitchConfig) -> int:
+    """What the trainer decides: SwitchConfig.update over the cycles that verified something."""
+    state = cfg.init()
+    for step, a in rates:
+        state = cfg.update(state, a, step)
+        if state.on_policy:
+            return state.switch_step
+    return -1
+
+
+def test_switch_due_is_update_switch_state_on_random_sequences():
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        window, threshold = int(rng.integers(1, 9)), float(rng.choice([0.5, rng.uniform(0.05, 0.95)]))
+        rates = rng.choice([0.5, 0.25, 0.75, 1.0, 0.0, *rng.uniform(0, 1, 4)], size=int(rng.integers(1, 30)))
+        cfg = SwitchConfig(window=window, threshold=threshold)
+        expected = next((i for i in range(len(rates)) if schedule_rules.switch_due(
+            [float(x) for x in rates[max(0, i + 1 - window): i + 1]], window, threshold)), -1)
+        assert _switch_step(list(enumerate(rates.tolist())), cfg) == expected
+        assert update_switch_state(cfg.init(), float(rates[0]), 0, threshold).on_policy == (
+            window == 1 and schedule_rules.window_mean([rates[0]]) < threshold)
+
+
+def test_the_replay_switches_where_the_trainer_would():
+    # Replays under random per-step fail probabilities: each one's acceptance per verifying cycle, fed to
+    # SwitchConfig.update, switches at the replay's own switch step (or neither switches); both happen.
+    outcomes = []
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        window, threshold = int(rng.integers(1, 6)), float(rng.uniform(0.2, 0.9))
+        w = Workload("rollverify", batch_groups=2, group_size=4, num_slots=8, steps_per_dispatch=2,
+                     max_new_tokens=300, prompt_len=5, switch_window=window, switch_threshold=threshold)
+        trace = [(float(rng.uniform(0, 0.6)), float(rng.uniform(0, 1))) for _ in range(30)]
+        res = simulate(w, CostModel(), LengthModel(300, median=40.0, sigma=1.0, seed=seed), CutModel(trace=trace), 30)
+        rates = [(s.step, s.acceptance) for s in res.steps if s.verified > 0 and not s.on_policy]
+        assert rates and _switch_step(rates, SwitchConfig(window=window, threshold=threshold)) == res.switch_step
+        assert _switch_step(rates, SwitchConfig(window=window, threshold=threshold, enabled=False)) == -1
+        outcomes.append(res.switch_step >= 0)
+    assert 5 <= sum(outcomes) <= 55
+
+
+def test_schedule_rules_import_nothing_heavy():
+    # The rules import neither JAX nor gin; the simulator (which binds its costs through gin) no JAX.
+    code = ("import sys; import rollverify_jax.schedule_rules; "
+            "print(sorted(m for m in ('jax', 'gin', 'flax') if m in sys.modules)); "
+            "import rollverify_jax.sim, rollverify_jax.sim.calibrate; "
+            "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "[]"]
