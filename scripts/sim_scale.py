@@ -8,11 +8,12 @@ Each setting is the real config plus its cost file (configs/sim/*.gin: the compi
 the stated assumptions); the 8K row is the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K
 config was compiled: its per-token costs are the ~20K programs'). RollVerify runs under two acceptances:
 ``default`` (the shipped defaults and the paper-shaped acceptance of configs/sim/scale_common.gin) and
-``tiny_acceptance`` (the per-segment failure probability fitted on the RollVerify runs under ``--runs`` that log
-the segment statistics, else 0.1 at every age: a one-segment trajectory then passes with 0.9, the tiny runs'
-measured cycle acceptance; no ramp). On-policy and naive partial do not verify, so they are run once per
-setting. ``DIAGNOSTICS`` and ``--sigmas`` rerun RollVerify (and on-policy for the sigmas) at the Qwen3-8B
-contexts to show what its saving depends on, and every row carries its cost terms in device-days.
+``tiny_acceptance`` (the per-segment failure probability fitted on ``--fit_runs``, by default every finished
+RollVerify run under ``--runs`` that logs the segment statistics, else 0.1 at every age: a one-segment trajectory
+then passes with 0.9, the tiny runs' measured cycle acceptance; no ramp). On-policy and naive partial do not
+verify, so they are run once per setting. ``DIAGNOSTICS`` and ``--sigmas`` rerun RollVerify (and on-policy for
+the sigmas) at the Qwen3-8B contexts to show what its saving depends on, and every row carries its cost terms
+in device-days.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ TINY_FAIL_PROB = (0.1,)  # without runs that log segment statistics: the tiny ru
 # (variant, bindings) of the RollVerify reruns at the Qwen3-8B contexts (paper-shaped acceptance unless said)
 DIAGNOSTICS = [
     ("no_cuts", ["SimConfig.segment_fail_prob = (0.0,)", "SimConfig.fail_ramp_start = 0"]),
+    ("p_0.1", ["SimConfig.segment_fail_prob = (0.1,)", "SimConfig.fail_ramp_start = 0"]),
     ("verify_finished", ["VerifyConfig.verify_finished = True"]),
 ]
 PAPER = {8192: (16.6, 15.1), 20480: (98.1, 57.5), 61440: (261.0, 137.0)}  # Table 7 (GPU days): on-policy, RV
@@ -63,20 +65,34 @@ def with_terms(summary: dict) -> dict:
     return {**summary, "terms_days": {t.removesuffix("_s"): summary[t] * scale for t in TERMS}}
 
 
-def tiny_fail_prob(runs_root: Path) -> tuple[tuple[float, ...], str]:
-    """p(c) fitted on every RollVerify run under ``runs_root`` that logs segment statistics, else the constant."""
-    runs = []
-    for metrics in sorted(runs_root.glob("**/metrics.jsonl")) if runs_root.is_dir() else []:
+def logs_segments(run: cal.RunData) -> bool:
+    return run.mode == "rollverify" and any(k.startswith("verify/segments_checked/") for r in run.steps for k in r)
+
+
+def finished_runs(root: Path) -> list[Path]:
+    """RollVerify runs under ``root`` that log segment statistics and reached their TrainConfig.num_steps."""
+    out = []
+    for metrics in sorted(root.glob("**/metrics.jsonl")) if root.is_dir() else []:
         try:
             run = cal.read_run(metrics.parent)
         except ValueError:
             continue
-        if run.mode == "rollverify" and any(k.startswith("verify/segments_checked/") for r in run.steps for k in r):
-            runs.append(run)
+        steps = cal.run_bindings(run).get("TrainConfig.num_steps")
+        if logs_segments(run) and steps is not None and run.steps[-1]["step"] >= int(steps):
+            out.append(metrics.parent)
+    return out
+
+
+def tiny_fail_prob(fit_runs: list[Path]) -> tuple[tuple[float, ...], dict]:
+    """p(c) fitted on ``fit_runs`` (their segment statistics), else the constant of the tiny runs' acceptance."""
+    runs = [cal.read_run(p) for p in fit_runs]
     if not runs:
-        return TINY_FAIL_PROB, f"no run under {runs_root} logs verify/segments_checked: p(c) = 0.1 at every age"
-    p, _ = cal.fit_segment_fail_prob(runs)
-    return p, "fitted on " + ", ".join(str(r.path) for r in runs)
+        return TINY_FAIL_PROB, {"source": "no run logs verify/segments_checked: p(c) = 0.1 at every age"}
+    missing = [str(r.path) for r in runs if not logs_segments(r)]
+    if missing:
+        raise ValueError(f"{missing} log no verify/segments_checked: not RollVerify runs with segment statistics.")
+    p, fit = cal.fit_segment_fail_prob(runs)
+    return p, {"source": "fitted", "runs": [str(r.path) for r in runs], **fit}
 
 
 def row(model: str, ctx: int, variant: str, r: dict, on_policy_days: float) -> dict:
@@ -101,13 +117,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: each config's TrainConfig.num_steps")
     ap.add_argument("--sigmas", type=float, nargs="*", default=[0.75, 1.25])
     ap.add_argument("--runs", default="runs", help="where to look for runs with segment statistics")
+    ap.add_argument("--fit_runs", nargs="*", default=None, help="the runs to fit p(c) on (default: every finished "
+                    "RollVerify run under --runs that logs segment statistics)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
-    tiny_p, tiny_source = tiny_fail_prob(Path(args.runs))
-    tiny = [f"SimConfig.segment_fail_prob = {tuple(tiny_p)!r}", "SimConfig.fail_ramp_start = 0"]
+    fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
+    tiny_p, tiny_source = tiny_fail_prob(fit_runs)
+    tiny = [f"SimConfig.segment_fail_prob = {tuple(round(x, 6) for x in tiny_p)!r}", "SimConfig.fail_ramp_start = 0"]
     out = {"rows": [], "settings": [], "tiny_fail_prob": list(tiny_p), "tiny_source": tiny_source}
-    print(f"tiny acceptance: p(c) = {tiny_p} ({tiny_source})", flush=True)
+    print(f"tiny acceptance: p(c) = {tuple(round(x, 3) for x in tiny_p)} ({tiny_source.get('runs', tiny_source)})",
+          flush=True)
     for model, ctx, files, params in SETTINGS:
         on, partial, rv = predict(files, params, sim.MODES, args.steps)
         (rv_tiny,) = predict(files, [*params, *tiny], ("rollverify",), args.steps)

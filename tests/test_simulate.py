@@ -274,7 +274,8 @@ def test_page_pool_over_shards_matches_an_unlimited_pool_when_it_never_binds():
 
 def test_fit_segment_fail_prob_from_synthetic_logs(tmp_path):
     # Logged counts by age over 3 steps: p(1) = 30 / 300, p(2) = 20 / 100, age 3 never examined (takes age 2's),
-    # p(4) = 5 / 10. Pooled over steps; steps that verified nothing are ignored.
+    # p(4) = 5 / 10. Pooled over steps; steps that verified nothing are ignored. The per-step trace (a run's
+    # replay) takes each step's own rates, the pooled one for ages that step did not examine.
     recs = [{"step": 1, "time/step": 1.0, "verify/num_verified": 0},
             {"step": 2, "time/step": 1.0, "verify/num_verified": 100, "verify/segments_checked/1": 100,
              "verify/segments_failed/1": 10, "verify/segments_checked/2": 40, "verify/segments_failed/2": 8},
@@ -282,8 +283,10 @@ def test_fit_segment_fail_prob_from_synthetic_logs(tmp_path):
              "verify/segments_failed/1": 20, "verify/segments_checked/2": 60, "verify/segments_failed/2": 12,
              "verify/segments_checked/4": 10, "verify/segments_failed/4": 5}]
     run = cal.read_run(_fake_run(tmp_path / "rv", "rollverify", recs))
-    p, fit = cal.fit_segment_fail_prob([run])
+    p, fit = cal.fit_segment_fail_prob([run], min_checked=1)
     assert p == pytest.approx((0.1, 0.2, 0.2, 0.5)) and fit["source"] == "segments"
+    # by default an age examined under 30 times is pooled with the younger ones down to one examined enough
+    assert cal.fit_segment_fail_prob([run])[0] == pytest.approx((0.1, 25 / 110))
     trace = cal.fail_prob_trace(run)
     assert trace[0] == (0.0,) and trace[1] == pytest.approx((0.1, 0.2, 0.2, 0.5))  # age 4 unseen at step 2: pooled
     assert trace[2] == pytest.approx((0.1, 0.2, 0.2, 0.5))

@@ -289,31 +289,35 @@ def segment_counts(records) -> tuple[dict[int, int], dict[int, int]]:
     return checked, failed
 
 
-def fail_prob_from_counts(checked: dict[int, int], failed: dict[int, int]) -> tuple[float, ...]:
-    """``p(c) = failed / checked`` for ages 1 .. the oldest examined (``CutModel.fail_prob``: the last value
-    repeats beyond it). An age never examined takes the nearest younger age's rate (better measured: most
-    segments are young), age 1 the nearest older one's."""
+def fail_prob_from_counts(checked: dict[int, int], failed: dict[int, int], min_checked: int = 30) -> tuple[float, ...]:
+    """``p(c) = failed / checked`` for ages 1 .. A (``CutModel.fail_prob``: the last value repeats beyond it), A the
+    oldest age examined at least ``min_checked`` times (else the oldest examined): p(A) pools every age >= A, so
+    a few old segments neither set the rate of all older ages alone nor are lost. An age below A never examined
+    takes the nearest younger age's rate (better measured: most segments are young), age 1 the nearest older."""
     seen = sorted(a for a, n in checked.items() if n > 0 and a >= 1)
     if not seen:
         raise ValueError("no segment was examined: the runs verified nothing (or log no verify/segments_checked).")
+    last_age = max((a for a in seen if checked[a] >= min_checked), default=seen[-1])
+    tail_checked = sum(checked[a] for a in seen if a >= last_age)
+    tail_failed = sum(failed.get(a, 0) for a in seen if a >= last_age)
     out, last = [], failed.get(seen[0], 0) / checked[seen[0]]
-    for age in range(1, seen[-1] + 1):
+    for age in range(1, last_age):
         if checked.get(age, 0) > 0:
             last = failed.get(age, 0) / checked[age]
         out.append(last)
-    return tuple(out)
+    return (*out, tail_failed / tail_checked)
 
 
-def fit_segment_fail_prob(runs: list[RunData], skip: int = 0) -> tuple[tuple[float, ...], dict]:
-    """The per-segment failure probability by age, pooled over the runs' steps after ``skip``, and how it was
-    measured. Runs from before the segment statistics were logged (no ``verify/segments_checked/<c>``) give
-    ``num_cut / num_verified`` at every age: each verified trajectory counted as one segment, an upper bound
-    on the per-segment rate when trajectories hold several."""
+def fit_segment_fail_prob(runs: list[RunData], skip: int = 0, min_checked: int = 30) -> tuple[tuple[float, ...], dict]:
+    """The per-segment failure probability by age, pooled over the runs' steps after ``skip``
+    (``fail_prob_from_counts``), and how it was measured. Runs from before the segment statistics were logged
+    (no ``verify/segments_checked/<c>``) give ``num_cut / num_verified`` at every age: each verified trajectory
+    counted as one segment, an upper bound on the per-segment rate when trajectories hold several."""
     recs = [r for run in runs for r in run.used(skip) if r.get("verify/num_verified")]
     checked, failed = segment_counts(recs)
     if checked:
-        return fail_prob_from_counts(checked, failed), {"source": "segments", "checked": dict(sorted(checked.items())),
-                                                        "failed": dict(sorted(failed.items()))}
+        fit = {"source": "segments", "checked": dict(sorted(checked.items())), "failed": dict(sorted(failed.items()))}
+        return fail_prob_from_counts(checked, failed, min_checked), fit
     verified = sum(r["verify/num_verified"] for r in recs)
     if not verified:
         raise ValueError("the RollVerify runs verified nothing after the skipped steps: no cut rate to fit.")
@@ -326,7 +330,7 @@ def fail_prob_trace(run: RunData) -> list[tuple[float, ...]]:
     """Per step (1-based, from step 1), the run's own ``p(c)`` where it verified something (ages that step did
     not examine: the run's pooled rate), else the previous step's (no cuts before the first verification):
     what a replay of that run takes, as it takes its lengths."""
-    pooled, _ = fit_segment_fail_prob([run])
+    pooled, _ = fit_segment_fail_prob([run], min_checked=1)
     out, last = [], (0.0,)
     for r in run.steps:
         if r.get("verify/num_verified"):
