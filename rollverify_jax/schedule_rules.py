@@ -27,6 +27,32 @@ def pow2_bucket(n: int, lo: int, hi: int) -> int:
     return min(lo << max(-(-n // lo) - 1, 0).bit_length(), hi)
 
 
+def row_bucket(n: int) -> int:
+    """Rows rounded up to four steps per octave (..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most a
+    quarter wasted, and a handful of compiled shapes as the batch's token count drifts."""
+    step = max(1, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+def first_fit(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Sequence indices per row of ``width`` tokens, longest first into the first row with room (first-fit
+    decreasing): how the train step packs its batch and the rollout engine packs a prefill."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > width:
+            raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than the packed width {width}.")
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(width - lengths[i])
+    return rows
+
+
 def live_slot_buckets(num_slots: int, live: bool = True) -> list[int]:
     """The slot counts decode compiles for, ascending: all slots halved while at least ``MIN_LIVE_SLOTS`` remain
     (256: 8, 16, ..., 256); all slots only when ``live`` is off (live slots disabled, or a pool sharded over

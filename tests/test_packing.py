@@ -63,6 +63,11 @@ def test_skipped_rows_are_not_packed():
         np.testing.assert_array_equal(flat[out["unpack_index"][i]], tokens[i])
     everything_skipped = packing.pack_batch(tokens, lengths, skip=np.ones(4, bool))
     assert everything_skipped["packed_tokens"].shape == (1, 8) and not everything_skipped["packed_segments"].any()
+    # Empty rows (a batch padded to whole batches with rows outside the loss) are fine when skipped, not otherwise.
+    padded = packing.pack_batch(tokens, np.array([8, 0, 8, 0]), skip=skip)
+    np.testing.assert_array_equal(padded["packed_tokens"], out["packed_tokens"])
+    with pytest.raises(ValueError, match="0 allowed on skipped rows"):
+        packing.pack_batch(tokens, np.array([8, 0, 8, 0]))
 
 
 def test_pack_batch_bad_input_is_named():

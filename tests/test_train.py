@@ -88,7 +88,8 @@ def test_uniform_groups_leave_the_loss(policy, tmp_path):
 def test_extra_complete_groups_train_in_the_step_that_completed_them(policy, tmp_path):
     """'train': every group complete at a phase's end is in its batch (B or more groups), padded with rows outside
     the loss: the loss sees exactly the trained groups' response tokens."""
-    metrics = _train(policy, tmp_path / "run", "partial", 3, ("RolloutConfig.extra_complete_groups = 'train'",))
+    metrics = _train(policy, tmp_path / "run", "partial", 3, ("RolloutConfig.extra_complete_groups = 'train'",
+                                                             "LearnerConfig.pack_sequences = True"))
     steps = [m for m in metrics if "batch/groups" in m]
     assert len(steps) == 3 and all(m["batch/groups"] >= 2 for m in steps)
     assert any(m["batch/groups"] > 2 for m in steps)

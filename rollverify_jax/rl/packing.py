@@ -27,32 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from rollverify_jax.schedule_rules import first_fit, row_bucket
+
+__all__ = ["PACKED_KEYS", "first_fit", "pack_batch", "row_bucket"]
+
 PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_segments", "unpack_index")
-
-
-def row_bucket(n: int) -> int:
-    """Rows rounded up to four steps per octave (..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most a
-    quarter wasted, and a handful of compiled shapes as the batch's token count drifts."""
-    step = max(1, 1 << max(0, n.bit_length() - 3))
-    return -(-n // step) * step
-
-
-def first_fit(lengths: list[int], width: int) -> list[list[int]]:
-    """Sequence indices per row, longest first into the first row with room (first-fit decreasing)."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] > width:
-            raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than the packed width {width}.")
-        for r, room in enumerate(free):
-            if lengths[i] <= room:
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            free.append(width - lengths[i])
-    return rows
 
 
 def pack_batch(tokens: np.ndarray, lengths: np.ndarray, num_parts: int = 1, row_multiple: int = 1,
@@ -76,9 +55,10 @@ def pack_batch(tokens: np.ndarray, lengths: np.ndarray, num_parts: int = 1, row_
     if b % num_parts:
         raise ValueError(f"batch of {b} rows does not split into {num_parts} parts.")
     lengths = np.asarray(lengths, np.int64)
-    if lengths.shape != (b,) or (lengths < 1).any() or (lengths > t).any():
-        raise ValueError(f"lengths must be {b} integers in [1, {t}], got {lengths!r}.")
     live = np.ones(b, bool) if skip is None else ~np.asarray(skip, bool)
+    # Skipped rows may be empty (a batch padded to whole batches' shapes with rows outside the loss).
+    if lengths.shape != (b,) or (lengths[live] < 1).any() or (lengths > t).any() or (lengths < 0).any():
+        raise ValueError(f"lengths must be {b} integers in [1, {t}] (0 allowed on skipped rows), got {lengths!r}.")
     parts = [np.flatnonzero(live & (np.arange(b) % num_parts == k)) for k in range(num_parts)]
     layouts = [first_fit([int(lengths[i]) for i in part], t) for part in parts]
     p = row_bucket(max(1, *(len(rows) for rows in layouts)))
