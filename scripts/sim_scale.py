@@ -121,7 +121,11 @@ def main() -> None:
                     "RollVerify run under --runs that logs segment statistics)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--plot_only", action="store_true", help="redraw --plot from the --json of an earlier run")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.json).read_text()), args.plot)
+        return
     fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
     tiny_p, tiny_source = tiny_fail_prob(fit_runs)
     tiny = [f"SimConfig.segment_fail_prob = {tuple(round(x, 6) for x in tiny_p)!r}", "SimConfig.fail_ramp_start = 0"]
@@ -204,8 +208,7 @@ def plot(out: dict, path: str) -> None:
     ax.plot([c / 1024 for c in GOAL], list(GOAL.values()), "rv", ls="none", label="issue 25 goal")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log", base=2)
-    ctx = sorted(GOAL)
-    ax.set_xticks([c / 1024 for c in ctx], [f"{c / 1024:.0f}K" for c in ctx])
+    ax.set_xticks([c / 1024 for c in sorted(GOAL)], ["8K", "~20K", "64K"])
     ax.set_xlabel("response cap (tokens)")
     ax.set_ylabel("speed-up vs on-policy (device-days ratio)")
     ax.set_title("Qwen3-8B, 700 steps: predicted vs reported")
