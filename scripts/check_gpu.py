@@ -18,6 +18,11 @@ still leaves what it measured):
 - ``decode_throughput``: generated tokens/s of the engine (the bench_decode.py workload: prompts of 24-32
   tokens, ``--new-tokens`` each, EOS off, T = 1) on a random bigger model, bf16, at each ``--concurrency``, with
   the reference paged attention and, when the kernel worked above, 'pallas_gpu'; compile time separately.
+- ``ops_floor``: the OPS noise floor (``scripts/bench_ops_floor.py``'s ``measure``): with unchanged weights, the
+  resume prefill's log pi against decode's recorded log mu, on the tiny policy, float32 and bf16 (params, compute
+  and KV), with the platform's kernels (cuDNN prefill; reference and, when it passed above, Pallas decode), with
+  ``EngineConfig.logits_chunk`` unset and set. Verification's segment threshold is ds = 0.01; the floor must sit
+  well below it (float32: mean segment OPS < ds / 10 passes; bf16 is recorded).
 - ``train_step``: one GRPO train step (forward + backward + AdamW) of the learner on a packed long-tailed batch,
   float32 params and bf16 compute, with the 'cudnn' attention impl (and the 'reference' one for comparison).
 
@@ -74,6 +79,7 @@ SIZES = {
     "engine_requests": (12, 6), "engine_slots": (8, 4),
     "bench_preset": ("bench_100m", "tiny"), "concurrency": ([64, 256], [8]), "new_tokens": (128, 16),
     "decode_rounds": (2, 1), "train_rows": (64, 8), "train_width": (1024, 128), "train_iters": (3, 1),
+    "floor_slots": (32, 4), "floor_new": (384, 16),
 }
 
 
@@ -86,7 +92,7 @@ def parse_args() -> argparse.Namespace:
                     help="wall-clock budget: the throughput measurements still to run past it are skipped")
     ap.add_argument("--sections", nargs="+", default=None,
                     help="run only these sections (env always runs): prefill_attention paged_attention "
-                         "engine_greedy decode_throughput train_step")
+                         "engine_greedy ops_floor decode_throughput train_step")
     for name, (default, _) in SIZES.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(default, list):
@@ -436,6 +442,51 @@ def _case_line(res: dict) -> str:
             f"{res['max_regret']:.3g} (tol {res['tol']:g}), prefill {res['prefill_kernel']}")
 
 
+def section_ops_floor(args, state: dict) -> dict:
+    """bench_ops_floor.measure per dtype and kernel pair (see the module docstring)."""
+    import bench_ops_floor  # noqa: PLC0415  (scripts/ is on sys.path when this script runs)
+
+    name = "policy" if (POLICY / "config.json").exists() else "random"
+    cases = [  # name, (param, compute, KV) dtypes, prefill impl, paged impl
+        ("float32", bench_ops_floor.DTYPES["float32"], "auto", "auto"),
+        ("bfloat16", bench_ops_floor.DTYPES["bfloat16"], "auto", "auto"),
+    ]
+    if state.get("pallas_ok"):
+        cases.append(("bfloat16_pallas_decode", bench_ops_floor.DTYPES["bfloat16"], "auto", "pallas_gpu"))
+    out: dict = {"model": name, "slots": args.floor_slots, "new_tokens": args.floor_new, "ds": bench_ops_floor.DS,
+                 "cases": {}}
+    ok = True
+    for case, (param, compute, kv), prefill, paged in cases:
+        if over_budget(args):
+            out["cases"][case] = {"skipped": f"time budget ({args.budget_s:.0f} s) spent"}
+            continue
+        use_kernels(prefill, paged)
+        try:
+            res = bench_ops_floor.measure(bench_ops_floor.load_model(name, param, compute), kv, args.floor_slots,
+                                          args.floor_new, (None, 64))
+            res = {"dtypes": [param, compute, kv], "prefill_impl": res["prefill_impl"], "paged_impl": paged,
+                   "chunk_unset": res[None], "chunk_64": res[64]}
+            if case == "float32":
+                ok &= max(res["chunk_unset"]["segment_mean"], res["chunk_64"]["segment_mean"]) < out["ds"] / 10
+        except Exception as e:  # noqa: BLE001
+            res = err_text(e)
+            ok = False
+        out["cases"][case] = res
+        print(f"     {case}: {_floor_line(res)}", flush=True)
+    reset_kernels()
+    out["status"] = "ok" if ok else "fail"
+    return out
+
+
+def _floor_line(res: dict) -> str:
+    if "error" in res or "skipped" in res:
+        return res.get("skipped") or "ERROR " + res["error"].splitlines()[0][:160]
+    return "; ".join(f"{k}: token OPS mean {r['token_mean']:.2e} max {r['token_max']:.2e}, segment OPS mean "
+                     f"{r['segment_mean']:.2e} max {r['segment_max']:.2e}, {r['segments_cut']}/{r['segments']} >= ds"
+                     for k, r in (("unset", res["chunk_unset"]), ("chunk 64", res["chunk_64"]))) + (
+        f" (prefill {res['prefill_impl']}, decode {res['paged_impl']})")
+
+
 def _bench_requests(n: int, new: int, seed: int, vocab: int) -> list[Trajectory]:
     rng = np.random.default_rng(seed)
     hi = min(vocab, 30_000)
@@ -653,6 +704,9 @@ def summary(report: dict) -> str:
         if name == "engine_greedy":
             for case, r in res.get("cases", {}).items():
                 lines.append(f"  {case}: {_case_line(r)}")
+        if name == "ops_floor":
+            for case, r in res.get("cases", {}).items():
+                lines.append(f"  {case}: {_floor_line(r)}")
         if name == "decode_throughput":
             for r in res.get("runs", []):
                 lines.append(f"  {_run_line(r)}")
@@ -677,6 +731,7 @@ def main() -> int:
     sections = [("prefill_attention", section_prefill_attention, ()),
                 ("paged_attention", section_paged_attention, (state,)),
                 ("engine_greedy", section_engine_greedy, (state,)),
+                ("ops_floor", section_ops_floor, (state,)),
                 ("train_step", section_train_step, (state,)),
                 ("decode_throughput", section_decode_throughput, (state,))]
     for name, fn, extra in sections:

@@ -68,8 +68,8 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     q = q.reshape(b, tq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    probs = jax.nn.softmax(scores, axis=-1)  # float32 into the PV product: see paged_attention_reference
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)
     return out.reshape(b, tq, hq, d)
 
 

@@ -160,7 +160,12 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...], d
 
 
 class RMSNorm(nnx.Module):
-    """y = w * x / rms(x), computed in float32 and cast back (as HF does)."""
+    """y = w * x / rms(x), computed in float32 and rounded to the compute dtype once.
+
+    HF rounds x / rms(x) first and multiplies in the compute dtype (two roundings); XLA kept or dropped the middle
+    rounding depending on the shape it fused, so in bf16 the prefill ([n, T]) and decode ([S, 1]) of the same
+    tokens got different norms, one cause of the gap between a resume's log pi and the recorded log mu
+    (scripts/bench_ops_floor.py). One rounding is the same in every fusion; float32 is unchanged."""
 
     def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
         self.eps = eps
@@ -170,7 +175,7 @@ class RMSNorm(nnx.Module):
         dtype = x.dtype
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(dtype) * x32.astype(dtype)
+        return (self.weight[...].astype(jnp.float32) * x32).astype(dtype)
 
 
 def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:

@@ -16,7 +16,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               page_table: jax.Array) -> jax.Array:
     """q: [B, Hq, D]; k/v_pages: [Hkv, P, S, D]; lengths: int32[B]; page_table: int32[B, pages_per_seq].
 
-    Gathers each sequence's pages and attends over its first ``lengths[b]`` tokens -> [B, Hq, D].
+    Gathers each sequence's pages and attends over its first ``lengths[b]`` tokens -> [B, Hq, D] in q's dtype.
     """
     b, hq, d = q.shape
     hkv, _, size, _ = k_pages.shape
@@ -26,8 +26,11 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     scores = jnp.einsum("bhgd,hbtd->bhgt", qg, k, preferred_element_type=jnp.float32)
     mask = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, T]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhgt,hbtd->bhgd", probs, v).reshape(b, hq, d)
+    # float32 probabilities into the PV product, as the prefill's reference: rounding them to bf16 is one more
+    # rounding per key, where the two paths' float32 sums (over different key counts) round apart.
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgt,hbtd->bhgd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return out.reshape(b, hq, d)
 
 
 def _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block):
