@@ -253,7 +253,8 @@ def replay_ratios(shape: RunShape, inputs: Inputs, modes: set[str], steps: int) 
 
 def _verification_rates(costs: CostModel, runs: list[cal.RunData], ratios: dict, skip: int) -> CostModel:
     """The log-prob and verifier rates when the fit runs verify nothing: from the RollVerify runs' verifying
-    steps, what their prefill time exceeds the fitted prefill rates by, per verified token."""
+    steps, what their prefill time exceeds the fitted prefill rates by, per token of their log-prob calls (the
+    verified tokens times the replay's ratio), and their verification time per verified token."""
     ver = [(run.mode, r) for run in runs for r in run.used(skip) if r.get("verify/num_verified")]
     vtok = sum(r["verify/tokens_total"] for _, r in ver)
     if not vtok:
@@ -261,7 +262,8 @@ def _verification_rates(costs: CostModel, runs: list[cal.RunData], ratios: dict,
     base = sum(r["rollout/dispatches"] * ratios[m].calls_per_dispatch * costs.prefill_call_s
                + r["rollout/prefill_tokens"] * ratios[m].padded_per_token * costs.prefill_token_s for m, r in ver)
     extra = sum(r["rollout/prefill_time"] - r["time/verify"] for _, r in ver) - base
-    return dataclasses.replace(costs, prefill_logp_token_s=max(0.0, extra / vtok),
+    logp = sum(r["verify/tokens_total"] * ratios[m].logp_per_verified_token for m, r in ver)
+    return dataclasses.replace(costs, prefill_logp_token_s=max(0.0, extra / logp),
                                verify_token_s=sum(r["time/verify"] for _, r in ver) / vtok)
 
 
@@ -285,7 +287,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 COUNTS = (("dispatches", "rollout/dispatches"), ("prefill_tokens", "rollout/prefill_tokens"),
-          ("tokens_generated", "rollout/tokens"))
+          ("tokens_generated", "rollout/tokens"), ("shared_prompt_tokens", "rollout/shared_prompt_tokens"))
 
 
 def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], skip: int,
@@ -359,7 +361,8 @@ def _count_cell(pred: float, meas: float) -> str:
 
 def format_counts(rows: list[dict]) -> str:
     """Event counts predicted / measured: independent of the machine's load, they test the replay itself."""
-    out = ["| run | dispatches | prefill tokens | decoded tokens | slot util. |", "| --- " * 5 + "|"]
+    out = ["| run | dispatches | prefill tokens | decoded tokens | shared prompt tokens | slot util. |",
+           "| --- " * 6 + "|"]
     for r in rows:
         cells = [_count_cell(r[f"pred_{k}"], r[f"meas_{k}"]) for k, _ in COUNTS]
         out.append(f"| `{r['run']}` | {' | '.join(cells)} | {r['pred_slot_utilization']:.3f} / "

@@ -2,7 +2,8 @@
 RollVerify for Qwen3-8B at 8K, ~20K (the main setting) and 64K contexts (and Qwen3-30B-A3B at ~20K), and a PNG
 of the speed-up against context.
 
-    python scripts/sim_scale.py --json docs/results/simulator_scale.json --plot docs/results/simulator_speedup.png
+    python scripts/sim_scale.py --json docs/results/simulator_scale.json --plot docs/results/simulator_speedup.png \
+        [--tables]
 
 Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' cost analysis and
 the stated assumptions); the 8K row is the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K
@@ -56,13 +57,17 @@ def predict(files: list[str], params: list[str], modes, steps: int | None) -> li
     cfg, shape = sim.SimConfig(), sim.read_run_shape()
     inputs = sim.build_inputs(cfg, shape, [])
     n = steps or cfg.num_steps or shape.num_steps
-    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices)) for m in modes]
+    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices), inputs.costs.decode_step_s)
+            for m in modes]
 
 
-def with_terms(summary: dict) -> dict:
-    """The summary plus each cost term in device-days (``prefill_attn`` is part of ``prefill``)."""
+def with_terms(summary: dict, decode_step_s: float = 0.0) -> dict:
+    """The summary plus each cost term in device-days (``prefill_attn`` is part of ``prefill``; ``decode_step``,
+    the per-step weight reads and host time, is part of ``decode``, the rest of which is the KV reads)."""
     scale = summary["num_devices"] / 86400.0
-    return {**summary, "terms_days": {t.removesuffix("_s"): summary[t] * scale for t in TERMS}}
+    terms = {t.removesuffix("_s"): summary[t] * scale for t in TERMS}
+    terms["decode_step"] = decode_step_s * summary["decode_steps"] * scale
+    return {**summary, "terms_days": terms}
 
 
 def logs_segments(run: cal.RunData) -> bool:
@@ -121,10 +126,16 @@ def main() -> None:
                     "RollVerify run under --runs that logs segment statistics)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--plot_only", action="store_true", help="redraw --plot from the --json of an earlier run")
+    ap.add_argument("--plot_only", action="store_true", help="redraw --plot (and --tables) from the --json of an "
+                    "earlier run")
+    ap.add_argument("--tables", action="store_true", help="print the markdown tables of docs/results/simulator.md")
     args = ap.parse_args()
     if args.plot_only:
-        plot(json.loads(Path(args.json).read_text()), args.plot)
+        out = json.loads(Path(args.json).read_text())
+        if args.plot:
+            plot(out, args.plot)
+        if args.tables:
+            print(tables(out))
         return
     fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
     tiny_p, tiny_source = tiny_fail_prob(fit_runs)
@@ -155,6 +166,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(_finite(out), indent=1) + "\n")
     if args.plot:
         plot(out, args.plot)
+    if args.tables:
+        print(tables(out))
 
 
 def diagnostics(model: str, ctx: int, files: list[str], params: list[str], on_days: float, args, rows: list) -> dict:
@@ -173,6 +186,62 @@ def diagnostics(model: str, ctx: int, files: list[str], params: list[str], on_da
         print(f"  sigma {sigma}: {on['device_days']:.2f} -> {rv['device_days']:.2f} "
               f"({on['device_days'] / rv['device_days']:.2f}x)", flush=True)
     return found
+
+
+def _label(setting: dict) -> str:
+    ctx = {8192: "8K", 20480: "~20K", 61440: "64K"}[setting["context"]]
+    return f"{setting['model']}, {ctx}"
+
+
+def tables(out: dict) -> str:
+    """The markdown tables of docs/results/simulator.md's real-scale section from a run's output."""
+    lines = ["| setting | chips | on-policy | naive partial | RollVerify | naive partial speed-up | RollVerify "
+             "speed-up | goal | RollVerify, tiny-run p(c) | paper: on-policy -> RollVerify (speed-up) |",
+             "| --- " * 10 + "|"]
+    for st in out["settings"]:
+        m = st["modes"]
+        on, pa, rv, tiny = (m[k]["device_days"] for k in ("on_policy", "partial", "rollverify", "rollverify_tiny"))
+        paper = st.get("paper")
+        ptxt = (f"{paper[0]:g} -> {paper[1]:g} ({paper[0] / paper[1]:.2f}x)" if paper
+                else "(1.7x reported for the MoE model)")
+        goal = f"{GOAL[st['context']]}x" if st["model"] == "Qwen3-8B" else "-"
+        lines.append(f"| {_label(st)} | {m['on_policy']['num_devices']} | {on:.2f} | {pa:.2f} | {rv:.2f} | "
+                     f"{on / pa:.2f}x | {on / rv:.2f}x | {goal} | {tiny:.2f} ({on / tiny:.2f}x) | {ptxt} |")
+    lines += ["", "| setting | mode | prefill (of which attention) | decode (weights + KV reads) | verify | train | "
+              "overhead | total | prefill tokens: padded / computed / copied | prefill calls | decoded "
+              "tokens | trained response tokens | cut tokens | acceptance | switch |", "| --- " * 15 + "|"]
+    names = {"on_policy": "on-policy", "partial": "naive partial", "rollverify": "RollVerify",
+             "rollverify_tiny": "RollVerify, tiny-run p(c)"}
+    for st in out["settings"]:
+        for key, name in names.items():
+            r = st["modes"][key]
+            t = r["terms_days"]
+            acc = "-" if r["acceptance"] is None or r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.3f}"
+            sw = r["switch_step"] if r["switch_step"] >= 0 else "-"
+            lines.append(
+                f"| {_label(st)} | {name} | {t['prefill']:.2f} ({t['prefill_attn']:.2f}) | {t['decode']:.2f} "
+                f"({t['decode_step']:.2f} + {t['decode'] - t['decode_step']:.2f}) | {t['verify']:.2f} | "
+                f"{t['train']:.2f} | {t['overhead']:.2f} | {r['device_days']:.2f} | "
+                f"{r['prefill_padded_tokens'] / 1e6:,.0f}M / {r['prefill_tokens'] / 1e6:,.0f}M / "
+                f"{r['shared_prompt_tokens'] / 1e6:,.0f}M | {r['prefill_calls'] / 1e3:,.0f}K | "
+                f"{r['tokens_generated'] / 1e6:,.0f}M | {r['batch_tokens'] / 1e6:,.0f}M | "
+                f"{r['removed_tokens'] / 1e6:,.0f}M | {acc} | {sw} |")
+    lines += ["", "| setting | sigma 0.75 | sigma 1.0 (table) | sigma 1.25 | nothing cut (p = 0, no switch) | "
+              "p(c) = 0.1, no ramp (no switch) | verify finished members too |", "| --- " * 7 + "|"]
+    for st in out["settings"]:
+        d = st.get("diagnostics")
+        if not d:
+            continue
+        on = st["modes"]["on_policy"]["device_days"]
+
+        def cell(v):
+            return f"{v['on_policy']['device_days'] / v['rollverify']['device_days']:.2f}x" if v else "-"
+        vf = d["verify_finished"]
+        rv = st["modes"]["rollverify"]["device_days"]
+        lines.append(f"| {_label(st)} | {cell(d.get('sigma_0.75'))} | {on / rv:.2f}x | {cell(d.get('sigma_1.25'))} | "
+                     f"{on / d['no_cuts']['device_days']:.2f}x | {on / d['p_0.1']['device_days']:.2f}x | "
+                     f"{on / vf['device_days']:.2f}x (switch {vf['switch_step']}) |")
+    return "\n".join(lines)
 
 
 def _finite(x):

@@ -68,10 +68,67 @@ def test_a_real_engine_and_the_simulator_give_the_same_buckets(model, num_slots,
             assert w.page_buckets == [engine.allocator.pages_per_seq]
         for n in range(1, max_seq_len + 1):
             assert engine.prefill_bucket(n) == w.prefill_bucket(n)
-        for rows in range(1, num_slots + 1):
-            assert schedule_rules.pow2_bucket(rows, 1, num_slots) == w.prefill_shape(rows, 1)[0]
+        rng = np.random.default_rng(num_slots)
+        for trial in range(40):  # the packed prefill: (rows, width) of Engine.pack for the same lengths
+            n = int(rng.integers(1, 2 * num_slots + 1))
+            top = max_seq_len if trial % 2 else max(1, min_prefill)  # long resumes, or many short prompts
+            lengths = rng.integers(1, top + 1, size=n).tolist()
+            packed = engine.pack([np.ones(m, np.int32) for m in lengths], [i % num_slots for i in range(n)],
+                                 [1] * n)
+            assert packed.tokens.shape == w.prefill_shape(lengths), lengths
         for active in range(1, num_slots + 1):
             assert w.slot_bucket(active) == next(b for b in engine.live_slot_buckets() if b >= active)
+
+
+def test_a_real_admission_round_is_what_the_replay_charges(model, monkeypatch):
+    # One admission round of a real Scheduler on a tiny Engine: a verified resume (prompt 10 + 30 cached: bucket 64)
+    # with two new members of group 3 (prompt 40: bucket 64 too), and three new members of group 1 and one of
+    # group 2 (prompt 10: bucket 16). Bucket 16 verifies nothing: one prefill_and_sample call, group 1's prompt
+    # computed once (two 10-token prompts packed, 2 rows of 16), 20 tokens copied. Bucket 64 verifies: one
+    # log-prob prefill of all three (3 rows of 64; group 3's prompt computed twice) and one insert. The replay's
+    # _charge_prefill of the same round gives the same calls, shapes and token counts.
+    from rollverify_jax.rollout import Scheduler, Trajectory
+    from rollverify_jax.sim.replay import Replay, StepRecord, _Call
+
+    cfg = EngineConfig(num_slots=8, page_size=8, max_seq_len=128, steps_per_dispatch=2, min_prefill_len=16)
+    engine = Engine(model, cfg, SamplingConfig(greedy=True))
+    seen = {"pack": [], "prefill": [], "prefill_and_sample": [], "insert": []}
+    for name in seen:
+        real = getattr(engine, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            out = _real(*a, **k)
+            seen[_name].append(out.tokens.shape if _name == "pack" else k.get("with_logp", True))
+            return out
+        monkeypatch.setattr(engine, name, wrapped)
+    rng = np.random.default_rng(0)
+
+    def prompt(n):
+        return rng.integers(4, 60, size=n).astype(np.int32)
+    p1, p2, p3 = prompt(10), prompt(10), prompt(40)
+    new = [Trajectory(uid=u, group_id=1, prompt=p1, seed=u, max_new_tokens=20) for u in range(3)]
+    new += [Trajectory(uid=3, group_id=2, prompt=p2, seed=3, max_new_tokens=20)]
+    new += [Trajectory(uid=u, group_id=3, prompt=p3, seed=u, max_new_tokens=20) for u in (4, 5)]
+    resumed = Trajectory(uid=9, group_id=9, prompt=prompt(10), seed=9, max_new_tokens=60, tokens=[5] * 30,
+                         logps=[-1.0] * 30, versions=[0] * 30)
+    sched = Scheduler(engine)
+    sched.submit(new)
+    sched.resume([resumed], keep=lambda new, beh, ver, lengths: lengths)
+    sched.step()
+    sched.pause_all()
+    w = Workload("rollverify", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, 100, prompt_len=10,
+                 min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len)
+    rec = StepRecord(step=2, on_policy=False)
+    replay = Replay(w, CostModel(), LengthModel(100, lengths=[5]), CutModel())
+    replay._charge_prefill(rec, [_Call([10, 10, 10, 10], [1, 1, 1, 2]),
+                                 _Call([40, 40, 40], [-1, 3, 3], verifies=True, inserts=True)], 30)
+    assert sorted(seen["pack"]) == sorted([w.prefill_shape([10, 10]), w.prefill_shape([40, 40, 40])])
+    assert sorted(seen["pack"]) == [(2, 16), (3, 64)]
+    calls = len(seen["prefill"]) + len(seen["prefill_and_sample"]) + len(seen["insert"])
+    assert calls == rec.prefill_calls == 3 and seen["prefill"] == [True]
+    assert (sched.stats.prefill_tokens, sched.stats.shared_prompt_tokens) == (rec.prefill_tokens,
+                                                                               rec.shared_prompt_tokens) == (140, 20)
+    assert rec.prefill_padded_tokens == 2 * 16 + 3 * 64 and rec.logp_tokens == 3 * 64
 
 
 def test_a_sharded_engine_and_the_simulator_decode_over_all_slots(model):

@@ -203,21 +203,85 @@ def test_decode_reads_the_live_page_table_width():
         assert (s.dispatches, s.width_slot_steps, s.decode_s) == (10, cost, cost)
 
 
-def test_prefill_calls_per_length_bucket_and_padding():
-    # Engine buckets: rows a power of two up to the slots, length a power of two from min_prefill_len = 4 up to
-    # max_seq_len = 64. Partial, 2 slots, B = 1, k = 1, prompt 3, lengths (9, 1, 3, 3): step 1 ends with u0
-    # paused at 6 tokens (as in the verified-finished case). Step 2's first round admits u0 (3 + 6 = 9 tokens:
-    # bucket 16) and u4 (3: bucket 4): 2 calls of 1 row, 16 + 4 = 20 tokens computed for 12 real ones, and
-    # causal attention over 16^2 + 4^2 = 272 (row x length^2, the halving is in the rate); then u0 needs 2 more
-    # tokens: 2 dispatches, and g0 is complete.
+def test_prefill_calls_per_length_bucket_and_packing():
+    # Engine buckets: a call's width is the power of two >= its longest sequence from min_prefill_len = 4 up to
+    # max_seq_len = 64; its sequences are packed end to end into rows of that width (first-fit decreasing), and
+    # the rows rounded to four steps per octave (9 -> 10, not 16). Partial, 2 slots, B = 1, k = 1, prompt 3,
+    # lengths (9, 1, 3, 3): step 1 ends with u0 paused at 6 tokens (as in the verified-finished case). Step 2's
+    # first round admits u0 (3 + 6 = 9 tokens: bucket 16) and u4 (3: bucket 4): 2 calls of 1 row (neither
+    # verifies: each prefills and samples in one call), 16 + 4 = 20 tokens computed for 12 real ones, and causal
+    # attention over 16^2 + 4^2 = 272 (rows x width^2, the halving is in the rate); then u0 needs 2 more tokens:
+    # 2 dispatches, and g0 is complete.
     w = workload("partial", batch_groups=1, prompt_len=3, min_prefill_len=4, max_seq_len=64)
-    assert w.prefill_shape(2, 3) == (2, 4) and w.prefill_shape(1, 40) == (1, 64)
-    assert dataclass_replace(w, num_slots=8).prefill_shape(5, 3) == (8, 4)  # rows padded to a power of two
+    assert w.prefill_shape([3, 3]) == (2, 4) and w.prefill_shape([40]) == (1, 64)
+    assert w.prefill_shape([3, 1, 2, 2]) == (2, 4)  # 3 + 1 and 2 + 2: two full rows
+    assert dataclass_replace(w, num_slots=16).prefill_shape([4] * 9) == (10, 4)  # row_bucket(9), not 16
+    assert w.prefill_shape([9, 3, 2, 1]) == (1, 16)  # one 16-wide row holds all four
     c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_attn_s=0.01, decode_step_s=1.0)
     s2 = simulate(w, c, LengthModel(10, lengths=[9, 1, 3, 3]), num_steps=2).steps[1]
-    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.prefill_tokens) == (2, 20, 12)
+    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.prefill_tokens, s2.logp_tokens) == (2, 20, 12, 0)
     assert s2.prefill_s == pytest.approx(2 * 1.0 + 20 * 0.5 + 272 * 0.01) and s2.prefill_attn_s == pytest.approx(2.72)
     assert (s2.decode_s, s2.batch_tokens) == (2.0, 10)
+
+
+def test_a_verified_resume_is_a_log_prob_prefill_and_an_insert():
+    # The partial case above under RollVerify (nothing fails): step 2's u0 has 6 cached tokens to verify, so its
+    # bucket (16) is a log-prob prefill call and then an insert call, the log-prob projection over its 1 x 16
+    # positions; u4 (new, bucket 4) prefills and samples in one call: 3 calls. With min_prefill_len 16 both are
+    # in one bucket, one 16-wide row (9 + 3), and the whole call verifies: 2 calls, 16 log-prob positions.
+    # Naive partial puts the same two in one call. Step 1's first round admitted g0's two new members in one
+    # call: its prompt computed once (3 tokens), the other's 3 copied.
+    w = workload("rollverify", batch_groups=1, prompt_len=3, min_prefill_len=4, max_seq_len=64, switching=False)
+    c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_logp_token_s=0.25, verify_token_s=2.0)
+    s1, s2 = simulate(w, c, LengthModel(10, lengths=[9, 1, 3, 3]), CutModel(), num_steps=2).steps
+    assert (s2.verified, s2.verified_tokens, s2.prefill_calls, s2.prefill_padded_tokens) == (1, 6, 3, 20)
+    assert (s2.logp_tokens, s2.prefill_tokens, s2.shared_prompt_tokens) == (16, 12, 0)
+    assert s2.verify_s == pytest.approx(16 * 0.25 + 6 * 2.0) and s2.prefill_s == pytest.approx(3 * 1.0 + 20 * 0.5)
+    assert (s1.prefill_tokens, s1.shared_prompt_tokens) == (3 + 3 + 3, 3)  # round 1: u0 (u1 shares); u2; u3
+    one = dataclass_replace(w, min_prefill_len=16)
+    s2 = simulate(one, c, LengthModel(10, lengths=[9, 1, 3, 3]), CutModel(), num_steps=2).steps[1]
+    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.logp_tokens, s2.prefill_tokens) == (2, 16, 16, 12)
+    naive = simulate(dataclass_replace(one, mode="partial"), c, LengthModel(10, lengths=[9, 1, 3, 3]),
+                     num_steps=2).steps[1]
+    assert (naive.prefill_calls, naive.prefill_padded_tokens, naive.logp_tokens, naive.verify_s) == (1, 16, 0, 0.0)
+
+
+def test_a_groups_new_members_admitted_together_share_their_prompt():
+    # On-policy, B = 2 groups of 3, prompt 3, every length 2, min_prefill_len 8. With 6 slots one round admits
+    # all six: each group's prompt is computed once, packed into one 8-wide row (3 + 3); 12 prompt tokens copied,
+    # one call. With 4 slots round 1 admits g0 and u3 (g1): 2 prompts computed, 2 copied; all four end after one
+    # dispatch; round 2 admits u4 and u5 (g1 again, together): 1 computed, 1 copied; u3 shared nothing with them
+    # (another round). The prompt length the calibration reads is the computed + copied tokens per sequence.
+    c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_attn_s=0.01)
+    (s,) = simulate(Workload("on_policy", 2, 3, 6, 1, 10, prompt_len=3, min_prefill_len=8, max_seq_len=64), c,
+                    LengthModel(10, lengths=[2]), num_steps=1).steps
+    assert (s.prefill_calls, s.prefill_padded_tokens, s.prefill_tokens, s.shared_prompt_tokens) == (1, 8, 6, 12)
+    assert s.prefill_s == pytest.approx(1.0 + 8 * 0.5 + 64 * 0.01)
+    (s,) = simulate(Workload("on_policy", 2, 3, 4, 1, 10, prompt_len=3, min_prefill_len=8, max_seq_len=64), c,
+                    LengthModel(10, lengths=[2]), num_steps=1).steps
+    assert (s.prefill_calls, s.prefill_padded_tokens, s.prefill_tokens, s.shared_prompt_tokens) == (2, 16, 9, 9)
+    assert (s.prefill_tokens + s.shared_prompt_tokens) / 6 == 3
+
+
+def test_a_bucket_that_verifies_shares_no_prompt():
+    # The engine shares a group's prompt only in a call that verifies nothing (prefill_and_sample): a verified
+    # resume in the same bucket as two new members of one group makes the call a log-prob prefill over all
+    # three (packed: 9 + 3 + 3 in one 16-wide row) and an insert: nothing copied, 15 tokens computed.
+    from rollverify_jax.sim.replay import Replay, StepRecord, _Call
+
+    w = Workload("rollverify", 1, 2, 4, 1, 10, prompt_len=3, min_prefill_len=16, max_seq_len=64)
+    c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_logp_token_s=0.25, verify_token_s=2.0)
+    replay = Replay(w, c, LengthModel(10, lengths=[5]), CutModel())
+    rec = StepRecord(step=2, on_policy=False)
+    replay._charge_prefill(rec, [_Call([9, 3, 3], [-1, 7, 7], verifies=True, inserts=True)], 6)
+    counts = (rec.prefill_calls, rec.prefill_padded_tokens, rec.prefill_tokens, rec.shared_prompt_tokens)
+    assert counts == (2, 16, 15, 0)
+    assert rec.logp_tokens == 16 and rec.verify_s == pytest.approx(16 * 0.25 + 6 * 2.0)
+    rec = StepRecord(step=2, on_policy=False)
+    replay._charge_prefill(rec, [_Call([4, 3, 3], [-1, 7, 7])], 0)  # a naive resume: one call, one copy
+    counts = (rec.prefill_calls, rec.prefill_padded_tokens, rec.prefill_tokens, rec.shared_prompt_tokens)
+    assert counts == (1, 16, 7, 3)
+    assert rec.logp_tokens == 0 and rec.verify_s == 0.0
 
 
 def test_roofline_prefill_attention_is_causal_and_quadratic():

@@ -5,7 +5,8 @@ What a step's record holds (``rl/partial_rollout.py``, ``train.py``): ``time/rol
 host, without verification), ``time/verify``, ``time/train``, ``time/step``, the scheduler's timers
 ``rollout/prefill_time`` (prefill + insert calls; it includes ``time/verify``, which runs inside them) and
 ``rollout/decode_time`` (generate calls), ``rollout/dispatches``, ``rollout/tokens`` (decoded),
-``rollout/slot_utilization`` (decoded tokens / (slots x decode steps)), ``rollout/prefill_tokens``,
+``rollout/slot_utilization`` (decoded tokens / (slots x decode steps)), ``rollout/prefill_tokens`` (tokens the
+prefill calls compute) and ``rollout/shared_prompt_tokens`` (a group's prompt tokens copied, not computed),
 ``train/loss_tokens``, ``response/length_mean`` / ``length_max`` of the batch, ``verify/acceptance``,
 ``verify/num_verified`` / ``num_cut`` / ``num_restarted`` (paused trajectories), ``verify/segments_checked/<c>``
 and ``verify/segments_failed/<c>`` (segments of age c the segment stage examined and those that failed),
@@ -90,9 +91,10 @@ def has_timers(run: RunData) -> bool:
 
 
 def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
-    """Mean prompt length: an on-policy step prefills exactly its B x G new prompts."""
-    vals = [r["rollout/prefill_tokens"] / num_sequences for run in runs for r in run.used(skip)
-            if r.get("mode/on_policy")]
+    """Mean prompt length: an on-policy step prefills exactly its B x G new prompts (computed, or copied from a
+    group member's: ``rollout/shared_prompt_tokens``)."""
+    vals = [(r["rollout/prefill_tokens"] + r.get("rollout/shared_prompt_tokens", 0)) / num_sequences
+            for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
     if not vals:
         raise ValueError("no on-policy step to measure the prompt length on; add a run with on-policy steps to "
                          "--calibrate_from (e.g. one of configs/tiny_onpolicy.gin, or a RollVerify run that switched).")
@@ -106,8 +108,9 @@ class KindRatios:
 
     slot_steps_per_token: float = 1.0  # live-bucket slot-steps per decoded token (1 / bucket utilization)
     width_per_slot_step: float = 0.0  # mean live page-table width (tokens) a slot-step reads
-    calls_per_dispatch: float = 0.0  # prefill + insert calls per decode dispatch
-    padded_per_token: float = 1.0  # prefill tokens computed (padded) per real prefill token
+    calls_per_dispatch: float = 0.0  # prefill calls (prefill-and-sample, log-prob prefill, insert) per dispatch
+    padded_per_token: float = 1.0  # prefill tokens computed (packed rows x width) per logged prefill token
+    logp_per_verified_token: float = 1.0  # positions of the log-prob calls per verified cached token
 
 
 def kind_ratios(steps) -> KindRatios:
@@ -116,9 +119,11 @@ def kind_ratios(steps) -> KindRatios:
     disp = sum(s.dispatches for s in steps)
     pf = sum(s.prefill_tokens for s in steps)
     slot = sum(s.slot_steps for s in steps)
+    vt = sum(s.verified_tokens for s in steps)
     return KindRatios(slot / tok if tok else 1.0, sum(s.width_slot_steps for s in steps) / slot if slot else 0.0,
                       sum(s.prefill_calls for s in steps) / disp if disp else 0.0,
-                      sum(s.prefill_padded_tokens for s in steps) / pf if pf else 1.0)
+                      sum(s.prefill_padded_tokens for s in steps) / pf if pf else 1.0,
+                      sum(s.logp_tokens for s in steps) / vt if vt else 1.0)
 
 
 def step_kind(run_mode: str, rec: dict) -> str:
@@ -134,14 +139,15 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
         decode_time            = decode_dispatch_s * dispatches
                                  + decode_slot_s * slot-steps (bucket x k) * (1 + live width / width_ref)
         prefill_time - verify  = prefill_call_s * calls + prefill_token_s * padded tokens
-                                 + prefill_logp_token_s * verified tokens
+                                 + prefill_logp_token_s * log-prob call tokens
         time/train             = train_step_s + train_token_s * (loss_tokens + B G prompt)
         time/verify            = verify_token_s * verified tokens
         overhead               = mean(time/step - decode_time - prefill_time - time/train)
 
-    slot-steps, calls and padded tokens are not logged: they are the step's decoded tokens, dispatches and
-    real prefill tokens times the replay's ``ratios`` for its kind of step (``step_kind``). Without on-policy
-    steps every dispatch runs the full slot bucket, which cannot tell a per-dispatch cost from a per-slot one;
+    slot-steps, calls, padded tokens and log-prob call tokens are not logged: they are the step's decoded
+    tokens, dispatches, prefill tokens and verified tokens times the replay's ``ratios`` for its kind of step
+    (``step_kind``; the replay packs each call as ``Engine.pack`` does: ``Workload.prefill_shape``). Without
+    on-policy steps every dispatch runs the full slot bucket, which cannot tell a per-dispatch cost from a per-slot one;
     decode is then priced per slot-step only (what the on-policy fits find on the tiny runs). A slot-step's
     cost grows with the live page-table width ``W`` as ``1 + W / width_ref`` (0: width ignored): the timers
     cannot separate it from the slot's own cost, so its scale is given (``SimConfig.decode_width_ref``).
@@ -167,7 +173,8 @@ def fit_costs(runs: list[RunData], ratios: dict[str, KindRatios], steps_per_disp
     else:  # every dispatch ran the full bucket: per dispatch and per slot are one number; price it per slot
         d_disp, d_slot = 0.0, nonneg_lstsq(x[:, 1:], y)[0]
     xp = np.asarray([[r["rollout/dispatches"] * q.calls_per_dispatch, r["rollout/prefill_tokens"] * q.padded_per_token,
-                      r.get("verify/tokens_total", 0) if r.get("verify/num_verified") else 0]
+                      (r.get("verify/tokens_total", 0) if r.get("verify/num_verified") else 0)
+                      * q.logp_per_verified_token]
                      for r, q in zip(recs, kr, strict=True)], float)
     yp = np.asarray([r["rollout/prefill_time"] - r["time/verify"] for r in recs], float)
     p_call, p_tok, p_logp = nonneg_lstsq(xp, yp)

@@ -3,10 +3,11 @@
     decode dispatch (k steps over the live bucket of b slots and a live page table W tokens wide, A attended
     tokens of the running ones at its start)
         = k * (decode_step_s + decode_slot_s * b + decode_width_token_s * b * W + decode_ctx_token_s * A)
-    admission round (one prefill + insert per length bucket of the requests admitted together)
-        = prefill_call_s * calls + prefill_token_s * padded tokens (rows x length the calls compute)
-          + prefill_attn_s * sum over the calls of rows x length^2 (causal attention of every padded row)
-          + (prefill_logp_token_s + verify_token_s) * cached tokens that are verified
+    admission round (per length bucket of the requests admitted together: one prefill-and-sample call, or a
+    log-prob prefill and an insert call when the bucket verifies a resume; ``Workload.prefill_shape`` packs it)
+        = prefill_call_s * calls + prefill_token_s * padded tokens (rows x width the calls compute)
+          + prefill_attn_s * sum over the calls of rows x width^2 (causal attention over every packed row)
+          + prefill_logp_token_s * padded tokens of the log-prob calls + verify_token_s * verified cached tokens
     train step (sequences of p + L_i tokens)
         = train_step_s + train_token_s * sum_i (p + L_i) + train_attn_s * sum_i (p + L_i)^2
     every step also pays step_overhead_s (grading, packing, host bookkeeping)
@@ -34,10 +35,12 @@ class CostModel:
     # per bucket slot per token of the live page-table width per decode step (the reference attention of CPU
     # and GPU gathers every page the table lists for every slot of the bucket; Pallas on TPU reads A only)
     decode_width_token_s: float = 0.0
-    prefill_call_s: float = 0.0  # per prefill + insert call (one per length bucket of an admission round)
-    prefill_token_s: float = 0.0  # per prefilled token the calls compute (padded rows x length)
-    prefill_attn_s: float = 0.0  # per row x length^2 of every prefill call (causal attention: halved already)
-    prefill_logp_token_s: float = 0.0  # extra per verified cached token (the log-probs of the resume prefill)
+    prefill_call_s: float = 0.0  # per prefill, prefill-and-sample or insert call
+    prefill_token_s: float = 0.0  # per prefilled token the calls compute (packed rows x width)
+    prefill_attn_s: float = 0.0  # per row x width^2 of every prefill call (causal attention: halved already)
+    # extra per token of a log-prob prefill (a resume to verify: the full-vocabulary projection runs over every
+    # position of its packed rows x width, not the cached tokens only)
+    prefill_logp_token_s: float = 0.0
     verify_token_s: float = 0.0  # two-stage verification per verified cached token
     train_step_s: float = 0.0  # per train step
     train_token_s: float = 0.0  # per trained token (prompt + response)
@@ -63,13 +66,16 @@ class CostModel:
         per_dispatch = self.decode_step_s + self.decode_slot_s * b + self.decode_width_token_s * b * width
         return k * (n * per_dispatch + self.decode_ctx_token_s * attended)
 
-    def prefill(self, tokens: int, verified_tokens: int, calls: int = 1, squares: int = 0) -> float:
-        """``calls`` prefill + insert calls computing ``tokens`` (padded) tokens in rows whose squared lengths sum
-        to ``squares``, ``verified_tokens`` of them cached tokens that get log-probs and verification."""
+    def prefill(self, tokens: int, verified_tokens: int, calls: int = 1, squares: int = 0,
+                logp_tokens: int | None = None) -> float:
+        """``calls`` calls computing ``tokens`` (padded) tokens in rows whose squared widths sum to ``squares``,
+        ``logp_tokens`` of them in log-prob calls (None: ``verified_tokens``), ``verified_tokens`` cached tokens
+        verified."""
         if tokens == 0 and verified_tokens == 0:
             return 0.0
+        logp = verified_tokens if logp_tokens is None else logp_tokens
         return (self.prefill_call_s * calls + self.prefill_token_s * tokens + self.prefill_attn_s * squares
-                + (self.prefill_logp_token_s + self.verify_token_s) * verified_tokens)
+                + self.prefill_logp_token_s * logp + self.verify_token_s * verified_tokens)
 
     def train(self, seq_lengths) -> float:
         total = sum(int(x) for x in seq_lengths)
@@ -89,10 +95,11 @@ class RooflineCosts:
       token: ``kv_bytes_per_token / num_devices / (bandwidth * hbm_efficiency)`` (slots and KV heads are
       spread over every chip).
     - prefill token: ``prefill_flops_per_token / (num_devices * peak * mfu)``; the verification log-probs
-      (full-vocabulary projection of every cached token) add ``2 * hidden * vocab`` FLOPs per token. The cost
+      (full-vocabulary projection) add ``2 * hidden * vocab`` FLOPs per position of a log-prob call. The cost
       analysis does not count the attention kernel (splash on TPU is a custom call: the per-token FLOPs are
-      the matmuls only), so causal attention is added: a row of ``T`` (padded) tokens costs
-      ``attn_flops_per_token_ctx * T^2 / 2``.
+      the matmuls only), so causal attention is added: a packed row ``T`` tokens wide costs
+      ``attn_flops_per_token_ctx * T^2 / 2`` (the reference attention scores the whole row, whatever the
+      packing). The log-prob projection runs over every position of a log-prob call's packed rows.
     - train: forward ``2 * (active params + head)`` FLOPs per token, attention ``attn_flops_per_token_ctx *
       length`` per token, times ``train_passes`` (4 with full remat: forward, recomputed forward, backward x 2).
     """
@@ -106,7 +113,7 @@ class RooflineCosts:
     decode_bytes: float = 0.0  # per chip per decode step (cost analysis)
     kv_bytes_per_token: float = 0.0  # K and V of one token, all layers and KV heads
     prefill_flops_per_token: float = 0.0  # whole slice, per prefilled token (cost analysis / tokens compiled)
-    logp_flops_per_token: float = 0.0  # whole slice, the log-prob projection of one verified token
+    logp_flops_per_token: float = 0.0  # whole slice, the log-prob projection of one position of a log-prob call
     train_flops_per_token: float = 0.0  # forward, whole slice: 2 * (active params + head)
     attn_flops_per_token_ctx: float = 0.0  # forward attention per token per token of context
     train_passes: float = 4.0

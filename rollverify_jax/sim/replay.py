@@ -23,11 +23,15 @@ jump is exact and the cost of the dispatches in between has a closed form, ``Cos
 A sequence's response length is drawn when its group is created (``LengthModel``). As in the engine, an
 admitted sequence's first token is sampled by ``insert`` (counted apart from decode's tokens), a decode dispatch
 runs over the live slot bucket (the smallest of ``Workload.slot_buckets`` that holds the running sequences,
-which the scheduler packs below it), and an admission round prefills once per length bucket (padded rows x
-length). With a KV page pool too small for every slot at full length (``Workload.kv_pages_per_shard``), a
-request waits at the queue head until its shard has its pages plus a page of headroom per running slot
-(``Scheduler._admit``), and a running sequence that cannot get the pages of its next dispatch is preempted back
-to the queue head (``Scheduler._grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
+which the scheduler packs below it), and an admission round prefills once per length bucket
+(``Workload.prefill_shape``: the bucket's sequences packed end to end into rows of the bucket's width, first-fit
+decreasing, ``row_bucket`` rows). A bucket that verifies nothing is one call that prefills and samples
+(``Engine.prefill_and_sample``), and a group's new members in it compute their prompt once (the others copy its
+K/V); a bucket with a verified resume is a log-prob prefill call, then an insert call. With a KV page pool
+too small for every slot at full length (``Workload.kv_pages_per_shard``), a request waits at the queue head
+until its shard has its pages plus a page of headroom per running slot (``Scheduler._admit``), and a running
+sequence that cannot get the pages of its next dispatch is preempted back to the queue head
+(``Scheduler._grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
 step + overhead (``CostModel``); nothing overlaps.
 """
 
@@ -141,12 +145,17 @@ class Workload:
             return None
         return (edge - self.prompt_len - tokens - k - 1) // k + 1
 
-    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
-        """(rows, length) one prefill call computes (``Engine.prefill``): powers of two, rows up to the slot
-        count, length in [min_prefill_len, max_seq_len]; unpadded when ``min_prefill_len`` is 0."""
+    def prefill_shape(self, lengths) -> tuple[int, int]:
+        """(rows, width) of one prefill call over sequences of ``lengths`` tokens (``Engine.pack``): the width is
+        the length bucket of the longest, the sequences are packed end to end into rows of that width (first-fit
+        decreasing, ``schedule_rules.first_fit``) and the rows rounded up to ``schedule_rules.row_bucket``. With
+        ``min_prefill_len`` 0 (no padding) a row per sequence, as wide as the longest."""
         if self.min_prefill_len == 0:
-            return rows, longest
-        return schedule_rules.pow2_bucket(rows, 1, max(self.num_slots, rows)), self.prefill_bucket(longest)
+            return len(lengths), max(lengths)
+        # the engine never prefills past max_seq_len; a replay whose prompt_len + max_new_tokens does gets rows
+        # as wide as its longest sequence there instead of an error
+        width = max(self.prefill_bucket(max(lengths)), max(lengths))
+        return schedule_rules.row_bucket(len(schedule_rules.first_fit(lengths, width))), width
 
     def prefill_bucket(self, tokens: int) -> int:
         if self.min_prefill_len == 0:
@@ -311,6 +320,16 @@ class _Traj:
     segments: list[list[int]] = dataclasses.field(default_factory=list)  # [[step, tokens]] in position order
 
 
+@dataclasses.dataclass
+class _Call:
+    """The sequences of one admission round in one length bucket (one prefill call, or two)."""
+
+    lengths: list[int] = dataclasses.field(default_factory=list)  # prompt + cached tokens of each
+    new_group: list[int] = dataclasses.field(default_factory=list)  # its group if it has no tokens yet, else -1
+    verifies: bool = False  # some sequence has cached tokens to verify: a log-prob prefill, then insert
+    inserts: bool = False  # some sequence goes on to insert (not a verified finished member that survived)
+
+
 class _Slots:
     """The decode slots on a dispatch clock: a running sequence holds ``base + k * clock`` tokens, so a jump of
     ``n`` dispatches is one addition, the next end is a heap's top and the longest sequence another's; an event
@@ -419,7 +438,7 @@ class _Slots:
 class StepRecord:
     step: int
     on_policy: bool
-    prefill_s: float = 0.0  # prefill + insert calls, without the verification share (verify_s)
+    prefill_s: float = 0.0  # prefill (+ insert) calls, without the verification share (verify_s)
     prefill_attn_s: float = 0.0  # of prefill_s: the attention (quadratic) term
     decode_s: float = 0.0
     verify_s: float = 0.0  # the verification share of the prefill rounds (log-probs + verifier)
@@ -432,9 +451,11 @@ class StepRecord:
     tokens_generated: int = 0  # by decode dispatches (the engine's rollout/tokens)
     inserted_tokens: int = 0  # the first token of every admitted sequence, sampled by insert
     useful_token_steps: int = 0
-    prefill_tokens: int = 0
-    prefill_calls: int = 0  # one prefill + insert per length bucket per admission round
-    prefill_padded_tokens: int = 0  # rows x length the prefill calls compute
+    prefill_tokens: int = 0  # prompt + cached tokens the prefill calls compute (rollout/prefill_tokens)
+    shared_prompt_tokens: int = 0  # prompt tokens of a group's new members copied, not computed
+    prefill_calls: int = 0  # per length bucket of a round: 1 (prefill and sample) or 2 (log-prob prefill, insert)
+    prefill_padded_tokens: int = 0  # rows x width the prefill calls compute
+    logp_tokens: int = 0  # of those, the ones the log-prob projection runs over (the verified calls' rows x width)
     removed_tokens: int = 0  # cached tokens verification cut (paused and finished)
     batch_tokens: int = 0  # response tokens of the trained batch
     verified: int = 0  # paused trajectories verified (what the acceptance counts: verify/num_verified)
@@ -482,7 +503,7 @@ SUMMED = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "ove
           "removed_tokens", "batch_tokens", "dispatches", "decode_steps", "slot_steps", "width_slot_steps",
           "useful_token_steps", "verified", "verified_tokens", "kept_tokens", "num_cut", "num_restarted",
           "finished_verified", "finished_cut", "preemptions", "page_waits", "inserted_tokens", "prefill_tokens",
-          "prefill_calls", "prefill_padded_tokens")
+          "prefill_calls", "prefill_padded_tokens", "shared_prompt_tokens", "logp_tokens")
 
 
 @dataclasses.dataclass
@@ -642,11 +663,12 @@ class Replay:
 
     def _admit(self, rec: StepRecord, step: int) -> None:
         """Fills free slots from the queue head while pages fit (``Scheduler._admit``): verifies and cuts resumed
-        trajectories, prefills prompt + cached tokens (one call per length bucket), and ``insert`` samples each
-        admitted sequence's next token; one that reaches its length there finishes without taking a slot."""
+        trajectories, prefills prompt + cached tokens (per length bucket, ``_charge_prefill``), and ``insert``
+        samples each admitted sequence's next token; one that reaches its length there finishes without taking a
+        slot."""
         slots, held = self.slots, []
-        tokens = verified_tokens = 0
-        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+        verified_tokens = 0
+        calls: dict[int, _Call] = collections.defaultdict(_Call)
         free_pages = busy = None
         if self.w.pool_binds:
             free_pages = (self.w.kv_pages_per_shard - slots.by_shard(slots.pages(self.w, 1))).tolist()
@@ -662,9 +684,12 @@ class Replay:
             self.queue.popleft()
             if self._is_new(t):
                 self.new_queued -= 1
-            tokens += self.w.prompt_len + t.tokens
-            by_bucket[self.w.prefill_bucket(self.w.prompt_len + t.tokens)].append(self.w.prompt_len + t.tokens)
+            length = self.w.prompt_len + t.tokens
+            call = calls[self.w.prefill_bucket(length)]
+            call.lengths.append(length)
+            call.new_group.append(t.gid if t.tokens == 0 else -1)  # no tokens yet: its prompt can be shared
             if t.verify and t.tokens > 0:
+                call.verifies = True
                 verified_tokens += t.tokens
                 keep = self._verify(rec, t, step)
                 t.verify = False
@@ -676,6 +701,7 @@ class Replay:
                     self._cut(t, keep)
                 t.finished = False
             t.verify = False
+            call.inserts = True
             self._grow_tokens(t, t.tokens + 1)  # insert's sample
             rec.inserted_tokens += 1
             if t.tokens >= t.target:
@@ -685,22 +711,40 @@ class Replay:
             slots.place(slot, t.uid, t.tokens, t.target, self._grant)
         for slot in held:
             slots.give(slot)
-        self._charge_prefill(rec, by_bucket, verified_tokens)
-        rec.prefill_tokens += tokens
+        self._charge_prefill(rec, list(calls.values()), verified_tokens)
 
-    def _charge_prefill(self, rec: StepRecord, by_bucket: dict[int, list[int]], verified_tokens: int) -> None:
-        """One prefill + insert call per length bucket: padded rows x length, and causal attention over each
-        padded row."""
-        shapes = [self.w.prefill_shape(len(v), max(v)) for v in by_bucket.values()]
-        padded = sum(r * n for r, n in shapes)
-        squares = sum(r * n * n for r, n in shapes)
-        cost_all = self.costs.prefill(padded, verified_tokens, len(shapes), squares)
-        verify_part = (self.costs.prefill_logp_token_s + self.costs.verify_token_s) * verified_tokens
-        rec.prefill_s += cost_all - verify_part
-        rec.prefill_attn_s += self.costs.prefill_attn_s * squares
+    def _charge_prefill(self, rec: StepRecord, calls: list[_Call], verified_tokens: int) -> None:
+        """The prefill of one admission round, per length bucket (``Scheduler._prefill_and_insert``): a bucket
+        that verifies nothing is one call (``Engine.prefill_and_sample``) in which a group's new members compute
+        their prompt once (the first is packed, the others copy its K/V: ``_shared_prompts``); a bucket with a
+        verified resume packs every sequence into a log-prob prefill call (the projection runs over its rows x
+        width), then an insert call if anything is left to sample. Each call computes ``prefill_shape`` rows x
+        width, and causal attention over each packed row (rows x width^2; the halving is in the rate)."""
+        padded = squares = n_calls = computed = shared = logp = 0
+        for call in calls:
+            packed, seen = [], set()
+            for length, gid in zip(call.lengths, call.new_group, strict=True):
+                if not call.verifies and gid >= 0 and gid in seen:
+                    shared += length
+                    continue
+                seen.add(gid)
+                packed.append(length)
+            rows, width = self.w.prefill_shape(packed)
+            padded += rows * width
+            squares += rows * width * width
+            logp += rows * width if call.verifies else 0
+            computed += sum(packed)
+            n_calls += 1 + (call.verifies and call.inserts)
+        c = self.costs
+        verify_part = c.prefill_logp_token_s * logp + c.verify_token_s * verified_tokens
+        rec.prefill_s += c.prefill(padded, verified_tokens, n_calls, squares, logp) - verify_part
+        rec.prefill_attn_s += c.prefill_attn_s * squares
         rec.verify_s += verify_part
-        rec.prefill_calls += len(shapes)
+        rec.prefill_calls += n_calls
         rec.prefill_padded_tokens += padded
+        rec.prefill_tokens += computed
+        rec.shared_prompt_tokens += shared
+        rec.logp_tokens += logp
 
     def _grow_or_preempt(self, rec: StepRecord) -> np.ndarray | None:
         """Grants every running slot the pages of its next dispatch (``Scheduler._grow_or_preempt``): on a shard
