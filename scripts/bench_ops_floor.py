@@ -220,7 +220,7 @@ def notes(args, kernels: str) -> str:
         f"unmeasured; this script picks up the platform's kernels where they exist, and `scripts/check_gpu.py` "
         f"runs it in its `ops_floor` section. The tiny models have vocabularies of 40-64 tokens and 4 layers; a "
         f"real model's floor is not implied by these rows.\n\n"
-        f"Before the fixes (commit 94740b9, same workload) the tiny policy's bf16 floor was a mean segment OPS of "
+        f"Before the fixes (commit 089be0f, same workload) the tiny policy's bf16 floor was a mean segment OPS of "
         f"8.8e-3 with 12 of 32 on-policy trajectories cut, f32 compute with a bf16 KV cache 2.7e-3, the random "
         f"model's bf16 1.2e-3. What differed between the paths, and is now the same: RMSNorm's product rounded once "
         f"(`models/qwen3.py`; XLA had kept or dropped HF's middle rounding per fused shape); every bf16 rounding "
