@@ -154,10 +154,9 @@ def compile_run(topology: str | None = None) -> dict:
                           mesh_lib.param_shardings(params, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
     static = engine_lib._Static(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash)
     n = aot.prefill_rows or math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
-    pps = decode_state.page_table.shape[1]
+    packed = engine_lib.PackedPrefill(*[_sds((n, width), jnp.int32, mesh)] * 5, *[_sds((n,), jnp.int32, mesh)] * 3)
     programs["prefill"], _ = _compile("prefill", lambda: engine_lib._prefill_jit.lower(
-        static, params, decode_state, _sds((n, width), jnp.int32, mesh), _sds((n,), jnp.int32, mesh),
-        _sds((n, pps), jnp.int32, mesh), _sds((n,), jnp.int32, mesh), True))
+        static, params, decode_state, packed, True))
     programs["decode"], _ = _compile("decode", lambda: engine_lib._generate_jit.lower(
         static, params, decode_state, engine_cfg.steps_per_dispatch))
 

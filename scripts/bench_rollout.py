@@ -6,7 +6,7 @@ longest member (a synchronous rollout). Continuous: the same request stream thro
 ends once ``num_slots`` sequences have finished, the rest are paused (their tokens count as useful work)
 and resumed first in the next phase, like partial rollout.
 
-Usage: python scripts/bench_rollout.py [--sequences 256] [--slots 32] [--max-new 512] [--json out.json]
+Usage: python scripts/bench_rollout.py [--sequences 256] [--slots 32] [--max-new 512] [--group-size 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,17 +23,20 @@ from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Schedul
 from rollverify_jax.rollout import engine as engine_lib
 
 
-def workload(n: int, max_new: int, seed: int, sigma: float = 1.0) -> list[Trajectory]:
-    """Lognormal response lengths with mean max_new / 8, clipped to [1, max_new]."""
+def workload(n: int, max_new: int, seed: int, sigma: float = 1.0, group_size: int = 1) -> list[Trajectory]:
+    """Lognormal response lengths with mean max_new / 8, clipped to [1, max_new]; ``group_size`` consecutive
+    requests answer one prompt (a GRPO group: same prompt and group id, their own lengths)."""
     rng = np.random.default_rng(seed)
     mu = np.log(max_new / 8) - sigma**2 / 2
     lengths = np.clip(np.round(rng.lognormal(mu, sigma, size=n)), 1, max_new).astype(int)
-    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 60, size=rng.integers(8, 17)).astype(np.int32),
-                       seed=i, max_new_tokens=int(lengths[i])) for i in range(n)]
+    prompts = [rng.integers(4, 60, size=rng.integers(8, 17)).astype(np.int32) for _ in range(-(-n // group_size))]
+    return [Trajectory(uid=i, group_id=i // group_size, prompt=prompts[i // group_size], seed=i,
+                       max_new_tokens=int(lengths[i])) for i in range(n)]
 
 
 def compiles() -> int:
-    return sum(f._cache_size() for f in (engine_lib._prefill_jit, engine_lib._insert_jit, engine_lib._generate_jit))
+    jits = (engine_lib._prefill_jit, engine_lib._insert_jit, engine_lib._prefill_insert_jit, engine_lib._generate_jit)
+    return sum(f._cache_size() for f in jits)
 
 
 def run_static(engine: Engine, reqs: list[Trajectory]) -> dict:
@@ -77,7 +80,8 @@ def _summary(sched: Scheduler, wall: float, useful_tokens: int, sequences: int) 
                 slot_utilization=st.slot_utilization(sched.engine.config.num_slots),
                 host_overhead=st.host_time / wall, prefill_fraction=st.prefill_time / wall, wall_s=wall,
                 useful_tokens=useful_tokens, sequences=sequences,
-                decode_steps=st.decode_steps, dispatches=st.dispatches, prefill_tokens=st.prefill_tokens)
+                decode_steps=st.decode_steps, dispatches=st.dispatches, prefill_tokens=st.prefill_tokens,
+                shared_prompt_tokens=st.shared_prompt_tokens)
 
 
 def main() -> None:
@@ -87,6 +91,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=512)
     ap.add_argument("--steps-per-dispatch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt in the grouped workload")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = init_model(model_config("tiny"))
@@ -99,36 +104,45 @@ def main() -> None:
           f"p99 {np.percentile(lengths, 99):.0f} max {lengths.max()} (max_new {args.max_new})")
     # Shapes compile on first use: run the timed workloads once untimed, so compile time stays out of the
     # measurement (the same requests take the same shapes).
+    grouped = workload(args.sequences * 4, args.max_new, args.seed, group_size=args.group_size)
     t0 = time.perf_counter()
     run_static(engine, [_fresh(t) for t in reqs[: args.sequences]])
     run_continuous(engine, [_fresh(t) for t in reqs], args.sequences)
+    run_continuous(engine, [_fresh(t) for t in grouped], args.sequences)
     print(f"warm-up run (compiles the shapes used): {time.perf_counter() - t0:.1f}s")
     before = compiles()
     static = run_static(engine, [_fresh(t) for t in reqs[: args.sequences]])
     cont = run_continuous(engine, [_fresh(t) for t in reqs], args.sequences)
+    cont_groups = run_continuous(engine, [_fresh(t) for t in grouped], args.sequences)
     recompiles = compiles() - before
     ratio = cont["tokens_per_s"] / static["tokens_per_s"]
-    for name, r in (("static", static), ("continuous", cont)):
+    runs = (("static", static), ("continuous", cont), (f"continuous, groups of {args.group_size}", cont_groups))
+    for name, r in runs:
         print(f"{name:>10}: {r['tokens_per_s']:8.0f} tokens/s  slot utilization {r['slot_utilization']:.3f}  "
               f"host overhead {r['host_overhead']:.3f}  prefill {r['prefill_fraction']:.3f}  "
               f"wall {r['wall_s']:.1f}s  decode steps {r['decode_steps']}")
     print(f"continuous / static tokens/s: {ratio:.2f}x; recompiles during timed runs: {recompiles}")
     rows = ["| mode | tokens/s | slot utilization | host overhead | prefill share | wall (s) | decode steps | "
-            "useful tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "useful tokens | prefilled tokens | shared prompt tokens |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows += [f"| {n} | {r['tokens_per_s']:.0f} | {r['slot_utilization']:.3f} | {r['host_overhead']:.3f} | "
              f"{r['prefill_fraction']:.3f} | "
-             f"{r['wall_s']:.1f} | {r['decode_steps']} | {r['useful_tokens']} |"
-             for n, r in (("static", static), ("continuous", cont))]
+             f"{r['wall_s']:.1f} | {r['decode_steps']} | {r['useful_tokens']} | {r['prefill_tokens']} | "
+             f"{r['shared_prompt_tokens']} |" for n, r in runs]
     body = "\n".join(rows) + (
         f"\n\nWorkload: {args.sequences} sequences, forced lognormal lengths (mean {lengths.mean():.1f}, median "
         f"{np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}, cap {args.max_new}), "
         f"tiny model, {args.slots} slots, {args.steps_per_dispatch} decode steps per dispatch. Continuous ran "
         f"{cont['phases']} partial-rollout phases ({args.slots} finished sequences each; paused tokens count as "
-        f"useful). Speed-up {ratio:.2f}x; recompiles during the timed runs: {recompiles}.")
+        f"useful). The grouped row runs the same lengths with every {args.group_size} consecutive requests answering "
+        f"one prompt (a GRPO group): members admitted together share one prefill of it. Prefill share = prefill + "
+        f"insert calls (packed rows, one call per length bucket and admission round) / wall-clock. Speed-up "
+        f"{ratio:.2f}x; recompiles during the timed runs: {recompiles}.")
     benchlib.write_section("Rollout: static vs continuous batching (bench_rollout.py)", body)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"static": static, "continuous": cont, "speedup": ratio, "recompiles": recompiles}, f, indent=2)
+            json.dump({"static": static, "continuous": cont, "continuous_groups": cont_groups, "speedup": ratio,
+                       "recompiles": recompiles}, f, indent=2)
 
 
 def _fresh(t: Trajectory) -> Trajectory:

@@ -151,3 +151,29 @@ def test_decode_over_live_pages_equals_decode_over_the_whole_table(model, sampli
     for a, b in zip(live, full, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)
+
+
+def test_fused_prefill_and_sample_equals_prefill_then_insert(model, sampling_engine):
+    """Admissions that verify nothing prefill and sample in one call: the same first tokens and log mu as a
+    prefill followed by insert, and the same K/V in the sequences' pages."""
+    reqs = _requests(3, seed=21)
+    seqs = [t.prompt for t in reqs]
+    out = []
+    for fused in (True, False):
+        engine = Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,))
+        for slot, s in enumerate(seqs):
+            engine.allocator.allocate(slot, len(s) + 4)
+        args = ([0] * 3, [t.seed for t in reqs], [t.max_new_tokens for t in reqs])
+        if fused:
+            tok, logp = engine.prefill_and_sample(seqs, [0, 1, 2], [len(s) for s in seqs], *args)
+        else:
+            prefix = engine.prefill(seqs, [0, 1, 2], [len(s) for s in seqs], with_logp=False)
+            tok, logp = engine.insert(prefix, [0, 1, 2], [0, 1, 2], [len(s) - 1 for s in seqs], *args)
+        pages = [np.asarray(engine.state.pages.k[0])[:, engine.allocator.owned[s]] for s in range(3)]
+        out.append((tok, logp, pages))
+    (tok_a, logp_a, pages_a), (tok_b, logp_b, pages_b) = out
+    assert tok_a.tolist() == tok_b.tolist()
+    np.testing.assert_allclose(logp_a, logp_b, atol=1e-6)
+    for a, b, s in zip(pages_a, pages_b, seqs, strict=True):
+        np.testing.assert_allclose(a.reshape(a.shape[0], -1, a.shape[-1])[:, : len(s)],
+                                   b.reshape(b.shape[0], -1, b.shape[-1])[:, : len(s)], atol=1e-6)

@@ -406,7 +406,7 @@ PHASE_KEYS = {"time/rollout", "time/verify", "rollout/tokens_per_s", "rollout/to
               "cache/staleness_mean", "verify/acceptance", "verify/num_verified", "verify/tokens_total",
               "verify/regen_tokens", "verify/regen_equal_rate", "mode/on_policy", "verify/num_cut",
               "verify/num_restarted", "verify/tokens_removed", "verify/finished_verified", "verify/finished_cut",
-              "verify/token_stage_cuts"}
+              "verify/token_stage_cuts", "rollout/shared_prompt_tokens"}
 PER_AGE = ("cache/staleness_hist/", "verify/segments_checked/", "verify/segments_failed/", "verify/keep_fraction/")
 
 

@@ -314,23 +314,26 @@ def test_resumed_trajectories_queue_ahead_of_new_ones_in_their_order(engine):
 
 
 def test_prefill_computes_log_probs_only_for_rows_that_are_verified(engine, monkeypatch):
-    asked = []
-    real = engine.prefill
+    """Admissions that verify nothing (new prompts, resumes without keep) prefill and sample in one call, without
+    the log-prob pass; a verified resume prefills with log-probs, then inserts."""
+    asked, fused = [], []
+    real, real_fused = engine.prefill, engine.prefill_and_sample
     monkeypatch.setattr(engine, "prefill", lambda *a, with_logp=True, **k: (asked.append(with_logp),
                                                                              real(*a, with_logp=with_logp, **k))[1])
+    monkeypatch.setattr(engine, "prefill_and_sample", lambda *a: (fused.append(len(a[0])), real_fused(*a))[1])
     sched = _submit(engine, _requests(3, seed=9, max_new=20))
     sched.step()
-    assert asked and not any(asked)  # fresh prompts: nothing to verify
+    assert fused == [3] and not asked  # fresh prompts: nothing to verify
     paused = [t for t in sched.pause_all() if t.num_tokens]
-    asked.clear()
+    fused.clear()
     sched.resume(paused)  # keep=None: resumed without verification
     sched.step()
-    assert asked and not any(asked)
+    assert sum(fused) == len(paused) and not asked
     paused = [t for t in sched.pause_all() if t.num_tokens]
-    asked.clear()
+    fused.clear()
     sched.resume(paused, keep=lambda new, beh, ver, lengths: lengths)
     sched.step()
-    assert asked and all(asked)
+    assert asked and all(asked) and not fused
     sched.pause_all()
 
 
@@ -410,21 +413,27 @@ def test_when_pages_run_short_the_youngest_request_is_preempted(model):
     sched.pause_all()
 
 
-def test_one_prefill_per_length_bucket(engine, monkeypatch):
-    """A long resumed trajectory is prefilled on its own, so it does not pad the short new prompts."""
+def test_one_packed_prefill_per_length_bucket(engine, monkeypatch):
+    """A long resumed trajectory is prefilled on its own, so the short new prompts do not attend over its long
+    rows; the short ones share one packed row of their bucket (one row of 32 positions, not 2 x 32)."""
     calls = []
-    real = engine.prefill
-    monkeypatch.setattr(engine, "prefill", lambda seqs, *a, **k: (calls.append(sorted(len(s) for s in seqs)),
-                                                                  real(seqs, *a, **k))[1])
+    real = engine.pack
+    monkeypatch.setattr(engine, "pack", lambda seqs, *a: (calls.append(real(seqs, *a)), calls[-1])[1])
     long = Trajectory(uid=9, group_id=9, prompt=np.arange(4, 12, dtype=np.int32), seed=1, max_new_tokens=40,
                       tokens=[5] * 30, logps=[-1.0] * 30, versions=[0] * 30)
+    short = _requests(2, seed=12)
     sched = Scheduler(engine)
-    sched.submit(_requests(2, seed=12))
+    sched.submit(short)
     sched.resume([long])
     sched.step()
     sched.pause_all()
-    assert engine.prefill_bucket(38) != engine.prefill_bucket(10)
-    assert sorted(calls) == sorted([[38], sorted(len(t.prompt) for t in _requests(2, seed=12))])
+    lengths = sorted(len(t.prompt) for t in short)
+    assert engine.prefill_bucket(38) == 64 and engine.prefill_bucket(sum(lengths)) == 32
+    packed_short, packed_long = sorted(calls, key=lambda p: p.tokens.shape[1])
+    assert packed_long.tokens.shape == (1, 64) and (packed_long.segments > 0).sum() == 38
+    assert packed_short.tokens.shape == (1, 32) and packed_short.row.tolist()[:2] == [0, 0]
+    assert sorted(np.bincount(packed_short.segments.ravel())[1:].tolist()) == lengths
+    assert sorted(packed_short.start.tolist()[:2]) == [0, lengths[1]]  # first-fit decreasing: longest first
 
 
 def test_only_trajectories_with_tokens_are_verified_and_one_token_can_be_cut(engine):
@@ -576,3 +585,23 @@ def test_running_slots_are_packed_and_decode_runs_over_the_live_slots_only(model
     for uid, t in results[False].items():
         assert results[True][uid].tokens == t.tokens
         np.testing.assert_allclose(results[True][uid].logps, t.logps, atol=1e-6)
+
+
+def test_a_groups_prompt_is_prefilled_once_and_its_members_sample_as_if_alone(engine, model):
+    """G members of one group admitted together: one prefill of their prompt, K/V copied to every member's
+    pages, and each member's tokens and log mu equal those it samples when admitted on its own."""
+    prompt = np.arange(4, 23, dtype=np.int32)  # 19 tokens: two full pages of 8 and a partial one
+
+    def group():
+        return [Trajectory(uid=u, group_id=7, prompt=prompt, seed=100 + u, max_new_tokens=12) for u in range(3)]
+    sched = _submit(engine, group())
+    sched.run()
+    together = {t.uid: t for t in sched.take_finished()}
+    assert sched.stats.shared_prompt_tokens == 2 * len(prompt) and sched.stats.prefill_tokens == len(prompt)
+    for t in group():
+        alone = _submit(engine, [t])
+        alone.run()
+        (a,) = alone.take_finished()
+        assert a.tokens == together[t.uid].tokens
+        np.testing.assert_allclose(a.logps, together[t.uid].logps, atol=1e-5)
+    assert engine.allocator.num_free == engine.allocator.capacity

@@ -165,6 +165,7 @@ class RolloutManager:
             "rollout/tokens": stats.tokens_generated,
             "rollout/slot_utilization": stats.slot_utilization(sched.engine.config.num_slots),
             "rollout/prefill_tokens": stats.prefill_tokens,
+            "rollout/shared_prompt_tokens": stats.shared_prompt_tokens,
             "rollout/host_time": stats.host_time,
             # Device-call timers and counts, so a cost model can price prefill and decode separately.
             "rollout/prefill_time": stats.prefill_time,

@@ -73,10 +73,30 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Prefix:
-    """What ``prefill`` hands to ``insert``: final hidden states (on device) and per-token log-probs."""
+    """What ``prefill`` hands to ``insert``: final hidden states of the packed rows (on device), where each
+    sequence sits in them, and per-token log-probs."""
 
-    hidden: jax.Array  # [n, T, H]
-    response_logp: jax.Array  # float32[n, T]: log pi of token prompt_len + j (at the sampling temperature)
+    hidden: jax.Array  # [R, W, H]  packed rows
+    response_logp: jax.Array  # float32[n, W]: log pi of sequence i's response token j (at the sampling temperature)
+    row: jax.Array  # int32[n]  packed row of sequence i
+    start: jax.Array  # int32[n]  position of sequence i's first token in its row
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedPrefill:
+    """One prefill call's input: several sequences laid end to end in rows of width W (first-fit), each token
+    with its position in its own sequence, its segment (1, 2, ... per row; 0 on padding) and the KV page slot
+    it is written to. Packing computes real tokens, not a power-of-two rectangle per length bucket."""
+
+    tokens: jax.Array  # int32[R, W]
+    positions: jax.Array  # int32[R, W]
+    segments: jax.Array  # int32[R, W]
+    pages: jax.Array  # int32[R, W]  global pool page of each token
+    page_slots: jax.Array  # int32[R, W]  position inside that page
+    row: jax.Array  # int32[n]
+    start: jax.Array  # int32[n]
+    prompt_lens: jax.Array  # int32[n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,29 +152,29 @@ class PoolLayout:
 
 
 class _PrefillAttention:
-    """Dense causal attention that also writes each layer's K/V into the sequences' pages (each device
-    writes the tokens whose pages it holds)."""
+    """Dense causal attention within each packed sequence that also writes each layer's K/V into the
+    sequences' pages (each device writes the tokens whose pages it holds)."""
 
-    def __init__(self, pages: paged_cache.KVPages, page_table, valid, kernel: dict, layout: PoolLayout):
+    def __init__(self, pages: paged_cache.KVPages, packed: PackedPrefill, kernel: dict, layout: PoolLayout):
         self.k, self.v = list(pages.k), list(pages.v)
-        self.page_table, self.valid, self.layout = page_table, valid, layout
-        self.dense = CausalAttention(valid=valid, **kernel)
+        self.packed, self.layout = packed, layout
+        self.dense = CausalAttention(valid=packed.segments > 0, segments=packed.segments, **kernel)
 
     def __call__(self, layer_idx, q, k, v):
-        lay = self.layout
+        lay, packed = self.layout, self.packed
 
-        def write(kp, vp, k, v, table, valid):
-            positions = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
+        def write(kp, vp, k, v, page, slot, valid):
             offset = lay.shard_offset(kp.shape[1])
-            return (paged_cache.write_kv(kp, k, positions, table, valid, offset),
-                    paged_cache.write_kv(vp, v, positions, table, valid, offset))
+            return (paged_cache.write_kv_at(kp, k, page, slot, valid, offset),
+                    paged_cache.write_kv_at(vp, v, page, slot, valid, offset))
 
         rows = lay.heads_spec(slots=False)
         write = lay.shard_map(write, (lay.pages_spec(), lay.pages_spec(), rows, rows, PartitionSpec(),
-                                      PartitionSpec()), (lay.pages_spec(), lay.pages_spec()))
-        self.k[layer_idx], self.v[layer_idx] = write(self.k[layer_idx], self.v[layer_idx], k, v, self.page_table,
-                                                     self.valid)
-        return self.dense(layer_idx, q, k, v)
+                                      PartitionSpec(), PartitionSpec()), (lay.pages_spec(), lay.pages_spec()))
+        self.k[layer_idx], self.v[layer_idx] = write(self.k[layer_idx], self.v[layer_idx], k, v, packed.pages,
+                                                     packed.page_slots, packed.segments > 0)
+        kv = self.k[layer_idx].dtype  # attend over the K/V decode reads back: rounded to the pages' dtype
+        return self.dense(layer_idx, q, k.astype(kv).astype(k.dtype), v.astype(kv).astype(v.dtype))
 
 
 class _DecodeAttention:
@@ -176,7 +196,9 @@ class _DecodeAttention:
             vp = paged_cache.write_kv(vp, v, pos, table, valid, offset)
             # A slot is never longer than its table's pages (inactive slots' lengths are clamped to them).
             seen = jnp.minimum(lengths + 1, table.shape[1] * kp.shape[2])
-            out = paged_attention(q[:, 0] * scale, kp, vp, seen, table - offset, platform=lay.platform)
+            # Scaled in float32: the prefill scales its float32 scores, and a bf16 q * scale rounds q again.
+            qs = q[:, 0].astype(jnp.float32) * scale
+            out = paged_attention(qs, kp, vp, seen, table - offset, platform=lay.platform)
             return out[:, None].astype(q.dtype), kp, vp
 
         rows = lay.heads_spec(slots=True)
@@ -209,33 +231,33 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return schedule_rules.pow2_bucket(n, lo, hi)
 
 
-def _prefill_fn(static: _Static, params, state: DecodeState, tokens, lengths, page_rows, prompt_lens,
-                with_logp: bool):
+def _prefill_fn(static: _Static, params, state: DecodeState, packed: PackedPrefill, with_logp: bool):
     model = nnx.merge(static.graphdef, params)
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    attn = _PrefillAttention(state.pages, page_rows, valid, static.kernel(), static.layout)
-    hidden, _ = model.hidden_states(tokens, attention=attn, mesh=static.layout.mesh)
+    tokens = packed.tokens
+    attn = _PrefillAttention(state.pages, packed, static.kernel(), static.layout)
+    hidden, _ = model.hidden_states(tokens, positions=packed.positions, attention=attn, mesh=static.layout.mesh)
     state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
+    n, width = packed.row.shape[0], tokens.shape[1]
     if not with_logp:  # new prompts: only the last position's logits are needed, and insert computes them
-        return state, Prefix(hidden=hidden, response_logp=jnp.zeros(tokens.shape, jnp.float32))
+        return state, Prefix(hidden, jnp.zeros((n, width), jnp.float32), packed.row, packed.start)
     temperature = static.sampling.logp_temperature
     if static.logits_chunk is None:
         logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
         logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
-        token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [n, T-1]
-    else:  # never the whole [n, T, V] logits: at a real vocabulary and length they do not fit
+        token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [R, W-1]
+    else:  # never the whole [R, W, V] logits: at a real vocabulary and length they do not fit
         token_logp = chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature,
                                     static.logits_chunk)[0]
-    token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token
-    idx = jnp.clip(prompt_lens[:, None] + jnp.arange(tokens.shape[1])[None], 0, tokens.shape[1] - 1)
-    response_logp = jnp.take_along_axis(token_logp, idx, axis=1)
-    return state, Prefix(hidden=hidden, response_logp=response_logp)
+    token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token in its row
+    idx = jnp.clip((packed.start + packed.prompt_lens)[:, None] + jnp.arange(width)[None], 0, width - 1)
+    response_logp = token_logp[packed.row[:, None], idx]  # [n, W]; past a sequence's end: ignored
+    return state, Prefix(hidden, response_logp, packed.row, packed.start)
 
 
-def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots, sample_pos, gen_index, seeds,
-               max_new, page_rows, row_valid):
+def _insert_fn(static: _Static, params, state: DecodeState, prefix: Prefix, rows, slots, sample_pos, gen_index,
+               seeds, max_new, page_rows, row_valid):
     model = nnx.merge(static.graphdef, params)
-    h = hidden[rows, sample_pos]  # [n, H]
+    h = prefix.hidden[prefix.row[rows], prefix.start[rows] + sample_pos]  # [n, H]
     tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, static.sampling)
     done = jnp.isin(tok, jnp.asarray(static.eos_ids, jnp.int32)) | (gen_index + 1 >= max_new)
     slot = jnp.where(row_valid, slots, state.tokens.shape[0])  # out-of-range rows are dropped
@@ -248,6 +270,22 @@ def _insert_fn(static: _Static, params, state: DecodeState, hidden, rows, slots,
         max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, ~done),
     )
     return state, (tok, logp)
+
+
+def _prefill_insert_fn(static: _Static, params, state: DecodeState, packed: PackedPrefill, copy_src, copy_dst,
+                       rows, sample_pos, slots, gen_index, seeds, max_new, page_rows, row_valid):
+    """Prefill and insert in one call, for admissions that verify nothing (one dispatch and one host sync per
+    admission instead of two). A sequence whose prompt another one of the call carries (a group's members) is
+    not prefilled again: the K/V pages of that prompt are copied to its own pages (``copy_src`` -> ``copy_dst``,
+    out-of-range destinations are padding), and it samples from the same hidden state with its own seed."""
+    state, prefix = _prefill_fn(static, params, state, packed, False)
+
+    def copy(pages):
+        return pages.at[:, copy_dst].set(pages[:, copy_src], mode="drop")
+    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=[copy(k) for k in state.pages.k],
+                                                                 v=[copy(v) for v in state.pages.v]))
+    return _insert_fn(static, params, state, prefix, rows, slots, sample_pos, gen_index, seeds, max_new, page_rows,
+                      row_valid)
 
 
 _SLOT_FIELDS = ("page_table", "tokens", "lengths", "generated", "max_new", "seeds", "active")
@@ -297,9 +335,14 @@ def _move_slots_fn(state: DecodeState, src: jax.Array, dst: jax.Array) -> Decode
     return dataclasses.replace(state, **moved)
 
 
-_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 7), donate_argnums=(2,))
-_insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,))
-_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,))
+# XLA may skip a bf16 rounding it finds between float32 ops, or not, depending on how it fuses each shape: the
+# prefill ([n, T]) and decode ([S, 1]) of the same tokens then round differently and a resume's log pi misses
+# the recorded log mu (bench_ops_floor.py). Every rounding as written keeps the two paths in step.
+_EXACT = {"xla_allow_excess_precision": False}
+_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 4), donate_argnums=(2,), compiler_options=_EXACT)
+_insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
+_prefill_insert_jit = jax.jit(_prefill_insert_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
+_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,), compiler_options=_EXACT)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -310,6 +353,12 @@ def _set_page_table_fn(state: DecodeState, table: jax.Array) -> DecodeState:
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _deactivate_fn(state: DecodeState, mask: jax.Array) -> DecodeState:
     return dataclasses.replace(state, active=state.active & ~mask)
+
+
+def _pad(x, n: int, dtype) -> np.ndarray:
+    out = np.zeros((n,), dtype)
+    out[: len(x)] = x
+    return out
 
 
 def pool_pages(model_cfg, config: EngineConfig, num_shards: int = 1) -> int:
@@ -390,69 +439,103 @@ class Engine:
 
     def warmup(self, prompt_len: int | None = None) -> None:
         """Compiles the programs a first admission uses: prefill and insert for a full batch of new prompts of
-        up to ``prompt_len`` tokens (default: the shortest length bucket), and decode over the smallest
-        live-page bucket. Every other shape (fewer rows, longer resumed sequences, the log-prob prefill of a
-        resume, wider live pages) compiles the first time it is used, so a run compiles only the shapes it
-        needs; with the persistent compilation cache a restart compiles none. Dummy rows write only to the
-        scratch page and activate no slot."""
+        ``prompt_len`` tokens (default 1), and decode over the smallest live-page bucket. Every other shape
+        (fewer rows, longer resumed sequences, the log-prob prefill of a resume, wider live pages) compiles the
+        first time it is used, so a run compiles only the shapes it needs; with the persistent compilation cache
+        a restart compiles none. The dummy prompts sit in free slots, whose pages are the scratch page, and
+        activate no slot."""
         n = self.config.num_slots
-        t = self.prefill_bucket(prompt_len or 1)
-        pps = self.allocator.pages_per_seq
-        ones, zeros = np.ones((n,), np.int32), np.zeros((n,), np.int32)
-        self.state, prefix = _prefill_jit(self._static(), self.params, self.state, np.zeros((n, t), np.int32), ones,
-                                          np.zeros((n, pps), np.int32), ones, False)
-        self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix.hidden, zeros, zeros, zeros, zeros,
-                                    zeros.astype(np.uint32), ones, np.zeros((n, pps), np.int32), zeros.astype(bool))
+        seqs = [np.zeros((prompt_len or 1,), np.int32)] * n
+        prefix = self.prefill(seqs, list(range(n)), [len(s) for s in seqs], with_logp=False)
+        zeros, pps = np.zeros((n,), np.int32), self.allocator.pages_per_seq
+        self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix, zeros, zeros, zeros, zeros,
+                                    zeros.astype(np.uint32), zeros + 1, np.zeros((n, pps), np.int32),
+                                    zeros.astype(bool))
         self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
                                       self.live_page_buckets()[0] if self.config.live_pages else None)
         self.state = _deactivate_fn(self.state, np.zeros((n,), bool))
         self.sync_page_table()
 
     def prefill_bucket(self, num_tokens: int) -> int:
-        """The padded length a sequence of ``num_tokens`` is prefilled at."""
+        """The packed row width of a prefill whose longest sequence has ``num_tokens`` tokens."""
         return _bucket(num_tokens, self.config.min_prefill_len, self.config.max_seq_len)
+
+    def pack(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int]) -> PackedPrefill:
+        """The packed layout of one prefill call (host arrays): rows of the longest sequence's length bucket,
+        filled first-fit, their number a power of two; sequence i's tokens go to the pages of ``slots[i]``."""
+        n, lengths = len(sequences), [len(s) for s in sequences]
+        width = self.prefill_bucket(max(lengths))
+        layout = schedule_rules.first_fit(lengths, width)
+        rows = schedule_rules.row_bucket(len(layout))
+        nb = _bucket(n, 1, max(self.config.num_slots, n))
+        tokens, positions, segments, pages, page_slots = (np.zeros((rows, width), np.int32) for _ in range(5))
+        row, start, plens = (np.zeros((nb,), np.int32) for _ in range(3))
+        size, table = self.allocator.page_size, self.allocator.table
+        for r, members in enumerate(layout):
+            offset = 0
+            for segment, i in enumerate(members, start=1):
+                m, cols = lengths[i], slice(offset, offset + lengths[i])
+                pos = np.arange(m)
+                tokens[r, cols], positions[r, cols], segments[r, cols] = sequences[i], pos, segment
+                pages[r, cols], page_slots[r, cols] = table[slots[i], pos // size], pos % size
+                row[i], start[i], plens[i] = r, offset, prompt_lens[i]
+                offset += m
+        return PackedPrefill(tokens, positions, segments, pages, page_slots, row, start, plens)
 
     def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
                 with_logp: bool = True) -> Prefix:
-        """Runs prompt (+ cached response prefix) through the current params, writing K/V into the pages
-        already allocated to ``slots``. Returns the hidden states and (``with_logp``) the response tokens'
-        log pi, which verification needs; new prompts skip that full-vocabulary pass."""
-        n = len(sequences)
-        nb = _bucket(n, 1, max(self.config.num_slots, n))
-        longest = max(len(s) for s in sequences)
-        tb = self.prefill_bucket(longest)
-        tokens = np.zeros((nb, tb), np.int32)
-        lengths = np.zeros((nb,), np.int32)
-        for i, seq in enumerate(sequences):
-            tokens[i, : len(seq)] = seq
-            lengths[i] = len(seq)
-        page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
-        page_rows[:n] = self.allocator.table[slots]
-        plens = np.zeros((nb,), np.int32)
-        plens[:n] = prompt_lens
-        self.state, prefix = _prefill_jit(self._static(), self.params, self.state, tokens, lengths, page_rows, plens,
-                                          with_logp)
+        """Runs prompt (+ cached response prefix) of every sequence through the current params in one call,
+        packed (``pack``), writing K/V into the pages already allocated to ``slots``. Returns the hidden states
+        and (``with_logp``) the response tokens' log pi, which verification needs; new prompts skip that
+        full-vocabulary pass."""
+        self.state, prefix = _prefill_jit(self._static(), self.params, self.state,
+                                          self.pack(sequences, slots, prompt_lens), with_logp)
         return prefix
 
     def insert(self, prefix: Prefix, rows: list[int], slots: list[int], sample_pos: list[int],
                gen_index: list[int], seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Activates ``slots``: each samples its next token from prefix row ``rows[i]`` at position
-        ``sample_pos[i]`` (token index ``gen_index[i]`` for the randomness). Returns (tokens, log mu)."""
-        n, nb = len(slots), prefix.hidden.shape[0]
+        """Activates ``slots``: each samples its next token from the prefill's sequence ``rows[i]`` at its
+        position ``sample_pos[i]`` (token index ``gen_index[i]`` for the randomness). Returns (tokens, log mu)."""
+        nb = prefix.row.shape[0]
+        args = self._slot_args(nb, slots, gen_index, seeds, max_new)
+        self.state, out = _insert_jit(self._static(), self.params, self.state, prefix, _pad(rows, nb, np.int32),
+                                      args[0], _pad(sample_pos, nb, np.int32), *args[1:])
+        tok, logp = distributed.fetch(out)
+        return tok[: len(slots)], logp[: len(slots)]
 
-        def pad(x, dtype):
-            out = np.zeros((nb,), dtype)
-            out[:n] = x
-            return out
-        page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
-        page_rows[:n] = self.allocator.table[slots]
-        self.state, (tok, logp) = _insert_jit(
-            self._static(), self.params, self.state, prefix.hidden, pad(rows, np.int32), pad(slots, np.int32),
-            pad(sample_pos, np.int32),
-            pad(gen_index, np.int32), pad(seeds, np.uint32), pad(max_new, np.int32), page_rows,
-            pad([True] * n, bool))
-        tok, logp = distributed.fetch((tok, logp))
+    def prefill_and_sample(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
+                           gen_index: list[int], seeds: list[int], max_new: list[int],
+                           source: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``prefill`` then ``insert`` at each sequence's last position, in one call (nothing to verify).
+        ``source[i] = j < i``: sequence i equals sequence j (a group's members, one prompt), so it is prefilled
+        once: i's pages get a copy of j's K/V and i samples from j's last hidden state with its own seed
+        (``source[i] = i``: prefilled). Returns (tokens, log mu) of each sequence's next token."""
+        n = len(sequences)
+        source = list(range(n)) if source is None else source
+        own = [i for i in range(n) if source[i] == i]
+        index = {i: k for k, i in enumerate(own)}
+        packed = self.pack([sequences[i] for i in own], [slots[i] for i in own], [prompt_lens[i] for i in own])
+        nb = _bucket(n, 1, max(self.config.num_slots, n))
+        table, size = self.allocator.table, self.allocator.page_size
+        pairs = [(table[slots[source[i]], p], table[slots[i], p]) for i in range(n) if source[i] != i
+                 for p in range(-(-len(sequences[i]) // size))]
+        nc = _bucket(max(len(pairs), 1), 1, max(len(pairs), 1))
+        copy_src = _pad([a for a, _ in pairs], nc, np.int32)
+        copy_dst = _pad([b for _, b in pairs], nc, np.int32)
+        copy_dst[len(pairs):] = self.allocator.num_pages  # padding: dropped
+        rows = _pad([index[source[i]] for i in range(n)], nb, np.int32)
+        self.state, out = _prefill_insert_jit(
+            self._static(), self.params, self.state, packed, copy_src, copy_dst, rows,
+            _pad([len(s) - 1 for s in sequences], nb, np.int32), *self._slot_args(nb, slots, gen_index, seeds, max_new))
+        tok, logp = distributed.fetch(out)
         return tok[:n], logp[:n]
+
+    def _slot_args(self, nb: int, slots, gen_index, seeds, max_new) -> tuple:
+        """insert's per-sequence arguments padded to ``nb`` rows (padding rows are not valid: dropped)."""
+        page_rows = np.zeros((nb, self.allocator.pages_per_seq), np.int32)
+        page_rows[: len(slots)] = self.allocator.table[slots]
+        return (_pad(slots, nb, np.int32), _pad(gen_index, nb, np.int32), _pad(seeds, nb, np.uint32),
+                _pad(max_new, nb, np.int32), page_rows, _pad([True] * len(slots), nb, bool))
 
     def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,

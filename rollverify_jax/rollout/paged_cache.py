@@ -64,8 +64,17 @@ def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, page_table:
     pool's pages ``[page_offset, page_offset + P)`` (the whole pool, or one device's shard of it). Invalid
     tokens, and tokens whose page is held elsewhere, are dropped.
     """
-    size, held = pages.shape[2], pages.shape[1]
+    size = pages.shape[2]
     page = jnp.take_along_axis(page_table, jnp.clip(positions // size, 0, page_table.shape[1] - 1), axis=1)
+    return write_kv_at(pages, new, page, positions % size, valid, page_offset)
+
+
+def write_kv_at(pages: jax.Array, new: jax.Array, page: jax.Array, slot: jax.Array, valid: jax.Array,
+                page_offset: jax.Array | int = 0) -> jax.Array:
+    """Scatters ``new`` [B, T, Hkv, D] to global pool page ``page`` [B, T], position ``slot`` [B, T] in it: a packed
+    prefill row holds several sequences, each token with its own sequence's page. Invalid tokens, and tokens
+    whose page is held elsewhere, are dropped."""
+    held = pages.shape[1]
     local = page - page_offset
     keep = valid & (local >= 0) & (local < held)
     local = jnp.where(keep, local, held)  # out of range: the scatter drops it
@@ -74,7 +83,7 @@ def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, page_table:
     # result and copy the whole pool back to the attention kernel's layout (with 2+ heads per chip, a second
     # copy of every layer's pages in the decode dispatch; per head, none).
     for h in range(pages.shape[0]):
-        pages = pages.at[h, local, positions % size].set(vals[:, :, h], mode="drop")
+        pages = pages.at[h, local, slot].set(vals[:, :, h], mode="drop")
     return pages
 
 

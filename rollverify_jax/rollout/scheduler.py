@@ -50,7 +50,8 @@ class RolloutStats:
     tokens_generated: int = 0
     prefill_sequences: int = 0
     preemptions: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # tokens computed by prefill calls
+    shared_prompt_tokens: int = 0  # prompt tokens of a group's members copied from one prefill, not recomputed
     prefill_time: float = 0.0  # prefill + insert dispatches (includes waiting for the device)
     decode_time: float = 0.0  # generate dispatches (includes waiting for the device)
     host_time: float = 0.0  # scheduler bookkeeping outside device calls
@@ -139,7 +140,8 @@ class Scheduler:
             free.remove(slot)
             alloc.allocate(slot, need)
             batch.append((slot, p))
-        # One prefill per length bucket, so a few long resumed trajectories do not pad the short ones.
+        # One packed prefill per length bucket: a bucket's sequences share rows of its width (no padding of each
+        # to the longest), and a few long resumed trajectories do not make the short ones attend over long rows.
         groups: dict[int, list[tuple[int, _Pending]]] = collections.defaultdict(list)
         for item in batch:
             t = item[1].traj
@@ -154,10 +156,20 @@ class Scheduler:
         slots = [s for s, _ in batch]
         trajs = [p.traj for _, p in batch]
         seqs = [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]).astype(np.int32) for t in trajs]
-        needs_logp = any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch)
-        prefix = engine.prefill(seqs, slots, [len(t.prompt) for t in trajs], with_logp=needs_logp)
         self.stats.prefill_sequences += len(seqs)
+        plens = [len(t.prompt) for t in trajs]
+        if not any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch):  # nothing to verify: one call
+            source = _shared_prompts(trajs)
+            shared = sum(len(s) for i, s in enumerate(seqs) if source[i] != i)
+            self.stats.prefill_tokens += sum(len(s) for s in seqs) - shared
+            self.stats.shared_prompt_tokens += shared
+            tok, logp = engine.prefill_and_sample(seqs, slots, plens, [t.num_tokens for t in trajs],
+                                                  [t.sample_seed for t in trajs], [t.max_new_tokens for t in trajs],
+                                                  source)
+            self._activate(list(zip(slots, trajs, strict=True)), tok, logp)
+            return
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
+        prefix = engine.prefill(seqs, slots, plens, with_logp=True)
         keeps = self._verify(batch, prefix.response_logp)
         go, done = [], []
         for (slot, _), t, k in zip(batch, trajs, keeps, strict=True):
@@ -178,7 +190,11 @@ class Scheduler:
             prefix, [slots.index(s) for s, _ in go], [s for s, _ in go],
             [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
             [t.sample_seed for t in gt], [t.max_new_tokens for t in gt])
-        version = engine.version
+        self._activate(go, tok, logp)
+
+    def _activate(self, go: list[tuple[int, Trajectory]], tok: np.ndarray, logp: np.ndarray) -> None:
+        """Records each admitted sequence's first sampled token; it then decodes in its slot, or has finished."""
+        version = self.engine.version
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):
             self._append(t, int(y), float(lp), version)
             if self._is_done(t):
@@ -337,3 +353,14 @@ class Scheduler:
         self.stats = RolloutStats()
         self.verified = []
         self.verified_finished = []
+
+
+def _shared_prompts(trajs: list[Trajectory]) -> list[int]:
+    """For each new trajectory (no tokens yet), the first one admitted with it that has the same prompt (a
+    group's members): it is prefilled once for all of them. ``source[i] == i`` for the others."""
+    first: dict[tuple, int] = {}
+    source = list(range(len(trajs)))
+    for i, t in enumerate(trajs):
+        if t.num_tokens == 0:
+            source[i] = first.setdefault((t.group_id, np.asarray(t.prompt, np.int32).tobytes()), i)
+    return source
