@@ -2,9 +2,9 @@
 
 Reads runs/compare_<runs_name>/<config>_s<seed>/metrics.jsonl (compare.py's layout with several seeds) and prints
 a markdown table (mean ± standard error over seeds of per-run values) and Welch's t-test p-values of the held-out
-accuracy at the end and of the mean time per step, each config against the first.
+accuracy at the end and of the mean time per step (or of the columns --test names), each config against the first.
 Usage: python scripts/verify_stats.py --runs_name study_verify --seeds 0 1 2 \
-           --configs rollverify rollverify_verify_finished rollverify_train_extra
+           --configs rollverify rollverify_verify_finished rollverify_train_extra [--test acc time/step ...]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ COLUMNS = [
     ("batch/groups", "batch groups / step", ".2f", "step"),
 ]
 TESTED = [("acc", "held-out accuracy (25)"), ("time/step", "s / step")]
+HEADERS = {key: header for key, header, _, _ in COLUMNS}
 
 
 def per_run(rows: list[dict]) -> dict[str, float]:
@@ -81,7 +82,13 @@ def main() -> None:
     ap.add_argument("--runs_name", required=True)
     ap.add_argument("--configs", nargs="+", required=True, help="row names (gin stems); the first is the reference")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--test", nargs="+", default=None, metavar="KEY",
+                    help=f"columns to test (default: {' '.join(k for k, _ in TESTED)}); any of {' '.join(HEADERS)}")
     args = ap.parse_args()
+    unknown = [k for k in args.test or [] if k not in HEADERS]
+    if unknown:
+        ap.error(f"unknown --test columns {unknown}; use any of {list(HEADERS)}")
+    tested = [(k, HEADERS[k]) for k in args.test] if args.test else TESTED
     runs = ROOT / "runs" / f"compare_{args.runs_name}"
     data = {c: [per_run(read_metrics(runs / f"{c}_s{s}" / "metrics.jsonl")) for s in args.seeds] for c in args.configs}
     print("| config | seeds | " + " | ".join(h for _, h, _, _ in COLUMNS) + " |")
@@ -90,11 +97,11 @@ def main() -> None:
         print(f"| {c} | {len(vals)} | " + " | ".join(cell([v[k] for v in vals], f) for k, _, f, _ in COLUMNS) + " |")
     ref = args.configs[0]
     print(f"\nWelch's t-test against {ref} (two-sided, {len(args.seeds)} seeds per row):\n")
-    print("| config | " + " | ".join(f"{h}: difference, t, p" for _, h in TESTED) + " |")
-    print("| --- " * (len(TESTED) + 1) + "|")
+    print("| config | " + " | ".join(f"{h}: difference, t, p" for _, h in tested) + " |")
+    print("| --- " * (len(tested) + 1) + "|")
     for c in args.configs[1:]:
         parts = []
-        for k, _ in TESTED:
+        for k, _ in tested:
             a, b = [v[k] for v in data[c]], [v[k] for v in data[ref]]
             t, p = welch(a, b)
             parts.append(f"{np.mean(a) - np.mean(b):+.3f}, t = {t:.2f}, p = {p:.3f}")
