@@ -149,7 +149,8 @@ def compile_run(topology: str | None = None) -> dict:
                                             cfg.num_attention_heads)
     num_pages = engine_lib.pool_pages(cfg, engine_cfg, layout.num_shards)
     decode_state = engine_lib.abstract_decode_state(cfg, engine_cfg, layout, num_pages)
-    graphdef, params = nnx.split(model)
+    _, params = nnx.split(model)
+    graphdef = engine_lib.rollout_graphdef(model, engine_cfg.compute_dtype)  # the engine's activation dtype
     params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
                           mesh_lib.param_shardings(params, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
     static = engine_lib._Static(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash)

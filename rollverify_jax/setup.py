@@ -306,6 +306,8 @@ def run_settings(run: Run) -> dict:
         "sampling.top_k": sampling.top_k, "sampling.greedy": sampling.greedy,
         "learner.temperature": lc.temperature, "policy_path": run.cfg.policy_path,
         "param_dtype": run.cfg.param_dtype, "compute_dtype": run.cfg.compute_dtype,
+        # The rollout's activation dtype (EngineConfig.compute_dtype, else the model's): it changes what is sampled.
+        "engine.compute_dtype": run.engine.compute_dtype,
     }
 
 

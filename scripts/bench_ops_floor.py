@@ -47,16 +47,21 @@ from rollverify_jax.verify.ops import token_ops  # noqa: E402
 POLICY = ROOT / "assets" / "tiny_policy"
 DS = 0.01  # VerifyConfig.ds
 
-# name -> (param dtype, compute dtype, KV dtype). 'bfloat16' is what configs/qwen3_*_dapo.gin run; the mixed rows
-# split its floor between bf16 activations and the bf16 KV cache, and the last keeps bf16 weights and KV (the
-# memory) with float32 activations.
+# name -> (param dtype, compute dtype, KV dtype) of the model and cache. 'bfloat16' is what configs/qwen3_*_dapo.gin
+# run; the mixed rows split its floor between bf16 activations and the bf16 KV cache, and 'bf16 params, f32
+# compute' keeps bf16 weights and KV (the memory) with a float32-activation model.
+ENGINE_F32 = "bf16 params and KV, EngineConfig.compute_dtype = 'float32'"
 DTYPES = {
     "float32": ("float32", "float32", "float32"),
     "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
     "bf16 model, f32 KV": ("bfloat16", "bfloat16", "float32"),
     "f32 model, bf16 KV": ("float32", "float32", "bfloat16"),
     "bf16 params, f32 compute, bf16 KV": ("bfloat16", "float32", "bfloat16"),
+    ENGINE_F32: ("bfloat16", "bfloat16", "bfloat16"),
 }
+# name -> EngineConfig.compute_dtype (unset: None, the model's own): the shipped bf16 model, its rollout run with
+# float32 activations by the engine (the learner's model stays bf16).
+ENGINE_COMPUTE = {ENGINE_F32: "float32"}
 # XLA CPU runs some dots through YNNPACK and others (by shape and fusion) through its own emitter, which sum in
 # different orders; this run of the bf16 rows without YNNPACK separates that CPU artifact from the rest.
 CPU_SAME_DOTS = "--xla_cpu_experimental_ynn_fusion_type="
@@ -113,14 +118,16 @@ def summarize(rows: list[np.ndarray]) -> dict:
             "segments_cut": int((seg >= DS).sum())}
 
 
-def measure(model, kv_dtype: str, slots: int = 32, new: int = 384, chunks=(None, 64), seed: int = 0) -> dict:
+def measure(model, kv_dtype: str, slots: int = 32, new: int = 384, chunks=(None, 64), seed: int = 0,
+            compute_dtype: str | None = None) -> dict:
     """Decode once, resume under each ``logits_chunk`` in ``chunks`` -> {chunk: summarize(...)} plus the
-    kernels used. The platform's default kernels unless gin binds others."""
+    kernels used; ``compute_dtype``: ``EngineConfig.compute_dtype``. The platform's default kernels unless gin
+    binds others."""
     vocab = model.cfg.vocab_size
     reqs = requests(slots, new, vocab, seed)
     longest = max(len(r.prompt) for r in reqs) + new
     cfg = EngineConfig(num_slots=slots, page_size=16, max_seq_len=-(-longest // 64) * 64, steps_per_dispatch=8,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, compute_dtype=compute_dtype)
     sampling = SamplingConfig(temperature=1.0)
     base = Engine(model, cfg, sampling, eos_ids=())
     trajs = decode(base, reqs)
@@ -158,7 +165,8 @@ def table(args, label_suffix: str = "") -> tuple[list[str], str]:
         label = "random tiny" if name == "random" else "tiny policy"
         for dtype in args.dtypes:
             param, compute, kv = DTYPES[dtype]
-            res = measure(load_model(name, param, compute), kv, args.slots, args.new, (None, args.chunk))
+            res = measure(load_model(name, param, compute), kv, args.slots, args.new, (None, args.chunk),
+                          compute_dtype=ENGINE_COMPUTE.get(dtype))
             kernels = f"prefill `{res['prefill_impl']}`, paged decode `{res['paged_impl']}`"
             for chunk in (None, args.chunk):
                 rows.append(row(label, dtype + label_suffix, chunk, res[chunk]))
@@ -233,7 +241,23 @@ def notes(args, kernels: str) -> str:
         f"token, so the floor grows with length (random tiny model, 8 x 64 tokens: 3.9e-4). No precision choice "
         f"inside bf16 compute removes it (a float32 residual stream left it at 1.8e-3); float32 activations with "
         f"bf16 weights and KV do (the 'bf16 params, f32 compute' rows), at an accelerator's float32 matmul cost, "
-        f"unmeasured here.")
+        f"unmeasured here.\n\n"
+        f"A run asks for them with `EngineConfig.compute_dtype = 'float32'` (its rows above): the model stays the "
+        f"qwen3 configs' bf16 one, its weights bf16 in memory and the KV cache in `kv_dtype`, the learner's forward "
+        f"and backward bf16; only the engine's prefill, insert and decode programs run float32 activations (the "
+        f"engine merges the same params into a graph whose `Qwen3Config.dtype` is float32). Its floor is the "
+        f"float32-activation model's (the 'bf16 params, f32 compute' rows, a model built with float32 activations). "
+        f"What it costs: in the prefill, float32 activations and float32 matmuls (a fraction of the MXU's or tensor "
+        f"cores' bf16 throughput) at real scale, unmeasured here; decode reads every weight and the KV cache each "
+        f"step and is bound by those reads, which stay bf16, so its cost there should be small (also unmeasured). "
+        f"On TPU (and on GPUs with TF32) a float32 dot at JAX's default precision rounds its inputs to "
+        f"bf16 (TF32), which this CPU measurement does not: the accelerator floor with the option is unmeasured. "
+        f"Memory at scale, from the deviceless compile of `configs/qwen3_8b_dapo.gin` (v5p:2x2x4, `python -m "
+        f"rollverify_jax.aot` with and without `--gin_param=\"EngineConfig.compute_dtype = 'float32'\"`): the "
+        f"resume prefill's temporaries 3.14 -> 3.09 GiB per chip, its outputs 51.39 -> 51.57 GiB (the float32 "
+        f"hidden states it hands to insert), decode's temporaries 0.18 GiB either way, the peak 73.38 GiB per chip "
+        f"either way (the train step's): it fits. The shipped qwen3 configs keep bf16 activations all the same: the "
+        f"option's prefill throughput and its floor on the accelerators' kernels are unmeasured.")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,19 @@ from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
 from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """num_slots: concurrent sequences; max_seq_len: prompt + response context per slot;
     kv_memory_bytes: page-pool budget of the whole mesh, split evenly over the data x fsdp devices with the
-    slots (None: enough for every slot at max_seq_len)."""
+    slots (None: enough for every slot at max_seq_len); compute_dtype: the activation dtype of the engine's
+    prefill, insert and decode programs (None: the model's own ``Qwen3Config.dtype``). The params keep their
+    dtype in memory and the KV cache stays in ``kv_dtype``; 'float32' over bf16 weights and KV takes the gap
+    between the resume's log pi and decode's log mu from bf16 noise down to float32-activation noise
+    (docs/benchmarks.md, OPS noise floor). The learner is unaffected."""
 
     num_slots: int = 16
     page_size: int = 16
@@ -45,10 +51,14 @@ class EngineConfig:
     logits_chunk: int | None = None  # resume prefill scores log-probs this many positions at a time (None: all)
     live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all
     live_slots: bool = True  # decode runs over the slots up to the highest running one (a bucket), not all
+    compute_dtype: str | None = None  # activations of prefill/insert/decode (None: the model's Qwen3Config.dtype)
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
             raise ValueError(f"EngineConfig.page_reservation={self.page_reservation!r}: use 'incremental' or 'full'.")
+        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"EngineConfig.compute_dtype={self.compute_dtype!r}: use None (the model's own "
+                             f"Qwen3Config.dtype) or one of {', '.join(map(repr, COMPUTE_DTYPES))}.")
         for name in ("num_slots", "page_size", "max_seq_len", "steps_per_dispatch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1.")
@@ -361,6 +371,18 @@ def _pad(x, n: int, dtype) -> np.ndarray:
     return out
 
 
+def rollout_graphdef(model: Qwen3ForCausalLM, compute_dtype: str | None = None) -> nnx.GraphDef:
+    """The graph the engine's programs merge their params into: ``model``'s, its activations in
+    ``compute_dtype`` (None: the model's own ``Qwen3Config.dtype``). Only the activation dtype differs, so the
+    params of ``model`` (and of every later update, in their own dtype) merge into it unchanged. Works on an
+    abstract model (``nnx.eval_shape``) too."""
+    graphdef, _ = nnx.split(model)
+    if compute_dtype is None or compute_dtype == model.cfg.dtype:
+        return graphdef
+    cfg = dataclasses.replace(model.cfg, dtype=compute_dtype)
+    return nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))[0]
+
+
 def pool_pages(model_cfg, config: EngineConfig, num_shards: int = 1) -> int:
     """Pages in the KV pool, a multiple of ``num_shards``: the budget's worth (``kv_memory_bytes``, the whole
     mesh's), or enough for every slot at ``max_seq_len`` plus each shard's scratch page."""
@@ -400,7 +422,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.sampling = sampling or SamplingConfig()
         self.model_config = model.cfg
-        self.graphdef, params = nnx.split(model)
+        self.graphdef = rollout_graphdef(model, config.compute_dtype)
+        params = nnx.state(model)
         self.mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
         self.params = self._place_params(params)
         self.eos_ids = tuple(sorted(set(eos_ids))) or (-1,)
@@ -426,6 +449,11 @@ class Engine:
 
     def set_version(self, version: int) -> None:
         self.state = dataclasses.replace(self.state, version=jnp.asarray(version, jnp.int32))
+
+    @property
+    def compute_dtype(self) -> str:
+        """The activation dtype the engine runs (``EngineConfig.compute_dtype`` or the model's own)."""
+        return self.config.compute_dtype or self.model_config.dtype
 
     def _static(self) -> _Static:
         return _Static(self.graphdef, self.sampling, self.eos_ids, self.layout, self.config.logits_chunk, FlashConfig())
