@@ -177,3 +177,15 @@ def test_fused_prefill_and_sample_equals_prefill_then_insert(model, sampling_eng
     for a, b, s in zip(pages_a, pages_b, seqs, strict=True):
         np.testing.assert_allclose(a.reshape(a.shape[0], -1, a.shape[-1])[:, : len(s)],
                                    b.reshape(b.shape[0], -1, b.shape[-1])[:, : len(s)], atol=1e-6)
+
+
+def test_warmup_runs_a_first_admission_and_activates_nothing(model, sampling_engine):
+    """Warmup runs the fused prefill-and-sample of a full batch of new prompts and a decode dispatch, and leaves
+    every slot inactive and every page free: a run afterwards samples as on a fresh engine."""
+    engine = Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,))
+    engine.warmup(prompt_len=5)
+    assert not np.asarray(engine.state.active).any()
+    assert engine.allocator.num_free == engine.allocator.capacity
+    reqs = _requests(4, seed=2)
+    fresh = _run(Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,)), _requests(4, seed=2))
+    assert [t.tokens for t in _run(engine, reqs)] == [t.tokens for t in fresh]

@@ -466,19 +466,15 @@ class Engine:
     # JetStream-shaped API (host side)
 
     def warmup(self, prompt_len: int | None = None) -> None:
-        """Compiles the programs a first admission uses: prefill and insert for a full batch of new prompts of
-        ``prompt_len`` tokens (default 1), and decode over the smallest live-page bucket. Every other shape
-        (fewer rows, longer resumed sequences, the log-prob prefill of a resume, wider live pages) compiles the
-        first time it is used, so a run compiles only the shapes it needs; with the persistent compilation cache
-        a restart compiles none. The dummy prompts sit in free slots, whose pages are the scratch page, and
-        activate no slot."""
+        """Compiles the programs a first admission uses: the fused prefill-and-sample of a full batch of new
+        prompts of ``prompt_len`` tokens (default 1), and decode over the smallest live-page bucket. Every other
+        shape (fewer rows, longer resumed sequences, the log-prob prefill of a resume, wider live pages) compiles
+        the first time it is used, so a run compiles only the shapes it needs; with the persistent compilation
+        cache a restart compiles none. The dummy prompts sit in free slots, whose pages are the scratch page, and
+        end at their first token (``max_new`` 1): no slot is activated."""
         n = self.config.num_slots
         seqs = [np.zeros((prompt_len or 1,), np.int32)] * n
-        prefix = self.prefill(seqs, list(range(n)), [len(s) for s in seqs], with_logp=False)
-        zeros, pps = np.zeros((n,), np.int32), self.allocator.pages_per_seq
-        self.state, _ = _insert_jit(self._static(), self.params, self.state, prefix, zeros, zeros, zeros, zeros,
-                                    zeros.astype(np.uint32), zeros + 1, np.zeros((n, pps), np.int32),
-                                    zeros.astype(bool))
+        self.prefill_and_sample(seqs, list(range(n)), [len(s) for s in seqs], [0] * n, [0] * n, [1] * n)
         self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
                                       self.live_page_buckets()[0] if self.config.live_pages else None)
         self.state = _deactivate_fn(self.state, np.zeros((n,), bool))
