@@ -189,3 +189,16 @@ def test_warmup_runs_a_first_admission_and_activates_nothing(model, sampling_eng
     reqs = _requests(4, seed=2)
     fresh = _run(Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,)), _requests(4, seed=2))
     assert [t.tokens for t in _run(engine, reqs)] == [t.tokens for t in fresh]
+
+
+def test_shared_prompt_copies_are_bucketed_so_group_sizes_share_a_program(model, sampling_engine):
+    """The K/V page copies of a shared prompt are padded to a power of two: 3 members of a 10-token prompt
+    (4 page copies) and 4 members of a 5-token prompt (3 copies) run one compiled program."""
+    engine = Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,))
+    sizes = []
+    for members, length in ((3, 10), (3, 10), (4, 5)):  # the first twice: a fresh engine's second call recompiles
+        prompt = np.arange(4, 4 + length, dtype=np.int32)
+        _run(engine, [Trajectory(uid=u, group_id=members, prompt=prompt, seed=u, max_new_tokens=2)
+                      for u in range(members)])
+        sizes.append(engine_lib._prefill_insert_jit._cache_size())
+    assert sizes[2] == sizes[1]

@@ -543,7 +543,7 @@ class Engine:
         table, size = self.allocator.table, self.allocator.page_size
         pairs = [(table[slots[source[i]], p], table[slots[i], p]) for i in range(n) if source[i] != i
                  for p in range(-(-len(sequences[i]) // size))]
-        nc = _bucket(max(len(pairs), 1), 1, max(len(pairs), 1))
+        nc = _bucket(len(pairs), 1, max(len(pairs), self.config.num_slots * self.allocator.pages_per_seq))
         copy_src = _pad([a for a, _ in pairs], nc, np.int32)
         copy_dst = _pad([b for _, b in pairs], nc, np.int32)
         copy_dst[len(pairs):] = self.allocator.num_pages  # padding: dropped
