@@ -82,7 +82,8 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
             run.graphdef, run.ref_params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature))
     rollout = run.manager.config
     batch = pad_rows(batch, rollout.batch_groups * rollout.group_size)  # more than B groups: whole batches' shapes
-    return learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh), {"filter/kept_fraction": float(keep.mean())}
+    batch = learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh)
+    return batch, {"filter/kept_fraction": float(keep.mean()), **learner_lib.packing_stats(batch, run.learner_cfg)}
 
 
 def learn(run: Run, batch: dict) -> dict:

@@ -194,7 +194,10 @@ def _packed(batch, mesh, cfg):
 
 # Configs are built inside the test, not at import: collection must not run the code under test.
 PACKED_CASES = {"plain": {}, "micro": {"aggregation": "seq-mean-token-mean", "micro_batch_size": 2},
-                "minibatches": {"num_minibatches": 2, "ppo_epochs": 2}}
+                "minibatches": {"num_minibatches": 2, "ppo_epochs": 2},
+                # 74 live tokens (16, 15, 11, 10 + 6, 9 + 7 in five rows of 16): two micro-batches of two full
+                # rows and one of two tail rows of 12 (88 positions) instead of three of full rows (96)
+                "tail": {"aggregation": "seq-mean-token-sum-norm", "micro_batch_size": 2, "tail_row_width": 12}}
 
 
 @pytest.mark.parametrize("case", list(PACKED_CASES))
@@ -206,15 +209,21 @@ def test_packed_step_equals_padded_step(model, mesh1, batch_and_noise, case):
     cfg = learner.LearnerConfig(**kw)
     batch, _ = batch_and_noise
     padded, m_padded = _train(model, mesh1, cfg, batch)
-    packed, m_packed = _train(model, mesh1, cfg, _packed(batch, mesh1, cfg))
+    packed_batch = _packed(batch, mesh1, cfg)
+    if case == "tail":
+        stats = learner.packing_stats(packed_batch, cfg)
+        assert stats["train/micro_batches"] == 3
+        assert stats["train/useful_token_fraction"] == pytest.approx(74 / 88)
+    packed, m_packed = _train(model, mesh1, cfg, packed_batch)
     np.testing.assert_allclose(_flat(packed.params), _flat(padded.params), atol=1e-5)
     for k in ("loss", "grad_norm", "ops/token_mean", "policy/entropy", "policy/ratio_mean", "train/loss_tokens"):
         np.testing.assert_allclose(m_packed[0][k], m_padded[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_packed_step_sharded_equals_single_device(model, mesh1, batch_and_noise):
+@pytest.mark.parametrize("kw", [{}, {"micro_batch_size": 4, "tail_row_width": 8}])
+def test_packed_step_sharded_equals_single_device(model, mesh1, batch_and_noise, kw):
     batch, _ = batch_and_noise
-    cfg = learner.LearnerConfig()
+    cfg = learner.LearnerConfig(**kw)
     mesh8 = mesh_lib.make_mesh((2, 2, 2))
     one, _ = _train(model, mesh1, cfg, batch)
     packed8 = _packed(batch, mesh8, cfg)

@@ -1,4 +1,4 @@
-"""Sequence packing: layout invariants of `pack_batch` (the learner tests check packed = padded steps)."""
+"""Sequence packing: layout invariants of `pack_minibatches` (the learner tests check packed = padded steps)."""
 
 import numpy as np
 import pytest
@@ -23,56 +23,95 @@ def test_first_fit_fills_rows_without_overflow():
         packing.first_fit([65], 64)
 
 
-@pytest.mark.parametrize("n_mini,n_micro,multiple", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 2, 4)])
-def test_pack_batch_round_trips_every_token(n_mini, n_micro, multiple):
-    rng = np.random.default_rng(0)
-    b, t = 16, 32
+def _batch(b=16, t=32, seed=0):
+    rng = np.random.default_rng(seed)
     lengths = rng.integers(1, t + 1, b)
     lengths[3] = t  # a full-width sequence gets a row of its own
+    lengths[5] = 2
     tokens = np.where(np.arange(t)[None] < lengths[:, None], rng.integers(1, 50, (b, t)), 0).astype(np.int32)
-    out = packing.pack_batch(tokens, lengths, n_mini * n_micro, row_multiple=multiple)
-    parts = n_mini * n_micro
-    rows = out["packed_tokens"].shape[0]
-    assert rows % (parts * multiple) == 0 and out["unpack_index"].shape == (b, t)
-    p = rows // parts
+    return tokens, lengths
+
+
+def _block(out, shape, k, micro):
+    """Rows of micro-batch `micro` (tail ones from max_micro on) of minibatch k, as the learner's two strided
+    splits select them."""
+    n, tail = shape.num_minibatches, micro >= shape.max_micro
+    keys, most = (packing.TAIL_KEYS, shape.max_tail_micro) if tail else (packing.PACKED_KEYS, shape.max_micro)
+    j = micro - shape.max_micro if tail else micro
+    rows = out[keys[0]].shape[0]
+    pick = np.arange(rows)[(np.arange(rows) % n == k) & ((np.arange(rows) // n) % most == j)]
+    assert len(pick) == shape.rows_per_micro
+    return [out[key][pick].reshape(-1) for key in keys]
+
+
+@pytest.mark.parametrize("n_mini,per_micro,tail,multiple", [(1, None, None, 1), (2, None, None, 4), (2, 2, None, 1),
+                                                            (1, 3, 12, 1), (2, 2, 16, 1)])
+def test_pack_minibatches_round_trips_every_token(n_mini, per_micro, tail, multiple):
+    tokens, lengths = _batch()
+    b, t = tokens.shape
+    out, shape = packing.pack_minibatches(tokens, lengths, n_mini, per_micro, tail, row_multiple=multiple)
+    assert {k: v.shape for k, v in out.items()} == shape.shapes(b)
+    assert shape.rows_per_micro % multiple == 0
     for i in range(b):
-        mini, micro = i % n_mini, (i // n_mini) % n_micro
-        block = np.arange(rows)[(np.arange(rows) % n_mini == mini) & ((np.arange(rows) // n_mini) % n_micro == micro)]
-        assert len(block) == p
-        flat = {k: out[k][block].reshape(-1) for k in packing.PACKED_KEYS[:3]}
+        micro = out["micro_index"][i]
+        tok, pos, seg = _block(out, shape, i % n_mini, micro)  # the sequence lies in its own minibatch's block
         idx = out["unpack_index"][i, : lengths[i]]
-        np.testing.assert_array_equal(flat["packed_tokens"][idx], tokens[i, : lengths[i]])
-        np.testing.assert_array_equal(flat["packed_positions"][idx], np.arange(lengths[i]))
-        segment = flat["packed_segments"][idx]
-        assert (segment == segment[0]).all() and segment[0] > 0
-        assert np.all(np.diff(idx) == 1)  # contiguous within one row
-        assert idx[0] // t == idx[-1] // t
-    # Real tokens are conserved: nothing is dropped or duplicated.
-    assert (out["packed_segments"] > 0).sum() == lengths.sum()
+        np.testing.assert_array_equal(tok[idx], tokens[i, : lengths[i]])
+        np.testing.assert_array_equal(pos[idx], np.arange(lengths[i]))
+        assert (seg[idx] == seg[idx][0]).all() and seg[idx][0] > 0
+        width = len(tok) // shape.rows_per_micro
+        assert np.all(np.diff(idx) == 1) and idx[0] // width == idx[-1] // width  # contiguous, one row
+    # Real tokens are conserved: nothing dropped or duplicated.
+    real = sum((out[k] > 0).sum() for k in ("packed_segments", "tail_segments") if k in out)
+    assert real == lengths.sum()
+
+
+def test_tail_rows_cut_the_positions_computed():
+    """A minibatch whose tokens fill a micro-batch of full rows and a little more runs the rest in narrow rows."""
+    lengths = [30, 28, 5, 4, 3]  # 70 tokens: two full rows of 32 and 6 tokens left
+    full, tail = packing.plan_minibatch(lengths, 32, 2)
+    assert len(full) == 3 and tail == []
+    full, tail = packing.plan_minibatch(lengths, 32, 2, tail_width=8)
+    assert len(full) == 2 and len(tail) == 1  # 2 x 32 + 2 x 8 positions instead of 4 x 32
+    assert sorted(i for r in full + tail for i in r) == list(range(5))
+    assert all(sum(lengths[i] for i in r) <= 8 for r in tail)
+    # No saving: a long sequence cannot go to a tail row, and a full micro-batch is kept.
+    assert packing.plan_minibatch([30, 28, 20], 32, 1, tail_width=8) == ([[0], [1], [2]], [])
+
+
+def test_micro_counts_follow_each_minibatch():
+    tokens, lengths = _batch(b=16, t=32)
+    lengths[1::2] = 1  # minibatch 1 holds tiny sequences: one micro-batch
+    out, shape = packing.pack_minibatches(tokens, lengths, 2, 1)
+    full, tail = packing.micro_counts(out["micro_index"], shape)
+    assert full[1] == 1 and full[0] > 1 and (tail == 0).all()
+    assert shape.max_micro == 8  # one row per sequence at most: the fixed shape for every batch of 16 x 32
 
 
 def test_skipped_rows_are_not_packed():
     tokens = np.arange(1, 33, dtype=np.int32).reshape(4, 8)
     lengths = np.array([8, 8, 8, 8])
     skip = np.array([False, True, False, True])
-    out = packing.pack_batch(tokens, lengths, skip=skip)
+    out, _ = packing.pack_minibatches(tokens, lengths, skip=skip)
     assert out["packed_tokens"].shape == (2, 8)
-    assert (out["unpack_index"][skip] == 0).all()
+    assert (out["unpack_index"][skip] == 0).all() and (out["micro_index"][skip] == -1).all()
     flat = out["packed_tokens"].reshape(-1)
     for i in (0, 2):
         np.testing.assert_array_equal(flat[out["unpack_index"][i]], tokens[i])
-    everything_skipped = packing.pack_batch(tokens, lengths, skip=np.ones(4, bool))
+    everything_skipped, _ = packing.pack_minibatches(tokens, lengths, skip=np.ones(4, bool))
     assert everything_skipped["packed_tokens"].shape == (1, 8) and not everything_skipped["packed_segments"].any()
     # Empty rows (a batch padded to whole batches with rows outside the loss) are fine when skipped, not otherwise.
-    padded = packing.pack_batch(tokens, np.array([8, 0, 8, 0]), skip=skip)
+    padded, _ = packing.pack_minibatches(tokens, np.array([8, 0, 8, 0]), skip=skip)
     np.testing.assert_array_equal(padded["packed_tokens"], out["packed_tokens"])
     with pytest.raises(ValueError, match="0 allowed on skipped rows"):
-        packing.pack_batch(tokens, np.array([8, 0, 8, 0]))
+        packing.pack_minibatches(tokens, np.array([8, 0, 8, 0]))
 
 
-def test_pack_batch_bad_input_is_named():
+def test_pack_minibatches_bad_input_is_named():
     tokens = np.zeros((4, 8), np.int32)
     with pytest.raises(ValueError, match="lengths must be 4 integers in"):
-        packing.pack_batch(tokens, np.array([1, 2, 9, 3]))
-    with pytest.raises(ValueError, match="does not split into 3 parts"):
-        packing.pack_batch(tokens, np.array([1, 2, 3, 4]), num_parts=3)
+        packing.pack_minibatches(tokens, np.array([1, 2, 9, 3]))
+    with pytest.raises(ValueError, match="does not split into 3 minibatches"):
+        packing.pack_minibatches(tokens, np.array([1, 2, 3, 4]), 3)
+    with pytest.raises(ValueError, match="tail rows need a fixed number of rows"):
+        packing.pack_minibatches(tokens, np.array([1, 2, 3, 4]), tail_width=4)

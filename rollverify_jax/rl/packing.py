@@ -1,79 +1,210 @@
-"""Sequence packing for the train step: the model runs on a few dense rows instead of padded ones.
+"""Sequence packing for the train step: micro-batches made of packed rows, not of sequences.
 
-A rollout batch is long-tailed: most sequences are short and the padded width is set by the longest, so
-a right-padded `[B, T]` forward spends most of its FLOPs on padding (the packed step is 3x to 13x faster on
-the tiny default's batches, `scripts/bench_train_step.py`). Packing puts several sequences into one row of
-width `T`, each with its own positions (RoPE restarts at 0) and segment id (attention never crosses
-sequences), runs the model on `[P, T]`, and gathers every token's log-prob back to the `[B, T]` layout.
+A rollout batch is long-tailed: most sequences are short and the padded width is set by the longest, so a
+right-padded `[B, T]` forward spends most of its FLOPs on padding. Packing puts several sequences into one
+row of width `T`, each with its own positions (RoPE restarts at 0) and segment id (attention never crosses
+sequences), runs the model on the packed rows and gathers every token's log-prob back to the `[B, T]` layout.
 The losses, normalisers, filters and metrics keep working on `[B, T]` unchanged, so packed and padded steps
 give the same result up to float rounding.
 
-The packed rows honour the learner's strided split into minibatches and then micro-batches
-(`learner._split`). Two strided splits compose into one: with `parts = n_mini * n_micro`, batch row `i` lands
-in part `i % parts` at position `i // parts`, and so does packed row `r`. Every part packs only its own
-sequences into the same number of rows, so after the split each micro-batch holds its sequences' packed rows
-and `unpack_index` indexes into that micro-batch's `[p, T]` block.
+Micro-batches are built from packed rows: each minibatch (the learner's strided split: minibatch `k` holds
+batch rows `k, k + n, ...`) packs its own sequences into rows, and `rows_per_micro` rows make one micro-batch
+(one row per batch device at real scale). The train step runs as many micro-batches as each minibatch needs
+(a loop with a data-dependent trip count: one compiled program for every batch), so its cost follows the
+batch's tokens, not its row count. Every sequence lies in one micro-batch, so the loss normalisers stay exact.
+With `tail_width`, a minibatch's last micro-batches may use rows of that narrower width: a minibatch that
+would leave most of a micro-batch of full rows empty puts its shorter sequences in narrow rows instead
+(`plan_minibatch` picks the split that computes the fewest positions).
 
-Added batch entries (see `pack_batch`):
+Batch entries added by `pack_minibatches` (`M` / `Mt`: the most micro-batches of full / tail rows a minibatch
+can need, `r = rows_per_micro`, `W = tail_width`):
 
-    packed_tokens     int32[P, T]  sequences laid end to end, 0 after the last one
-    packed_positions  int32[P, T]  position of each token within its own sequence
-    packed_segments   int32[P, T]  1, 2, ... per sequence in the row; 0 on padding
-    unpack_index      int32[B, T]  flat index into the micro-batch's packed block of token t of sequence b
-                                   (0 on padding, which the loss mask zeroes)
+    packed_tokens     int32[n * M * r, T]   full rows; row i of micro-batch j of minibatch k at k + n * (j + M * i)
+    packed_positions  int32[n * M * r, T]   position of each token within its own sequence
+    packed_segments   int32[n * M * r, T]   1, 2, ... per sequence in the row; 0 on padding
+    tail_tokens, tail_positions, tail_segments   int32[n * Mt * r, W]   the same for tail rows (with tail_width)
+    unpack_index      int32[B, T]   flat index of token t of sequence b into its micro-batch's [r, width] block
+                                    (0 on padding, which the loss mask zeroes)
+    micro_index       int32[B]      the micro-batch of its minibatch that holds sequence b: j for full micro-batch
+                                    j, M + j for tail micro-batch j; -1 for a skipped sequence
+
+The row index of the full rows composes two strided splits (the learner's `_split`): splitting by `n` gives
+minibatch `k`, splitting that by `M` gives micro-batch `j` with its `r` rows, each device keeping its own rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from rollverify_jax.schedule_rules import first_fit, row_bucket
 
-__all__ = ["PACKED_KEYS", "first_fit", "pack_batch", "row_bucket"]
+__all__ = ["PACKED_KEYS", "TAIL_KEYS", "PackShape", "first_fit", "pack_minibatches", "plan_minibatch",
+           "row_bucket"]
 
-PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_segments", "unpack_index")
+PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_segments")
+TAIL_KEYS = ("tail_tokens", "tail_positions", "tail_segments")
+INDEX_KEYS = ("unpack_index", "micro_index")
+ALL_KEYS = (*PACKED_KEYS, *TAIL_KEYS, *INDEX_KEYS)
+
+Rows = list[list[int]]  # sequence indices per packed row
 
 
-def pack_batch(tokens: np.ndarray, lengths: np.ndarray, num_parts: int = 1, row_multiple: int = 1,
-               skip: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Packed layout of a right-padded batch.
+@dataclasses.dataclass(frozen=True)
+class PackShape:
+    """The static layout of a packed batch, which fixes the train step's compiled shapes."""
+
+    num_minibatches: int
+    rows_per_micro: int  # r
+    max_micro: int  # M: micro-batches of full rows a minibatch may run
+    width: int  # T
+    tail_width: int | None = None  # W
+    max_tail_micro: int = 0  # Mt
+
+    def shapes(self, batch_rows: int) -> dict[str, tuple[int, ...]]:
+        """Shape of every entry `pack_minibatches` adds."""
+        n, r = self.num_minibatches, self.rows_per_micro
+        out = {k: (n * self.max_micro * r, self.width) for k in PACKED_KEYS}
+        if self.tail_width is not None:
+            out.update({k: (n * self.max_tail_micro * r, self.tail_width) for k in TAIL_KEYS})
+        return {**out, "unpack_index": (batch_rows, self.width), "micro_index": (batch_rows,)}
+
+    def positions(self, micro: int, tail_micro: int) -> int:
+        """Token positions a minibatch of `micro` full and `tail_micro` tail micro-batches computes."""
+        return self.rows_per_micro * (micro * self.width + tail_micro * (self.tail_width or 0))
+
+
+def fixed_shape(batch_rows: int, width: int, num_minibatches: int, rows_per_micro: int,
+                tail_width: int | None = None) -> PackShape:
+    """The layout with `rows_per_micro` rows per micro-batch: the same for every batch of `batch_rows` x `width`
+    (a minibatch of S sequences needs at most one row per sequence, so ceil(S / r) micro-batches of each kind)."""
+    if batch_rows % num_minibatches:
+        raise ValueError(f"batch of {batch_rows} rows does not split into {num_minibatches} minibatches.")
+    if tail_width is not None and not 0 < tail_width <= width:
+        raise ValueError(f"tail_width={tail_width} must be in [1, {width}] (the packed width).")
+    most = -(-(batch_rows // num_minibatches) // rows_per_micro)
+    return PackShape(num_minibatches, rows_per_micro, most, width, tail_width, most if tail_width else 0)
+
+
+def _capped_first_fit(lengths: Sequence[int], width: int, max_rows: int) -> tuple[Rows, list[int]]:
+    """First-fit decreasing into at most `max_rows` rows; the sequences that find no room are returned."""
+    rows: Rows = []
+    free: list[int] = []
+    over: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, room in enumerate(free) if lengths[i] <= room), None)
+        if r is not None:
+            rows[r].append(i)
+            free[r] -= lengths[i]
+        elif len(rows) < max_rows and lengths[i] <= width:
+            rows.append([i])
+            free.append(width - lengths[i])
+        else:
+            over.append(i)
+    return rows, over
+
+
+def plan_minibatch(lengths: Sequence[int], width: int, rows_per_micro: int,
+                   tail_width: int | None = None) -> tuple[Rows, Rows]:
+    """(full rows, tail rows) of one minibatch: sequence indices per row, the split into full micro-batches of
+    `rows_per_micro` rows of `width` and tail micro-batches of rows of `tail_width` that computes the fewest
+    positions (ties: fewer tail micro-batches). Without `tail_width`, first-fit decreasing into full rows."""
+    full = first_fit(lengths, width)
+    r = rows_per_micro
+
+    def cost(f: Rows, t: Rows) -> int:
+        return -(-len(f) // r) * r * width + -(-len(t) // r) * r * (tail_width or 0)
+
+    best = (cost(full, []), full, [])
+    if tail_width is None:
+        return full, []
+    for micro in range(-(-len(full) // r) - 1, -1, -1):
+        rows, over = _capped_first_fit(lengths, width, micro * r)
+        if any(lengths[i] > tail_width for i in over):
+            break  # fewer full rows leave even more long sequences without one
+        tail = [[over[j] for j in row] for row in first_fit([lengths[i] for i in over], tail_width)]
+        if cost(rows, tail) < best[0]:
+            best = (cost(rows, tail), rows, tail)
+    return best[1], best[2]
+
+
+def plan_batch(lengths: np.ndarray, num_minibatches: int, width: int, rows_per_micro: int | None,
+               tail_width: int | None = None, live: np.ndarray | None = None) -> list[tuple[np.ndarray, Rows, Rows]]:
+    """Per minibatch: (its batch rows, full rows, tail rows), rows holding batch-row indices. `rows_per_micro`
+    None: every full row of a minibatch in one micro-batch (no tail)."""
+    b = len(lengths)
+    live = np.ones(b, bool) if live is None else live
+    out = []
+    for k in range(num_minibatches):
+        members = np.flatnonzero(live & (np.arange(b) % num_minibatches == k))
+        sub = [int(lengths[i]) for i in members]
+        r = rows_per_micro or max(1, len(sub))
+        full, tail = plan_minibatch(sub, width, r, tail_width if rows_per_micro else None)
+        out.append((members, [[int(members[j]) for j in row] for row in full],
+                    [[int(members[j]) for j in row] for row in tail]))
+    return out
+
+
+def pack_minibatches(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: int = 1,
+                     rows_per_micro: int | None = None, tail_width: int | None = None, row_multiple: int = 1,
+                     skip: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], PackShape]:
+    """Packed layout of a right-padded batch and the `PackShape` it has.
 
     Args:
       tokens: int32[B, T] right-padded sequences.
       lengths: int[B] real tokens per row (prompt + response).
-      num_parts: minibatches x micro-batches per minibatch of the learner's split; every part gets the
-        same number of packed rows.
-      row_multiple: packed rows per part are a multiple of this (the batch-sharded device count divided by
-        the number of parts, so that `P` shards evenly).
-      skip: bool[B], rows left out of the packed layout (their `unpack_index` is 0): rows with an all-zero
-        loss mask, which add nothing to the loss, its normaliser or the metrics, so the model need not run
-        on them.
-    Returns:
-      The `PACKED_KEYS` entries, to be added to the batch dict.
+      num_minibatches: the learner's minibatches (strided split).
+      rows_per_micro: packed rows per micro-batch (fixed shapes for every batch). None: one micro-batch per
+        minibatch holding all its rows, their number a `row_bucket` rounded up to `row_multiple` (so the rows
+        shard evenly), the largest minibatch's.
+      tail_width: width of the optional narrower rows (needs `rows_per_micro`).
+      skip: bool[B], rows left out of the packed layout (`micro_index` -1): rows with an all-zero loss mask,
+        which add nothing to the loss, its normaliser or the metrics, so the model need not run on them.
     """
     b, t = tokens.shape
-    if b % num_parts:
-        raise ValueError(f"batch of {b} rows does not split into {num_parts} parts.")
     lengths = np.asarray(lengths, np.int64)
     live = np.ones(b, bool) if skip is None else ~np.asarray(skip, bool)
     # Skipped rows may be empty (a batch padded to whole batches' shapes with rows outside the loss).
     if lengths.shape != (b,) or (lengths[live] < 1).any() or (lengths > t).any() or (lengths < 0).any():
         raise ValueError(f"lengths must be {b} integers in [1, {t}] (0 allowed on skipped rows), got {lengths!r}.")
-    parts = [np.flatnonzero(live & (np.arange(b) % num_parts == k)) for k in range(num_parts)]
-    layouts = [first_fit([int(lengths[i]) for i in part], t) for part in parts]
-    p = row_bucket(max(1, *(len(rows) for rows in layouts)))
-    p = -(-p // row_multiple) * row_multiple
-    packed = {k: np.zeros((num_parts * p, t), np.int32) for k in PACKED_KEYS[:3]}
-    unpack = np.zeros((b, t), np.int32)
-    for part_id, (part, layout) in enumerate(zip(parts, layouts, strict=True)):
-        for local_row, members in enumerate(layout):
-            r = part_id + num_parts * local_row  # the part's local_row-th row after the strided split
-            offset = 0
-            for segment, j in enumerate(members, start=1):
-                i, n = part[j], int(lengths[part[j]])
-                packed["packed_tokens"][r, offset: offset + n] = tokens[i, :n]
-                packed["packed_positions"][r, offset: offset + n] = np.arange(n)
-                packed["packed_segments"][r, offset: offset + n] = segment
-                unpack[i, :n] = local_row * t + offset + np.arange(n)
-                offset += n
-    return {**packed, "unpack_index": unpack}
+    if b % num_minibatches:
+        raise ValueError(f"batch of {b} rows does not split into {num_minibatches} minibatches.")
+    if tail_width is not None and rows_per_micro is None:
+        raise ValueError("tail rows need a fixed number of rows per micro-batch (LearnerConfig.micro_batch_size).")
+    plans = plan_batch(lengths, num_minibatches, t, rows_per_micro, tail_width, live)
+    if rows_per_micro is None:
+        most = row_bucket(max(1, *(len(full) for _, full, _ in plans)))
+        shape = PackShape(num_minibatches, -(-most // row_multiple) * row_multiple, 1, t)
+    else:
+        shape = fixed_shape(b, t, num_minibatches, rows_per_micro, tail_width)
+    out = {k: np.zeros(s, np.int32) for k, s in shape.shapes(b).items()}
+    out["micro_index"][:] = -1
+    n, r = num_minibatches, shape.rows_per_micro
+    for k, (_, full, tail) in enumerate(plans):
+        for keys, rows, first, most in ((PACKED_KEYS, full, 0, shape.max_micro),
+                                        (TAIL_KEYS, tail, shape.max_micro, shape.max_tail_micro)):
+            for row_id, members in enumerate(rows):
+                j, i = divmod(row_id, r)
+                flat_row = k + n * (j + most * i)  # row i of micro-batch j of minibatch k
+                width = out[keys[0]].shape[1]
+                offset = 0
+                for segment, seq in enumerate(members, start=1):
+                    m = int(lengths[seq])
+                    cols = slice(offset, offset + m)
+                    out[keys[0]][flat_row, cols] = tokens[seq, :m]
+                    out[keys[1]][flat_row, cols] = np.arange(m)
+                    out[keys[2]][flat_row, cols] = segment
+                    out["unpack_index"][seq, :m] = i * width + offset + np.arange(m)
+                    out["micro_index"][seq] = first + j
+                    offset += m
+    return out, shape
+
+
+def micro_counts(micro_index: np.ndarray, shape: PackShape) -> tuple[np.ndarray, np.ndarray]:
+    """(full, tail) micro-batches each minibatch runs, int[num_minibatches] each (what the train step loops)."""
+    per_mini = np.asarray(micro_index).reshape(-1, shape.num_minibatches).T  # [n, S]: minibatch k = rows k, k+n
+    full = np.where(per_mini < shape.max_micro, per_mini, -1).max(axis=1) + 1
+    tail = np.where(per_mini >= shape.max_micro, per_mini - shape.max_micro, -1).max(axis=1) + 1
+    return full, tail
