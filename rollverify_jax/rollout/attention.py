@@ -1,6 +1,9 @@
-"""Paged decode attention: a pure-jnp reference (CPU/GPU) and the Pallas kernels (TPU, optional GPU).
+"""Paged decode attention: a pure-jnp reference, a chunked online-softmax one, and the Pallas kernels.
 
-All implementations take ``q`` already scaled by ``head_dim ** -0.5``, as the Pallas kernels expect.
+All implementations take ``q`` already scaled by ``head_dim ** -0.5``, as the Pallas kernels expect. The
+reference gathers every listed page of every sequence at once (``[Hkv, B, T, D]`` for K and for V, per layer):
+fast on short tables, out of memory at a real context. 'chunked' and the Pallas kernels never hold more than
+a block of pages per sequence.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "reference", "chunked", "pallas_tpu", "pallas_gpu")
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
@@ -40,34 +43,105 @@ def _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_bloc
                            pages_per_compute_block=pages_per_compute_block)
 
 
+def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                            page_table: jax.Array, chunk_tokens: int = 2048) -> jax.Array:
+    """The reference's result (up to float32 summation order) one block of pages at a time, with a running max
+    and sum (online softmax, as flash decoding): O(B x block) memory instead of the whole gathered table.
+    Shapes as the reference; ``chunk_tokens``: tokens per block (whole pages, at least one)."""
+    b, hq, d = q.shape
+    hkv, _, size, _ = k_pages.shape
+    pages = page_table.shape[1]
+    block = max(1, min(pages, chunk_tokens // size))
+    n = -(-pages // block)
+    # Padding columns point at page 0 (the scratch page) and lie past every length: masked.
+    table = jnp.pad(page_table, ((0, 0), (0, n * block - pages))).reshape(b, n, block).transpose(1, 0, 2)
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    low = jnp.finfo(jnp.float32).min
+
+    def body(carry, xs):
+        m, s, acc = carry  # running max [B, Hkv, G], sum [B, Hkv, G], numerator [B, Hkv, G, D] (float32)
+        i, cols = xs
+        k = k_pages[:, cols].reshape(hkv, b, block * size, d)
+        v = v_pages[:, cols].reshape(hkv, b, block * size, d)
+        scores = jnp.einsum("bhgd,hbtd->bhgt", qg, k, preferred_element_type=jnp.float32)
+        mask = i * block * size + jnp.arange(block * size)[None, :] < lengths[:, None]  # [B, T]
+        scores = jnp.where(mask[:, None, None], scores, low)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.exp(scores - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("bhgt,hbtd->bhgd", p, v, preferred_element_type=jnp.float32)
+        return (m_new, s * corr + p.sum(-1), acc * corr[..., None] + pv), None
+
+    g = hq // hkv
+    init = (jnp.full((b, hkv, g), low, jnp.float32), jnp.zeros((b, hkv, g), jnp.float32),
+            jnp.zeros((b, hkv, g, d), jnp.float32))
+    (_, s, acc), _ = jax.lax.scan(body, init, (jnp.arange(n), table))
+    return (acc / s[..., None]).astype(q.dtype).reshape(b, hq, d)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def gpu_kernel_fits(head_dim: int, page_size: int) -> bool:
+    """Whether the Pallas GPU (Triton) kernel takes these shapes: Triton blocks are powers of two, and its
+    matrix products need 16 or more along each side (head_dim; page_size x the block of pages)."""
+    return _pow2(head_dim) and head_dim >= 16 and _pow2(page_size)
+
+
 def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
+    hkv, _, size, d = k_pages.shape
+    if not gpu_kernel_fits(d, size):
+        raise ValueError(f"The Pallas GPU paged attention needs head_dim a power of two >= 16 and a power-of-two "
+                         f"page size; got head_dim={d}, page_size={size}. Use impl='chunked' (or 'auto').")
     pages = page_table.shape[1]
-    # The kernel needs the table's width to be a multiple of its block (and of the splits): the largest block
-    # up to the configured one that divides it (a 5-page live bucket runs 5 x 1-page blocks).
-    block = max(b for b in range(1, min(pages_per_compute_block, pages) + 1) if pages % b == 0)
+    # The kernel needs the table's width to be a multiple of its block (and of the splits), and Triton's blocks
+    # are powers of two: the largest power of two up to the configured block that divides it (a 5-page live
+    # bucket runs 5 x 1-page blocks).
+    block = max(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(1, min(pages_per_compute_block, pages))
+                and pages % b == 0)
     k_splits = next(s for s in (16, 8, 4, 2, 1) if pages % (s * block) == 0)
-    block_h = max(16, q.shape[1] // k_pages.shape[0])
+    block_h = max(16, q.shape[1] // hkv)
+    block_h = 1 << (block_h - 1).bit_length()  # a power of two (the kernel pads the q heads of a group to it)
     return paged_attention(q, k_pages, v_pages, page_table, lengths, block_h=block_h,
                            pages_per_compute_block=block, k_splits=k_splits, interpret=interpret)
+
+
+def resolve_impl(impl: str, platform: str, head_dim: int, page_size: int, table_pages: int,
+                 gpu_reference_max_tokens: int) -> str:
+    """The implementation ``impl='auto'`` runs: on TPU the Pallas kernel (head_dim a multiple of 128, as in
+    every Qwen3); on GPU the reference while the table holds at most ``gpu_reference_max_tokens`` tokens per
+    sequence, then the Pallas GPU kernel (or 'chunked' for shapes Triton cannot tile); elsewhere (CPU) the
+    reference."""
+    if impl != "auto":
+        return impl
+    if platform == "tpu":
+        return "pallas_tpu" if head_dim % 128 == 0 else "reference"
+    if platform == "gpu" and table_pages * page_size > gpu_reference_max_tokens:
+        return "pallas_gpu" if gpu_kernel_fits(head_dim, page_size) else "chunked"
+    return "reference"
 
 
 @gin.configurable
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_table: jax.Array, impl: str = "auto", pages_per_compute_block: int = 4,
-                    interpret: bool = False, platform: str | None = None) -> jax.Array:
-    """Dispatches paged decode attention. ``impl='auto'``: the Pallas kernel on TPU (head_dim a multiple of
-    128, as in every Qwen3), the reference elsewhere (the GPU Pallas kernel is opt-in with
-    ``impl='pallas_gpu'``). ``platform``: the one the program is compiled for (default: JAX's default
-    backend; a deviceless TPU compile passes 'tpu')."""
+                    interpret: bool = False, platform: str | None = None,
+                    gpu_reference_max_tokens: int = 512, chunk_tokens: int = 2048) -> jax.Array:
+    """Dispatches paged decode attention. ``impl='auto'``: ``resolve_impl`` (the Pallas kernel on TPU; on GPU
+    the reference on tables of at most ``gpu_reference_max_tokens`` tokens per sequence, where gathering them
+    is cheap, and the Pallas GPU kernel above, which never gathers the table; the reference on CPU).
+    ``chunk_tokens``: the block of impl='chunked'. ``platform``: the one the program is compiled for (default:
+    JAX's default backend; a deviceless TPU compile passes 'tpu')."""
     if impl not in IMPLS:
         raise ValueError(f"Unknown paged attention impl {impl!r}; use one of {IMPLS}.")
-    if impl == "auto":  # the TPU kernel tiles head_dim by 128 lanes; other head sizes take the reference
-        tpu = (platform or jax.default_backend()) == "tpu" and q.shape[-1] % 128 == 0
-        impl = "pallas_tpu" if tpu else "reference"
+    impl = resolve_impl(impl, platform or jax.default_backend(), q.shape[-1], k_pages.shape[2], page_table.shape[1],
+                        gpu_reference_max_tokens)
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, lengths, page_table)
+    if impl == "chunked":
+        return paged_attention_chunked(q, k_pages, v_pages, lengths, page_table, chunk_tokens)
     # The kernels' matrix products take one element type (Triton refuses a float32 query on bf16 pages).
     qk = q.astype(k_pages.dtype)
     if impl == "pallas_tpu":
