@@ -36,6 +36,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
@@ -47,6 +48,7 @@ from rollverify_jax.dry_run import architecture, mesh_shape  # noqa: E402
 from rollverify_jax.models import Qwen3ForCausalLM  # noqa: E402
 from rollverify_jax.models.flash_attention import FlashConfig  # noqa: E402
 from rollverify_jax.rl import learner as learner_lib  # noqa: E402
+from rollverify_jax.rl import packing  # noqa: E402
 from rollverify_jax.rl.partial_rollout import RolloutConfig  # noqa: E402
 from rollverify_jax.rollout import engine as engine_lib  # noqa: E402
 from rollverify_jax.rollout.sampling import SamplingConfig  # noqa: E402
@@ -89,15 +91,58 @@ def _sds(shape, dtype, mesh, spec: PartitionSpec | None = None):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
 
 
-def train_batch(rows: int, width: int, mesh) -> dict:
-    """The train step's batch at its worst case: every sequence at full width, one packed row each."""
+def train_batch(rows: int, width: int, mesh, learner_cfg) -> dict:
+    """The train step's batch at its largest packed layout (`packing.largest_shape`): one program serves
+    every batch, since each minibatch loops over only the micro-batches its tokens fill."""
     def b(shape, dtype):
         return _sds(shape, dtype, mesh, PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1))))
-    return {"tokens": b((rows, width), jnp.int32), "loss_mask": b((rows, width), jnp.float32),
-            "behavior_logp": b((rows, width), jnp.float32), "advantages": b((rows,), jnp.float32),
-            "attention_mask": b((rows, width), bool), "packed_tokens": b((rows, width), jnp.int32),
-            "packed_positions": b((rows, width), jnp.int32), "packed_segments": b((rows, width), jnp.int32),
-            "unpack_index": b((rows, width), jnp.int32)}
+    batch = {"tokens": b((rows, width), jnp.int32), "loss_mask": b((rows, width), jnp.float32),
+             "behavior_logp": b((rows, width), jnp.float32), "advantages": b((rows,), jnp.float32),
+             "attention_mask": b((rows, width), bool)}
+    if not learner_cfg.pack_sequences:
+        return batch
+    shape = packing.largest_shape(rows, width, learner_cfg.num_minibatches, learner_cfg.micro_batch_size,
+                                  learner_cfg.tail_row_width, _batch_devices(mesh))
+    return {**batch, **{k: b(s, jnp.int32) for k, s in shape.shapes(rows).items()}}
+
+
+def _batch_devices(mesh) -> int:
+    return math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
+
+
+def sample_lengths(rng: np.random.Generator, rows: int, width: int, max_new: int, aot: AotConfig) -> np.ndarray:
+    """Sequence lengths (prompt + response) of one batch under the length model (`AotConfig`)."""
+    response = np.exp(np.log(aot.response_length_median) + aot.response_length_sigma * rng.standard_normal(rows))
+    return np.minimum(np.rint(np.minimum(response, max_new)).astype(np.int64) + aot.prompt_len, width)
+
+
+def packed_train_estimate(cfg, learner_cfg, rows: int, width: int, max_new: int, aot: AotConfig, batch_devices: int,
+                          batches: int = 16, seed: int = 0) -> dict:
+    """What the train step computes at the length model: the packing of ``batches`` sampled batches (the host
+    code that packs real batches), its useful share of positions and its FLOPs against the unpacked layout
+    (every sequence a full row of its own, which the step ran before micro-batches were made of packed rows)."""
+    rng = np.random.default_rng(seed)
+    useful = full = tail = micro = 0
+    n = learner_cfg.num_minibatches
+    for _ in range(batches):
+        lengths = sample_lengths(rng, rows, width, max_new, aot)
+        if not learner_cfg.pack_sequences:
+            useful, full, micro = useful + int(lengths.sum()), full + rows * width, micro + rows
+            continue
+        plans = packing.plan_batch(lengths, n, width, learner_cfg.micro_batch_size, learner_cfg.tail_row_width)
+        shape = packing.plan_shape(plans, rows, width, n, learner_cfg.micro_batch_size, learner_cfg.tail_row_width,
+                                   batch_devices)
+        f, t, m = packing.planned_positions(plans, shape)
+        useful, full, tail, micro = useful + int(lengths.sum()), full + f, tail + t, micro + m
+    tail_width = learner_cfg.tail_row_width or 0
+    flops = (analytic_train_flops(cfg, full / batches, width, "none")
+             + analytic_train_flops(cfg, tail / batches, tail_width, "none"))  # model FLOPs, no recompute
+    unpacked = analytic_train_flops(cfg, rows * width, width, "none")
+    return {"train_useful_token_fraction": useful / (full + tail),
+            "train_positions_per_step": (full + tail) / batches,
+            "train_micro_batches_per_update": micro / (batches * n),
+            "train_model_flops_per_step": flops, "train_unpacked_model_flops_per_step": unpacked,
+            "train_speedup_vs_unpacked": unpacked / flops}
 
 
 def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
@@ -142,7 +187,8 @@ def compile_run(topology: str | None = None) -> dict:
     rows, width = rollout.batch_groups * rollout.group_size, engine_cfg.max_seq_len
     step = learner_lib.make_train_step(learner_lib.split_params(model)[0], learner_cfg, optimizer, mesh,
                                        learner_lib.train_state_shardings(model, optimizer, mesh), flash)
-    programs["train_step"], _ = _compile("train_step", lambda: step.lower(state, train_batch(rows, width, mesh)))
+    programs["train_step"], _ = _compile("train_step", lambda: step.lower(state, train_batch(rows, width, mesh,
+                                                                                             learner_cfg)))
 
     # Resume prefill and one decode dispatch
     layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
@@ -170,8 +216,7 @@ def compile_run(topology: str | None = None) -> dict:
              for k, p in programs.items()}
     peak = max(peaks.values())
     budget = int(chip.hbm_bytes * aot.hbm_fraction)
-    tokens = rows * width
-    train_flops = analytic_train_flops(cfg, tokens, width, learner_cfg.remat) / len(devices)
+    train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot, _batch_devices(mesh))
     decode_bytes = (param_bytes + kv_bytes) * engine_cfg.steps_per_dispatch  # every step reads weights and KV
     return {
         "topology": topology, "device_kind": devices[0].device_kind, "num_devices": len(devices),
@@ -181,8 +226,11 @@ def compile_run(topology: str | None = None) -> dict:
         "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes},
         "peak_bytes_per_device": peak, "peak_program": max(peaks, key=peaks.get), "fits": peak <= budget,
         "programs": programs,
-        "estimate": {  # roofline, not a measurement
-            "train_step_s": train_flops / chip.peak_flops,
+        "train_useful_token_fraction": train["train_useful_token_fraction"],
+        "train": train,
+        "estimate": {  # from the chips' public peaks at stated efficiencies, not a measurement
+            "train_mfu": aot.train_mfu,
+            "train_step_s": train["train_model_flops_per_step"] / (len(devices) * chip.peak_flops * aot.train_mfu),
             "decode_dispatch_s": decode_bytes / chip.hbm_bandwidth,
             "decode_tokens_per_dispatch": engine_cfg.num_slots * engine_cfg.steps_per_dispatch,
         },
@@ -201,7 +249,11 @@ def format_report(r: dict) -> str:
     lines.append(f"  peak per device: {r['peak_bytes_per_device'] / GiB:.2f} GiB ({r['peak_program']}) of "
                  f"{r['hbm_bytes_per_device'] / GiB:.0f} GiB HBM (plan: {r['budget_bytes_per_device'] / GiB:.1f})")
     e = r["estimate"]
-    lines.append(f"  estimate (roofline, not measured): train step {e['train_step_s']:.1f} s at peak FLOPs; "
+    t = r["train"]
+    lines.append(f"  train step at the length model: {t['train_useful_token_fraction']:.1%} of positions useful, "
+                 f"{t['train_micro_batches_per_update']:.2f} micro-batches per update, "
+                 f"{t['train_speedup_vs_unpacked']:.2f}x fewer FLOPs than one full row per sequence")
+    lines.append(f"  estimate (not measured): train step {e['train_step_s']:.1f} s at {e['train_mfu']:.0%} MFU; "
                  f"decode dispatch {e['decode_dispatch_s'] * 1e3:.1f} ms for {e['decode_tokens_per_dispatch']} "
                  "tokens at HBM bandwidth")
     if r.get("compilation_cache"):

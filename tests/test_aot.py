@@ -59,3 +59,31 @@ def test_unknown_topology_is_a_clear_error(capsys):
     gin.clear_config()
     assert e.value.code == 2
     assert "cannot describe TPU topology 'v9x:1x1'" in capsys.readouterr().err
+
+
+def test_report_has_the_train_step_packing_at_the_length_model(report):
+    train = report["train"]
+    assert report["train_useful_token_fraction"] == train["train_useful_token_fraction"]
+    assert 0 < train["train_useful_token_fraction"] <= 1
+    assert train["train_speedup_vs_unpacked"] >= 1  # packed rows never compute more than one row per sequence
+    assert report["estimate"]["train_step_s"] > 0 and report["estimate"]["train_mfu"] == 0.45
+
+
+def test_packed_train_estimate_counts_the_positions_the_step_computes():
+    """Against hand arithmetic: unpacked, every sequence is a full row; packed at a length model of short
+    sequences, a minibatch of 8 fills one micro-batch of 2 rows."""
+    from rollverify_jax.aot_config import AotConfig
+    from rollverify_jax.models.qwen3 import model_config
+    from rollverify_jax.rl.learner import LearnerConfig
+
+    cfg = model_config("tiny")
+    short = AotConfig(response_length_median=20.0, response_length_sigma=0.0, prompt_len=10)  # every sequence 30
+    padded = aot.packed_train_estimate(cfg, LearnerConfig(pack_sequences=False), 16, 128, 100, short, 1)
+    assert padded["train_useful_token_fraction"] == pytest.approx(30 / 128)
+    assert padded["train_speedup_vs_unpacked"] == pytest.approx(1.0)
+    packed = aot.packed_train_estimate(cfg, LearnerConfig(num_minibatches=2, micro_batch_size=2), 16, 128, 100,
+                                       short, 1)
+    # 8 sequences of 30 per minibatch: 4 per row of 128, two rows, one micro-batch of 2 rows.
+    assert packed["train_micro_batches_per_update"] == 1
+    assert packed["train_useful_token_fraction"] == pytest.approx(240 / 256)
+    assert packed["train_speedup_vs_unpacked"] == pytest.approx(4.0)  # 16 rows of 128 -> 4 rows of 128

@@ -88,6 +88,16 @@ def fixed_shape(batch_rows: int, width: int, num_minibatches: int, rows_per_micr
     return PackShape(num_minibatches, rows_per_micro, most, width, tail_width, most if tail_width else 0)
 
 
+def largest_shape(batch_rows: int, width: int, num_minibatches: int, rows_per_micro: int | None,
+                  tail_width: int | None = None, row_multiple: int = 1) -> PackShape:
+    """The largest layout `pack_minibatches` gives a batch of `batch_rows` x `width`: the fixed one with
+    `rows_per_micro`, else every sequence in a row of its own (what a deviceless compile must prove fits)."""
+    if rows_per_micro is not None:
+        return fixed_shape(batch_rows, width, num_minibatches, rows_per_micro, tail_width)
+    rows = row_bucket(max(1, batch_rows // num_minibatches))
+    return PackShape(num_minibatches, -(-rows // row_multiple) * row_multiple, 1, width)
+
+
 def _capped_first_fit(lengths: Sequence[int], width: int, max_rows: int) -> tuple[Rows, list[int]]:
     """First-fit decreasing into at most `max_rows` rows; the sequences that find no room are returned."""
     rows: Rows = []
@@ -147,6 +157,28 @@ def plan_batch(lengths: np.ndarray, num_minibatches: int, width: int, rows_per_m
     return out
 
 
+def plan_shape(plans, batch_rows: int, width: int, num_minibatches: int, rows_per_micro: int | None,
+               tail_width: int | None = None, row_multiple: int = 1) -> PackShape:
+    """The layout of a planned batch (`plan_batch`): the fixed one with `rows_per_micro`, else one micro-batch
+    of the largest minibatch's rows (a `row_bucket`, a multiple of `row_multiple`)."""
+    if rows_per_micro is not None:
+        return fixed_shape(batch_rows, width, num_minibatches, rows_per_micro, tail_width)
+    most = row_bucket(max(1, *(len(full) for _, full, _ in plans)))
+    return PackShape(num_minibatches, -(-most // row_multiple) * row_multiple, 1, width)
+
+
+def planned_positions(plans, shape: PackShape) -> tuple[int, int, int]:
+    """(full-row positions, tail-row positions, micro-batches) a planned batch computes in the train step."""
+    full = tail = micro = 0
+    r = shape.rows_per_micro
+    for _, full_rows, tail_rows in plans:
+        n_full, n_tail = -(-len(full_rows) // r), -(-len(tail_rows) // r)
+        full += n_full * r * shape.width
+        tail += n_tail * r * (shape.tail_width or 0)
+        micro += n_full + n_tail
+    return full, tail, micro
+
+
 def pack_minibatches(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: int = 1,
                      rows_per_micro: int | None = None, tail_width: int | None = None, row_multiple: int = 1,
                      skip: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], PackShape]:
@@ -174,11 +206,7 @@ def pack_minibatches(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: i
     if tail_width is not None and rows_per_micro is None:
         raise ValueError("tail rows need a fixed number of rows per micro-batch (LearnerConfig.micro_batch_size).")
     plans = plan_batch(lengths, num_minibatches, t, rows_per_micro, tail_width, live)
-    if rows_per_micro is None:
-        most = row_bucket(max(1, *(len(full) for _, full, _ in plans)))
-        shape = PackShape(num_minibatches, -(-most // row_multiple) * row_multiple, 1, t)
-    else:
-        shape = fixed_shape(b, t, num_minibatches, rows_per_micro, tail_width)
+    shape = plan_shape(plans, b, t, num_minibatches, rows_per_micro, tail_width, row_multiple)
     out = {k: np.zeros(s, np.int32) for k, s in shape.shapes(b).items()}
     out["micro_index"][:] = -1
     n, r = num_minibatches, shape.rows_per_micro
