@@ -28,7 +28,7 @@ import gin
 from rollverify_jax.cli import run_cli
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
-from rollverify_jax.sim.replay import MODES, CutModel, LengthModel, Workload, simulate
+from rollverify_jax.sim.replay import MODES, CutModel, LengthModel, TrainLayout, Workload, simulate
 
 COST_SOURCES = ("costs", "roofline")
 
@@ -117,6 +117,7 @@ class RunShape:
     kv_pages_per_shard: int = 0  # pages a pool shard hands out (0: no limit)
     pool_shards: int = 1
     page_reservation: str = "incremental"
+    train_layout: TrainLayout | None = None  # LearnerConfig's packed rows (None: each sequence its own row)
 
     def workload(self, mode: str, prompt_len: int) -> Workload:
         return Workload(mode=mode, batch_groups=self.batch_groups, group_size=self.group_size,
@@ -127,7 +128,7 @@ class RunShape:
                         min_prefill_len=self.min_prefill_len, max_seq_len=self.max_seq_len,
                         page_size=self.page_size, live_pages=self.live_pages,
                         kv_pages_per_shard=self.kv_pages_per_shard, pool_shards=self.pool_shards,
-                        page_reservation=self.page_reservation)
+                        page_reservation=self.page_reservation, train_layout=self.train_layout)
 
 
 def pool_shards(mesh_shape: tuple, num_slots: int) -> int:
@@ -139,18 +140,23 @@ def pool_shards(mesh_shape: tuple, num_slots: int) -> int:
 
 def read_run_shape() -> RunShape:
     """The run's settings from the parsed gin config (imports the training configurables, not a model)."""
+    from rollverify_jax.rl.learner import LearnerConfig
     from rollverify_jax.rl.partial_rollout import RolloutConfig
     from rollverify_jax.rollout.engine import EngineConfig
     from rollverify_jax.setup import TrainConfig
     from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
-    r, e, s, v = RolloutConfig(), EngineConfig(), SwitchConfig(), VerifyConfig()
+    r, e, s, v, lc = RolloutConfig(), EngineConfig(), SwitchConfig(), VerifyConfig(), LearnerConfig()
     try:
         mesh = tuple(gin.query_parameter("make_mesh.shape"))
     except ValueError:
         mesh = (1, -1, 1)
     shards = pool_shards(mesh, e.num_slots)
     pages = shard_pages(e, shards)
+    # train.select packs into the engine's max_seq_len; pack_for_learner rounds rows up to the batch devices
+    layout = TrainLayout(width=e.max_seq_len, num_minibatches=lc.num_minibatches, micro_batch_size=lc.micro_batch_size,
+                         tail_row_width=lc.tail_row_width, pack_sequences=lc.pack_sequences, ppo_epochs=lc.ppo_epochs,
+                         row_multiple=math.prod(max(1, int(x)) for x in mesh[:2]))
     return RunShape(mode=r.mode, batch_groups=r.batch_groups, group_size=r.group_size,
                     max_new_tokens=r.max_new_tokens, queue_groups=r.queue_groups, num_slots=e.num_slots,
                     steps_per_dispatch=e.steps_per_dispatch, switch_window=s.window, switch_threshold=s.threshold,
@@ -158,7 +164,7 @@ def read_run_shape() -> RunShape:
                     mesh_shape=mesh, live_slots=e.live_slots and pool_shards(mesh, e.num_slots) == 1,
                     min_prefill_len=e.min_prefill_len, max_seq_len=e.max_seq_len, page_size=e.page_size,
                     live_pages=e.live_pages, kv_pages_per_shard=pages, pool_shards=shards,
-                    page_reservation=e.page_reservation)
+                    page_reservation=e.page_reservation, train_layout=layout)
 
 
 def shard_pages(e, shards: int) -> int:

@@ -6,8 +6,9 @@ of the speed-up against context.
         [--tables]
 
 Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' cost analysis and
-the stated assumptions); the 8K row is the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K
-config was compiled: its per-token costs are the ~20K programs'). RollVerify runs under two acceptances:
+the stated assumptions; the train step's packed rows follow the real config's own LearnerConfig); the 8K row is
+the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K config was compiled: its per-token costs are
+the ~20K programs'). RollVerify runs under two acceptances:
 ``default`` (the shipped defaults and the paper-shaped acceptance of configs/sim/scale_common.gin) and
 ``tiny_acceptance`` (the per-segment failure probability fitted on ``--fit_runs``, by default every finished
 RollVerify run under ``--runs`` that logs the segment statistics, else 0.1 at every age: a one-segment trajectory
@@ -209,7 +210,8 @@ def tables(out: dict) -> str:
                      f"{on / pa:.2f}x | {on / rv:.2f}x | {goal} | {tiny:.2f} ({on / tiny:.2f}x) | {ptxt} |")
     lines += ["", "| setting | mode | prefill (of which attention) | decode (weights + KV reads) | verify | train | "
               "overhead | total | prefill tokens: padded / computed / copied | prefill calls | decoded "
-              "tokens | trained response tokens | cut tokens | acceptance | switch |", "| --- " * 15 + "|"]
+              "tokens | trained response tokens | train positions (useful share) | cut tokens | acceptance | switch |",
+              "| --- " * 16 + "|"]
     names = {"on_policy": "on-policy", "partial": "naive partial", "rollverify": "RollVerify",
              "rollverify_tiny": "RollVerify, tiny-run p(c)"}
     for st in out["settings"]:
@@ -218,13 +220,15 @@ def tables(out: dict) -> str:
             t = r["terms_days"]
             acc = "-" if r["acceptance"] is None or r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.3f}"
             sw = r["switch_step"] if r["switch_step"] >= 0 else "-"
+            positions = (f"{r['train_positions'] / 1e6:,.0f}M ({r['train_useful_fraction']:.2f})"
+                         if "train_positions" in r else "-")  # a --json from before the packed train step
             lines.append(
                 f"| {_label(st)} | {name} | {t['prefill']:.2f} ({t['prefill_attn']:.2f}) | {t['decode']:.2f} "
                 f"({t['decode_step']:.2f} + {t['decode'] - t['decode_step']:.2f}) | {t['verify']:.2f} | "
                 f"{t['train']:.2f} | {t['overhead']:.2f} | {r['device_days']:.2f} | "
                 f"{r['prefill_padded_tokens'] / 1e6:,.0f}M / {r['prefill_tokens'] / 1e6:,.0f}M / "
                 f"{r['shared_prompt_tokens'] / 1e6:,.0f}M | {r['prefill_calls'] / 1e3:,.0f}K | "
-                f"{r['tokens_generated'] / 1e6:,.0f}M | {r['batch_tokens'] / 1e6:,.0f}M | "
+                f"{r['tokens_generated'] / 1e6:,.0f}M | {r['batch_tokens'] / 1e6:,.0f}M | {positions} | "
                 f"{r['removed_tokens'] / 1e6:,.0f}M | {acc} | {sw} |")
     lines += ["", "| setting | sigma 0.75 | sigma 1.0 (table) | sigma 1.25 | nothing cut (p = 0, no switch) | "
               "p(c) = 0.1, no ramp (no switch) | verify finished members too |", "| --- " * 7 + "|"]

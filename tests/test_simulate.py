@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rollverify_jax import simulate as sim_cli
-from rollverify_jax.sim import CostModel, CutModel, LengthModel, RooflineCosts, Workload, simulate
+from rollverify_jax.sim import CostModel, CutModel, LengthModel, RooflineCosts, TrainLayout, Workload, simulate
 from rollverify_jax.sim import calibrate as cal
 
 UNIT = CostModel(decode_step_s=1.0)  # one second per decode step, everything else free
@@ -293,6 +293,101 @@ def test_roofline_prefill_attention_is_causal_and_quadratic():
     one, two = r.prefill(1024, 0, 1, 1024 ** 2), r.prefill(2048, 0, 1, 2048 ** 2)
     attn = r.prefill_attn_s * 1024 ** 2
     assert two - 2 * one == pytest.approx(2 * attn)  # 4 attn - 2 attn
+
+
+def test_train_cost_is_the_packed_positions_by_hand():
+    # B = 2 groups of 4, rows in batch order g0 = (16, 10, 16, 6), g1 = (3, 5, 2, 5); 2 minibatches (strided:
+    # rows 0, 2, 4, 6 and 1, 3, 5, 7), 2 rows per micro-batch, rows of 16, tail rows of 4.
+    # Minibatch 0 = (16, 16, 3, 2): first fit [16] [16] [3, 2] is 2 micro-batches (64 positions); one micro-batch
+    # of [16] [16] and a tail one of [3] [2] (2 x 16 + 2 x 4 = 40) computes fewer: taken. Minibatch 1 = (10, 6, 5,
+    # 5): [10, 6] [5, 5], one micro-batch (32; 10 fits no tail row). Rows: 4 of 16, 2 of 4: 72 positions.
+    layout = TrainLayout(width=16, num_minibatches=2, micro_batch_size=2, tail_row_width=4)
+    lengths = [16, 10, 16, 6, 3, 5, 2, 5]
+    assert layout.rows(lengths) == ((16, 4), (4, 2))
+    c = CostModel(train_step_s=1.0, train_position_s=2.0, train_row_attn_s=0.5)
+    by_hand = 1.0 + 2.0 * (4 * 16 + 2 * 4) + 0.5 * (4 * 16 ** 2 + 2 * 4 ** 2)  # 673
+    assert c.train(lengths, layout.rows(lengths)) == by_hand
+    # the replay charges the step so, with its batch in group order (k = 1, one slot per member)
+    w = Workload("on_policy", 2, 4, 8, 1, 16, prompt_len=0, train_layout=layout)
+    (s,) = simulate(w, c, LengthModel(16, lengths=lengths), num_steps=1).steps
+    assert (s.train_s, s.train_positions, s.train_tokens) == (by_hand, 72, 63)
+    # without tail rows minibatch 0 runs its 2 micro-batches of full rows; epochs repeat the rows
+    assert dataclasses.replace(layout, tail_row_width=None).rows(lengths) == ((16, 6),)
+    assert dataclasses.replace(layout, ppo_epochs=2).rows(lengths) == ((16, 8), (4, 4))
+    # unpacked: every sequence a padded row of the batch's power-of-two bucket (at least 64)
+    assert dataclasses.replace(layout, tail_row_width=None, pack_sequences=False).rows(lengths) == ((64, 8),)
+    # the roofline prices a position at 3 passes of model FLOPs at train_mfu, attention over its row's width
+    r = RooflineCosts(num_devices=2, peak_flops=1e12, mfu=0.4, train_mfu=0.5, train_flops_per_token=1e9,
+                      attn_flops_per_token_ctx=1e6).cost_model()
+    assert r.train_position_s == pytest.approx(3 * 1e9 / (2 * 1e12 * 0.5))
+    assert r.train_row_attn_s == pytest.approx(3 * 1e6 / 2 / (2 * 1e12 * 0.5))
+    assert r.train_token_s == r.train_attn_s == 0.0
+
+
+def test_train_cost_without_padding_is_the_per_token_cost():
+    # Where packing wastes nothing (every sequence fills a row, every micro-batch is full) the packed rows are the
+    # sequences, and the position terms give the per-token formula the roofline charged before the layout:
+    # passes * (F * sum L + a / 2 * sum L^2) / (chips * peak * mfu). Without a layout it is that for any lengths.
+    roof = RooflineCosts(num_devices=2, peak_flops=1e12, mfu=0.4, train_mfu=0.4, train_passes=4.0,
+                         train_flops_per_token=1e9, attn_flops_per_token_ctx=1e6)
+    c = roof.cost_model()
+
+    def per_token(lengths):
+        flops = 2 * 1e12 * 0.4
+        return sum(4.0 * (1e9 * x + 1e6 / 2 * x * x) / flops for x in lengths)
+
+    full = [8] * 8
+    layout = TrainLayout(width=8, num_minibatches=2, micro_batch_size=2, tail_row_width=4)
+    assert layout.rows(full) == ((8, 8),)
+    assert c.train(full, layout.rows(full)) == pytest.approx(per_token(full), rel=1e-12)
+    ragged = [8, 3, 5, 1, 7, 2, 6, 4]
+    assert c.train(ragged) == pytest.approx(per_token(ragged), rel=1e-12)
+    assert c.train(ragged, layout.rows(ragged)) > c.train(ragged)  # padded rows, wider attention
+    # the calibrated rates (per trained token) ignore the layout: the replay's train time is as before
+    fitted = CostModel(train_step_s=10.0, train_token_s=2.0, train_attn_s=1.0)
+    assert fitted.train(ragged, layout.rows(ragged)) == fitted.train(ragged) == 10.0 + 2.0 * 36 + 1.0 * 204
+    w = Workload("on_policy", 2, 4, 8, 1, 8, prompt_len=0)
+    lengths = LengthModel(8, lengths=ragged)
+    (a,) = simulate(w, fitted, lengths, num_steps=1).steps
+    (b,) = simulate(dataclasses.replace(w, train_layout=layout), fitted, LengthModel(8, lengths=ragged), 1).steps
+    # (minibatch 0 = (8, 5, 7, 6): 4 rows of 8; minibatch 1 = (3, 1, 2, 4): [4, 3, 1] [2], 2 rows of 8, as few
+    # positions as 2 tail micro-batches of 3 rows of 4 would be: the tie keeps full rows)
+    assert layout.rows(ragged) == ((8, 6),)
+    assert a.train_s == b.train_s and (a.train_positions, b.train_positions, b.train_tokens) == (36, 48, 36)
+    with pytest.raises(ValueError, match="minibatches"):
+        Workload("on_policy", 1, 3, 8, 1, 8, prompt_len=0, train_layout=layout)
+
+
+@pytest.mark.parametrize("config,sim_config", [("qwen3_8b_dapo", "qwen3_8b_v5p"),
+                                               ("qwen3_8b_64k_dapo", "qwen3_8b_64k_v5p"),
+                                               ("qwen3_30b_a3b_dapo", "qwen3_30b_a3b_v5p")])
+def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
+    # The simulator's train step at a real config (its LearnerConfig read from the config itself) costs what
+    # `aot.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model.
+    from rollverify_jax import aot
+    from rollverify_jax.aot_config import AotConfig
+    from rollverify_jax.dry_run import architecture
+    from rollverify_jax.rl.learner import LearnerConfig
+    from rollverify_jax.setup import TrainConfig, parse_gin
+
+    parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
+    shape, learner, a, roof = sim_cli.read_run_shape(), LearnerConfig(), AotConfig(), RooflineCosts()
+    layout = shape.train_layout
+    assert (layout.num_minibatches, layout.micro_batch_size, layout.tail_row_width, layout.width) == (
+        learner.num_minibatches, learner.micro_batch_size, learner.tail_row_width, gin.query_parameter(
+            "EngineConfig.max_seq_len"))
+    assert roof.train_mfu == a.train_mfu and roof.train_passes == 3.0
+    rows = shape.batch_groups * shape.group_size
+    est = aot.packed_train_estimate(architecture(TrainConfig()), learner, rows, layout.width, shape.max_new_tokens,
+                                    a, layout.row_multiple, batches=2)
+    rng = np.random.default_rng(0)  # the estimate's own draws
+    batches = [aot.sample_lengths(rng, rows, layout.width, shape.max_new_tokens, a) for _ in range(2)]
+    costs = roof.cost_model()
+    sim_s = np.mean([costs.train(x, layout.rows(x)) for x in batches])
+    aot_s = est["train_model_flops_per_step"] / (roof.num_devices * roof.peak_flops * a.train_mfu)
+    assert sim_s == pytest.approx(aot_s, rel=1e-5)  # the gin files round the per-token FLOPs
+    useful = sum(int(x.sum()) for x in batches) / sum(w * n for x in batches for w, n in layout.rows(x))
+    assert useful == pytest.approx(est["train_useful_token_fraction"], rel=1e-12)
 
 
 def test_page_pool_limit_makes_a_request_wait():

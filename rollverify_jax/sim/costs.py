@@ -8,8 +8,11 @@
         = prefill_call_s * calls + prefill_token_s * padded tokens (rows x width the calls compute)
           + prefill_attn_s * sum over the calls of rows x width^2 (causal attention over every packed row)
           + prefill_logp_token_s * padded tokens of the log-prob calls + verify_token_s * verified cached tokens
-    train step (sequences of p + L_i tokens)
+    train step (sequences of p + L_i tokens, packed by the learner into rows r of width T_r: ``TrainLayout``)
         = train_step_s + train_token_s * sum_i (p + L_i) + train_attn_s * sum_i (p + L_i)^2
+          + train_position_s * sum_r T_r + train_row_attn_s * sum_r T_r^2
+      (the token terms price the real tokens, the position terms the rows the packed step computes, padding
+      included; without a layout every sequence is its own row of its own length: perfect packing)
     every step also pays step_overhead_s (grading, packing, host bookkeeping)
 
 Costs come from measured rates (``calibrate.fit_costs`` on a run's ``metrics.jsonl``) or from a roofline of the
@@ -45,6 +48,8 @@ class CostModel:
     train_step_s: float = 0.0  # per train step
     train_token_s: float = 0.0  # per trained token (prompt + response)
     train_attn_s: float = 0.0  # per (sequence length)^2 of every trained sequence (causal attention)
+    train_position_s: float = 0.0  # per position the train step's packed rows compute (real or padding)
+    train_row_attn_s: float = 0.0  # per (row width)^2 of every packed row computed (causal attention over the row)
     step_overhead_s: float = 0.0  # per step: grading, batch building, host work outside the above
 
     def __post_init__(self):
@@ -77,10 +82,19 @@ class CostModel:
         return (self.prefill_call_s * calls + self.prefill_token_s * tokens + self.prefill_attn_s * squares
                 + self.prefill_logp_token_s * logp + self.verify_token_s * verified_tokens)
 
-    def train(self, seq_lengths) -> float:
-        total = sum(int(x) for x in seq_lengths)
-        squares = sum(int(x) ** 2 for x in seq_lengths)
-        return self.train_step_s + self.train_token_s * total + self.train_attn_s * squares
+    def train(self, seq_lengths, rows=None) -> float:
+        """A train step over sequences of ``seq_lengths`` tokens computed as ``rows``: ``(width, count)`` pairs,
+        ``count`` packed rows of ``width`` positions (``TrainLayout.rows``; None: each sequence a row of its own
+        length)."""
+        lengths = [int(x) for x in seq_lengths]
+        total, squares = sum(lengths), sum(x * x for x in lengths)
+        if rows is None:
+            positions, row_squares = total, squares
+        else:
+            positions = sum(int(w) * int(n) for w, n in rows)
+            row_squares = sum(int(w) ** 2 * int(n) for w, n in rows)
+        return (self.train_step_s + self.train_token_s * total + self.train_attn_s * squares
+                + self.train_position_s * positions + self.train_row_attn_s * row_squares)
 
 
 @gin.configurable
@@ -100,14 +114,26 @@ class RooflineCosts:
       the matmuls only), so causal attention is added: a packed row ``T`` tokens wide costs
       ``attn_flops_per_token_ctx * T^2 / 2`` (the reference attention scores the whole row, whatever the
       packing). The log-prob projection runs over every position of a log-prob call's packed rows.
-    - train: forward ``2 * (active params + head)`` FLOPs per token, attention ``attn_flops_per_token_ctx *
-      length`` per token, times ``train_passes`` (4 with full remat: forward, recomputed forward, backward x 2).
+    - train: per position of the rows the packed train step computes (``TrainLayout.rows``: each minibatch's
+      sequences first-fit into rows of the context width, micro-batches of ``micro_batch_size`` rows, tail rows
+      of ``tail_row_width``; real tokens and padding alike), forward ``2 * (active params + head)`` FLOPs plus
+      causal attention over its row, ``attn_flops_per_token_ctx * T / 2`` for a row ``T`` wide (full and tail
+      rows each at their own width), times ``train_passes`` = 3 (forward + backward) at ``train_mfu``: model
+      FLOPs, as ``aot.packed_train_estimate`` counts them. The recompute of full remat is not counted: MFU is
+      defined on model FLOPs (MaxText's figures count no recompute either), so the remat cost is in the 45%.
+      ``train_mfu`` = 0.45 is MaxText's published figure for an 8B dense model (Llama 3.1 8B on v6e), the anchor
+      ``AotConfig.train_mfu`` uses; its 65-71% for 32-70B dense models on v5p come from larger matmuls per chip
+      than these configs' 4-8B shards, and it publishes none for a sparse MoE (which will sit below it).
+    - ``mfu`` is the prefill's (and decode's FLOPs bound's) share of peak, stated apart: no published anchor,
+      and the calls are forward-only and far smaller than a train micro-batch (a length bucket's rows per
+      admission round), so not above training's.
     """
 
     num_devices: int = 16
     peak_flops: float = 459e12  # bf16 dense per chip (TPU v5p)
     hbm_bandwidth: float = 2.765e12  # bytes/s per chip (TPU v5p)
-    mfu: float = 0.5  # achieved share of peak FLOPs in prefill and training
+    mfu: float = 0.5  # achieved share of peak FLOPs in prefill (and decode's FLOPs bound)
+    train_mfu: float = 0.45  # model-FLOPs utilisation of the train step (MaxText's 8B anchor; AotConfig.train_mfu)
     hbm_efficiency: float = 0.7  # achieved share of HBM bandwidth in decode
     decode_flops: float = 0.0  # per chip per decode step (cost analysis)
     decode_bytes: float = 0.0  # per chip per decode step (cost analysis)
@@ -116,12 +142,13 @@ class RooflineCosts:
     logp_flops_per_token: float = 0.0  # whole slice, the log-prob projection of one position of a log-prob call
     train_flops_per_token: float = 0.0  # forward, whole slice: 2 * (active params + head)
     attn_flops_per_token_ctx: float = 0.0  # forward attention per token per token of context
-    train_passes: float = 4.0
+    train_passes: float = 3.0  # model FLOPs: forward + backward (2x); remat's recompute is not model FLOPs
     decode_host_s: float = 0.0  # per decode step, host and dispatch overhead
     step_overhead_s: float = 0.0
 
     def cost_model(self) -> CostModel:
         flops = self.num_devices * self.peak_flops * self.mfu
+        train_flops = self.num_devices * self.peak_flops * self.train_mfu
         bw = self.hbm_bandwidth * self.hbm_efficiency
         step = max(self.decode_flops / (self.peak_flops * self.mfu), self.decode_bytes / bw) + self.decode_host_s
         return CostModel(
@@ -131,8 +158,8 @@ class RooflineCosts:
             # causal attention of a prefilled row of T tokens: sum_t attn * t ~ attn * T^2 / 2
             prefill_attn_s=self.attn_flops_per_token_ctx / 2 / flops,
             prefill_logp_token_s=self.logp_flops_per_token / flops,
-            train_token_s=self.train_passes * self.train_flops_per_token / flops,
-            # causal attention of a sequence of length L: sum_t attn * t ~ attn * L^2 / 2
-            train_attn_s=self.train_passes * self.attn_flops_per_token_ctx / 2 / flops,
+            # per position of the packed rows, and causal attention of a row T wide: sum_t attn * t ~ attn * T^2 / 2
+            train_position_s=self.train_passes * self.train_flops_per_token / train_flops,
+            train_row_attn_s=self.train_passes * self.attn_flops_per_token_ctx / 2 / train_flops,
             step_overhead_s=self.step_overhead_s,
         )

@@ -32,7 +32,9 @@ too small for every slot at full length (``Workload.kv_pages_per_shard``), a req
 until its shard has its pages plus a page of headroom per running slot (``Scheduler._admit``), and a running
 sequence that cannot get the pages of its next dispatch is preempted back to the queue head
 (``Scheduler._grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
-step + overhead (``CostModel``); nothing overlaps.
+step + overhead (``CostModel``); nothing overlaps. The train step computes the rows the learner packs the batch
+into (``TrainLayout``, with ``rl/packing.py``'s own planner), the batch in the order the trainer builds it:
+complete groups in the order they were created, each group's members in order.
 """
 
 from __future__ import annotations
@@ -47,10 +49,57 @@ import statistics
 import numpy as np
 
 from rollverify_jax import schedule_rules
+from rollverify_jax.rl import packing
 from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim.costs import CostModel
 
 RESERVATIONS = ("incremental", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainLayout:
+    """The rows the learner's train step computes for a batch: ``LearnerConfig`` (minibatches, micro-batch rows,
+    tail rows, packing, epochs) and the width it packs into (``EngineConfig.max_seq_len``, as ``train.select``
+    builds the batch). ``rows`` plans them with ``rl/packing.py``, the code ``learner.pack_for_learner`` runs."""
+
+    width: int  # T: the packed rows' width (the engine's max_seq_len)
+    num_minibatches: int = 1
+    micro_batch_size: int | None = None  # rows per micro-batch (None: one micro-batch of a minibatch's rows)
+    tail_row_width: int | None = None
+    pack_sequences: bool = True  # False: padded rows of the batch's power-of-two bucket (rl/batch.length_bucket)
+    ppo_epochs: int = 1
+    row_multiple: int = 1  # batch devices (data x fsdp): micro_batch_size None rounds its rows up to this
+
+    def __post_init__(self):
+        if min(self.width, self.num_minibatches, self.ppo_epochs, self.row_multiple) < 1:
+            raise ValueError(f"TrainLayout: width, num_minibatches, ppo_epochs and row_multiple must be >= 1: {self}.")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"TrainLayout.micro_batch_size={self.micro_batch_size} must be >= 1 or None.")
+        if self.tail_row_width is not None and (not 0 < self.tail_row_width <= self.width
+                                                or self.micro_batch_size is None or not self.pack_sequences):
+            raise ValueError(f"TrainLayout.tail_row_width={self.tail_row_width} needs packing, micro_batch_size and "
+                             f"a width in [1, {self.width}].")
+
+    def rows(self, lengths) -> tuple[tuple[int, int], ...]:
+        """``(width, count)`` of the full and the tail rows one train step computes (every epoch runs each
+        minibatch's micro-batches) over sequences of ``lengths`` tokens (prompt + response) in batch row order.
+        A sequence longer than ``width`` (a replay whose prompt + cap exceeds max_seq_len, which the engine never
+        gives) widens the full rows to it instead of failing."""
+        lengths = np.asarray(lengths, np.int64)
+        b, e = len(lengths), self.ppo_epochs
+        if b % self.num_minibatches:
+            raise ValueError(f"a batch of {b} sequences does not split into {self.num_minibatches} minibatches.")
+        if not self.pack_sequences:
+            return ((int(max(64, 1 << (int(lengths.max()) - 1).bit_length())), b * e),)
+        width = max(self.width, int(lengths.max()))
+        plans = packing.plan_batch(lengths, self.num_minibatches, width, self.micro_batch_size, self.tail_row_width)
+        shape = packing.plan_shape(plans, b, width, self.num_minibatches, self.micro_batch_size,
+                                   self.tail_row_width, self.row_multiple)
+        full, tail, _ = packing.planned_positions(plans, shape)
+        out = [(shape.width, full // shape.width * e)]
+        if tail:
+            out.append((shape.tail_width, tail // shape.tail_width * e))
+        return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +126,7 @@ class Workload:
     kv_pages_per_shard: int = 0  # pages one pool shard can hand out (its scratch page excluded); 0: no limit
     pool_shards: int = 1  # the pool and the slots are split into this many shards (a slot takes its shard's pages)
     page_reservation: str = "incremental"  # EngineConfig.page_reservation
+    train_layout: TrainLayout | None = None  # the learner's packed rows (None: each sequence a row of its length)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -91,6 +141,9 @@ class Workload:
             raise ValueError(f"switch_threshold={self.switch_threshold} must be in [0, 1].")
         if self.min_prefill_len < 0 or self.max_seq_len < 0 or self.kv_pages_per_shard < 0:
             raise ValueError("min_prefill_len, max_seq_len and kv_pages_per_shard must be >= 0.")
+        if self.train_layout and self.batch_groups * self.group_size % self.train_layout.num_minibatches:
+            raise ValueError(f"a batch of {self.batch_groups * self.group_size} sequences does not split into "
+                             f"{self.train_layout.num_minibatches} minibatches (TrainLayout.num_minibatches).")
         if self.page_reservation not in RESERVATIONS:
             raise ValueError(f"page_reservation={self.page_reservation!r}; known: {list(RESERVATIONS)}.")
         if self.kv_pages_per_shard:
@@ -458,6 +511,8 @@ class StepRecord:
     logp_tokens: int = 0  # of those, the ones the log-prob projection runs over (the verified calls' rows x width)
     removed_tokens: int = 0  # cached tokens verification cut (paused and finished)
     batch_tokens: int = 0  # response tokens of the trained batch
+    train_tokens: int = 0  # prompt + response tokens of the trained batch
+    train_positions: int = 0  # positions the train step's rows compute (TrainLayout.rows; = train_tokens without)
     verified: int = 0  # paused trajectories verified (what the acceptance counts: verify/num_verified)
     verified_tokens: int = 0
     kept_tokens: int = 0
@@ -503,7 +558,8 @@ SUMMED = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "ove
           "removed_tokens", "batch_tokens", "dispatches", "decode_steps", "slot_steps", "width_slot_steps",
           "useful_token_steps", "verified", "verified_tokens", "kept_tokens", "num_cut", "num_restarted",
           "finished_verified", "finished_cut", "preemptions", "page_waits", "inserted_tokens", "prefill_tokens",
-          "prefill_calls", "prefill_padded_tokens", "shared_prompt_tokens", "logp_tokens")
+          "prefill_calls", "prefill_padded_tokens", "shared_prompt_tokens", "logp_tokens", "train_tokens",
+          "train_positions")
 
 
 @dataclasses.dataclass
@@ -529,6 +585,7 @@ class SimResult:
             "rollout_fraction": (tot["prefill_s"] + tot["decode_s"]) / max(self.wall_s, 1e-30),
             "slot_utilization": tot["useful_token_steps"] / max(1, self.workload.num_slots * tot["decode_steps"]),
             "acceptance": tot["kept_tokens"] / tot["verified_tokens"] if tot["verified_tokens"] else float("nan"),
+            "train_useful_fraction": tot["train_tokens"] / max(1, tot["train_positions"]),
             "switch_step": self.switch_step,
         }
 
@@ -879,7 +936,11 @@ class Replay:
         batch = self._on_policy_phase(rec, step) if self.on_policy else self._partial_phase(rec, step)
         lengths = [self.trajs[u].target for g in batch for u in self.group_members[g]]
         rec.batch_tokens = sum(lengths)
-        rec.train_s = self.costs.train([self.w.prompt_len + x for x in lengths])
+        seqs = [self.w.prompt_len + x for x in lengths]
+        rows = self.w.train_layout.rows(seqs) if self.w.train_layout and seqs else None
+        rec.train_tokens = sum(seqs)
+        rec.train_positions = sum(w * n for w, n in rows) if rows else rec.train_tokens
+        rec.train_s = self.costs.train(seqs, rows)
         rec.overhead_s = self.costs.step_overhead_s
         self._drop_groups(batch)
         if rec.verified_tokens:
