@@ -202,14 +202,22 @@ def test_verifier_sees_each_tokens_own_version(engine):
 def test_slot_refill_keeps_utilization_high_and_counts_add_up(engine, monkeypatch):
     trajs = _requests(12, seed=3, max_new=12)
     sched = _submit(engine, trajs)
-    inside, real = [], engine.generate
+    inside, real = [], engine.dispatch_generate
 
-    def timed():
+    def timed():  # a dispatch's time is its call plus the wait in fetch
         t0 = time.perf_counter()
         out = real()
         inside.append(time.perf_counter() - t0)
+        fetch = out.fetch
+
+        def timed_fetch():
+            t1 = time.perf_counter()
+            got = fetch()
+            inside[-1] += time.perf_counter() - t1
+            return got
+        out.fetch = timed_fetch
         return out
-    monkeypatch.setattr(engine, "generate", timed)
+    monkeypatch.setattr(engine, "dispatch_generate", timed)
     t0 = time.perf_counter()
     sched.run()
     wall = time.perf_counter() - t0
@@ -492,9 +500,10 @@ SCHEDULES = st.lists(st.one_of(
 ), min_size=1, max_size=8)
 
 
-@pytest.fixture(scope="module")
-def tight_engine(model):
-    cfg = dataclasses.replace(CFG, kv_memory_bytes=12 * PAGE_BYTES)  # 11 usable pages: slots grow and get preempted
+@pytest.fixture(scope="module", params=[False, True], ids=["in_turn", "dispatch_ahead"])
+def tight_engine(model, request):
+    cfg = dataclasses.replace(CFG, kv_memory_bytes=12 * PAGE_BYTES,  # 11 usable pages: slots grow and get preempted
+                              dispatch_ahead=request.param)
     return Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
 
 
@@ -605,3 +614,55 @@ def test_a_groups_prompt_is_prefilled_once_and_its_members_sample_as_if_alone(en
         assert a.tokens == together[t.uid].tokens
         np.testing.assert_allclose(a.logps, together[t.uid].logps, atol=1e-5)
     assert engine.allocator.num_free == engine.allocator.capacity
+
+
+@pytest.mark.parametrize("case", ["eos", "preempting", "packing"])
+def test_dispatching_ahead_gives_the_same_rollouts_token_for_token(model, case):
+    """EngineConfig.dispatch_ahead: decode n + 1 is dispatched before n is read (a finished slot is refilled a
+    dispatch later), yet every trajectory's tokens, log mu and versions equal the in-turn run's: more requests
+    than slots with EOS on; a pool so small that slots are preempted; 16 slots packed below 8 as they finish."""
+    if case == "packing":
+        cfg = dataclasses.replace(CFG, num_slots=16, max_seq_len=48)
+        rng = np.random.default_rng(3)
+        reqs = [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 64, size=5).astype(np.int32), seed=70 + i,
+                           max_new_tokens=30 if i % 3 == 1 else 3) for i in range(16)]
+    else:
+        cfg = CFG if case == "eos" else dataclasses.replace(CFG, kv_memory_bytes=12 * PAGE_BYTES)
+        reqs = _requests(10, seed=4, max_new=25) if case == "eos" else _requests(6, seed=5, max_new=40)
+    runs, ahead_calls = {}, []
+    for ahead in (False, True):
+        engine = Engine(model, dataclasses.replace(cfg, dispatch_ahead=ahead), SamplingConfig(temperature=1.0),
+                        eos_ids=(3,))
+        sched = _submit(engine, [dataclasses.replace(t, tokens=[], logps=[], versions=[]) for t in reqs])
+        real = engine.dispatch_generate
+        engine.dispatch_generate = lambda real=real, sched=sched: (ahead_calls.append(sched._inflight is not None),
+                                                                  real())[1]
+        runs[ahead] = _finish_all(sched)
+        assert sched._inflight is None and sched.idle
+        if case == "preempting":
+            assert sched.stats.preemptions > 0
+    assert sum(ahead_calls) > len(ahead_calls) // 4  # the dispatch-ahead run did dispatch before reading
+    assert sorted(runs[True]) == sorted(runs[False]) == sorted(t.uid for t in reqs)
+    for uid, t in runs[False].items():
+        assert runs[True][uid].tokens == t.tokens, uid
+        assert runs[True][uid].versions == t.versions
+        np.testing.assert_allclose(runs[True][uid].logps, t.logps, atol=1e-5)
+
+
+def test_pause_with_a_dispatch_in_flight_drops_its_tokens(model):
+    """A pause while decode n + 1 is in flight returns the trajectories as the host last read them (n), and
+    resuming them ends in the same samples as never pausing."""
+    cfg = dataclasses.replace(CFG, dispatch_ahead=True)
+    engine = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
+    reference = _finish_all(_submit(engine, _requests(5)))
+    sched = _submit(engine, _requests(5))
+    sched.run(max_dispatches=3)
+    assert sched._inflight is not None
+    seen = {t.uid: t.num_tokens for t in sched.slots.values()}
+    paused = sched.pause_all()
+    assert sched._inflight is None and engine.allocator.num_free == engine.allocator.capacity
+    assert {t.uid: t.num_tokens for t in paused if t.uid in seen} == seen
+    sched.resume(paused)
+    done = {**{t.uid: t for t in sched.take_finished()}, **_finish_all(sched)}
+    for uid, t in reference.items():
+        assert done[uid].tokens == t.tokens, uid

@@ -38,7 +38,10 @@ class EngineConfig:
     prefill, insert and decode programs (None: the model's own ``Qwen3Config.dtype``). The params keep their
     dtype in memory and the KV cache stays in ``kv_dtype``; 'float32' over bf16 weights and KV takes the gap
     between the resume's log pi and decode's log mu from bf16 noise down to float32-activation noise
-    (docs/benchmarks.md, OPS noise floor). The learner is unaffected."""
+    (docs/benchmarks.md, OPS noise floor). The learner is unaffected.
+    dispatch_ahead: the scheduler dispatches decode n + 1 before it reads decode n's outputs, so the host's work
+    between dispatches overlaps the device's; a slot that finishes in n is refilled one dispatch later
+    (``Scheduler``; samples are unchanged, when requests start is not)."""
 
     num_slots: int = 16
     page_size: int = 16
@@ -52,6 +55,7 @@ class EngineConfig:
     live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all
     live_slots: bool = True  # decode runs over the slots up to the highest running one (a bucket), not all
     compute_dtype: str | None = None  # activations of prefill/insert/decode (None: the model's Qwen3Config.dtype)
+    dispatch_ahead: bool = False  # the scheduler dispatches decode n + 1 before reading n's outputs (Scheduler)
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
@@ -413,6 +417,23 @@ def abstract_decode_state(model_cfg, config: EngineConfig, layout: PoolLayout, n
     )
 
 
+@dataclasses.dataclass
+class PendingDecode:
+    """A dispatched ``generate``: its outputs ``[k, live slots]`` on device and the version it sampled under."""
+
+    out: tuple[jax.Array, jax.Array, jax.Array]
+    num_slots: int
+    version: int
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Waits for the dispatch; host arrays [k, S] (token ids, behaviour log-probs, emitted mask)."""
+        tokens, logps, emitted = distributed.fetch(self.out)
+        if tokens.shape[1] == self.num_slots:
+            return tokens, logps, emitted
+        pad = ((0, 0), (0, self.num_slots - tokens.shape[1]))  # the idle slots above the bucket emit nothing
+        return np.pad(tokens, pad), np.pad(logps, pad), np.pad(emitted, pad)
+
+
 class Engine:
     """Owns the compiled prefill/insert/generate functions and the decode state of ``num_slots`` slots."""
 
@@ -435,6 +456,7 @@ class Engine:
         self.state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
                                   abstract_decode_state(model.cfg, config, self.layout, self.allocator.num_pages))
         self.sync_page_table()  # every slot starts on its own shard's scratch page
+        self._version = 0  # the host's copy of state.version: reading the device's would wait for every dispatch
 
     # ------------------------------------------------------------------------------------------------
     # Placement
@@ -448,6 +470,7 @@ class Engine:
         self.set_version(version)
 
     def set_version(self, version: int) -> None:
+        self._version = int(version)
         self.state = dataclasses.replace(self.state, version=jnp.asarray(version, jnp.int32))
 
     @property
@@ -460,7 +483,8 @@ class Engine:
 
     @property
     def version(self) -> int:
-        return int(self.state.version)
+        """The current params' policy version (host-side: no wait for the device)."""
+        return self._version
 
     # ------------------------------------------------------------------------------------------------
     # JetStream-shaped API (host side)
@@ -564,15 +588,16 @@ class Engine:
     def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``steps_per_dispatch`` decode steps over all slots. Returns host arrays [k, S]: token ids,
         behaviour log-probs and the emitted mask."""
+        return self.dispatch_generate().fetch()
+
+    def dispatch_generate(self) -> PendingDecode:
+        """``generate`` without waiting for it: the outputs stay on device until ``PendingDecode.fetch``, so the
+        host can plan (and dispatch) the next one while the device decodes this one."""
         live = self.live_pages() if self.config.live_pages else None
         slots = self.live_slots()
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
                                         live, None if slots == self.config.num_slots else slots)
-        tokens, logps, emitted = distributed.fetch(out)
-        if slots == self.config.num_slots:
-            return tokens, logps, emitted
-        pad = ((0, 0), (0, self.config.num_slots - slots))  # the idle slots above the bucket emit nothing
-        return np.pad(tokens, pad), np.pad(logps, pad), np.pad(emitted, pad)
+        return PendingDecode(out, self.config.num_slots, self._version)
 
     def live_slot_buckets(self) -> list[int]:
         """The slot counts decode compiles for, ascending: all slots halved while at least 8 remain (256: 8, 16,

@@ -79,12 +79,22 @@ def write_kv_at(pages: jax.Array, new: jax.Array, page: jax.Array, slot: jax.Arr
     keep = valid & (local >= 0) & (local < held)
     local = jnp.where(keep, local, held)  # out of range: the scatter drops it
     vals = new.astype(pages.dtype)
-    # One scatter per KV head: a single scatter across heads makes XLA:TPU pick a heads-minor layout for the
-    # result and copy the whole pool back to the attention kernel's layout (with 2+ heads per chip, a second
-    # copy of every layer's pages in the decode dispatch; per head, none).
-    for h in range(pages.shape[0]):
-        pages = pages.at[h, local, slot].set(vals[:, :, h], mode="drop")
-    return pages
+
+    def per_head(pages, vals):
+        # One scatter per KV head on TPU: a single scatter across heads makes XLA:TPU pick a heads-minor layout
+        # for the result and copy the whole pool back to the attention kernel's layout (with 2+ heads per chip, a
+        # second copy of every layer's pages in the decode dispatch; per head, none).
+        for h in range(pages.shape[0]):
+            pages = pages.at[h, local, slot].set(vals[:, :, h], mode="drop")
+        return pages
+
+    def all_heads(pages, vals):
+        # Elsewhere one scatter for every head: on GPU each scatter is a kernel launch, and a decode step's small
+        # kernels cost their launch more than their work (heads x layers x 2 of them per step, per head).
+        return pages.at[:, local, slot].set(jnp.moveaxis(vals, 2, 0), mode="drop")
+
+    # Resolved at lowering for the platform compiled for (a deviceless TPU compile takes the TPU branch).
+    return jax.lax.platform_dependent(pages, vals, tpu=per_head, default=all_heads)
 
 
 class PageAllocator:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from rollverify_jax import distributed
-from rollverify_jax.rollout.engine import Engine
+from rollverify_jax.rollout.engine import Engine, PendingDecode
 from rollverify_jax.rollout.trajectory import Trajectory
 
 # keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]
@@ -38,6 +38,15 @@ def validate_request(prompt: Sequence[int], max_new_tokens: int, max_seq_len: in
 class _Pending:
     traj: Trajectory
     keep_fn: KeepFn | None  # set for resumed trajectories that must be verified
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A decode dispatch not read yet, with the running slots it decodes (slot at dispatch time, trajectory)."""
+
+    pending: PendingDecode
+    slots: list[tuple[int, Trajectory]]
+    steps: int
 
 
 @dataclasses.dataclass
@@ -65,10 +74,21 @@ class RolloutStats:
 
 
 class Scheduler:
-    """Continuous batching: a queue of requests (resumed trajectories first), refilled at every dispatch."""
+    """Continuous batching: a queue of requests (resumed trajectories first), refilled at every dispatch.
+
+    With ``EngineConfig.dispatch_ahead`` each ``step`` plans and dispatches decode n + 1 before it reads decode
+    n's outputs (JAX dispatches asynchronously): the host's bookkeeping and the device-to-host copy overlap the
+    device's work instead of leaving it idle. What the plan cannot know is what n produces: a slot that
+    finishes in n is refilled before n + 2 instead of n + 1 (it idles one dispatch; the device already stopped
+    it), and running slots reserve pages through n + 1. Every sample is unchanged (keys depend only on the
+    request's seed and token index); which dispatch a request starts in may differ, so a pause mid-phase can
+    find trajectories at other lengths. Between steps one dispatch may be in flight; ``pause_all`` drops its
+    tokens, so paused trajectories end where the host last read them."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.dispatch_ahead = engine.config.dispatch_ahead
+        self._inflight: _InFlight | None = None
         self._eos = set(engine.eos_ids)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.slots: dict[int, Trajectory] = {}
@@ -114,12 +134,13 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------
     # One dispatch
 
-    def _tokens_to_reserve(self, t: Trajectory) -> int:
-        """Cache positions a slot must own through the next dispatch (everything, under 'full' reservation)."""
+    def _tokens_to_reserve(self, t: Trajectory, dispatches: int = 1) -> int:
+        """Cache positions a slot must own through its next ``dispatches`` dispatches (2 while one it runs in is
+        not read yet; everything, under 'full' reservation)."""
         full = len(t.prompt) + t.max_new_tokens
         if self.engine.config.page_reservation == "full":
             return full
-        return min(full, len(t.prompt) + t.num_tokens + self.engine.config.steps_per_dispatch + 1)
+        return min(full, len(t.prompt) + t.num_tokens + dispatches * self.engine.config.steps_per_dispatch + 1)
 
     def _admit(self) -> None:
         """Fills free slots from the queue head while pages fit (a request that does not fit yet waits).
@@ -261,9 +282,10 @@ class Scheduler:
         if self.engine.config.page_reservation == "full":
             return
         alloc, grew, preempted = self.engine.allocator, False, []
+        flying = {id(t) for _, t in self._inflight.slots} if self._inflight else set()
         for slot, t in sorted(self.slots.items(), key=lambda kv: kv[1].uid):
             before = len(alloc.owned.get(slot, []))
-            if alloc.grow(slot, self._tokens_to_reserve(t)):
+            if alloc.grow(slot, self._tokens_to_reserve(t, 2 if id(t) in flying else 1)):
                 grew |= len(alloc.owned[slot]) > before
             else:
                 preempted.append(slot)
@@ -290,34 +312,66 @@ class Scheduler:
             self.slots[b] = self.slots.pop(a)
 
     def step(self) -> int:
-        """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated."""
+        """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated (read): that dispatch's,
+        or with ``dispatch_ahead`` the one before it, which is read once this one is on its way."""
         t0 = time.perf_counter()
-        prefill_before = self.stats.prefill_time
+        prefill_before, decode_before = self.stats.prefill_time, self.stats.decode_time
         self._admit()
         self._grow_or_preempt()
-        if not self.slots:
-            return 0
-        self._pack_slots()
-        t1 = time.perf_counter()
-        tokens, logps, emitted = self.engine.generate()
-        t2 = time.perf_counter()
-        version = self.engine.version
+        new = None
+        if self.slots and not self._all_end_in_flight():
+            self._pack_slots()
+            t1 = time.perf_counter()
+            new = _InFlight(self.engine.dispatch_generate(), list(self.slots.items()),
+                            self.engine.config.steps_per_dispatch)
+            self.stats.decode_time += time.perf_counter() - t1
+        done, self._inflight = self._inflight, None
+        if not self.dispatch_ahead:
+            done, new = new, None
+        n = self._read(done) if done is not None else 0
+        self._inflight = new
+        self.stats.host_time += (time.perf_counter() - t0) - (self.stats.prefill_time - prefill_before) - (
+            self.stats.decode_time - decode_before)
+        return n
+
+    def _all_end_in_flight(self) -> bool:
+        """Every running slot reaches its max length inside the dispatch in flight: the next one would decode
+        nothing, so it waits to be planned on what this one produces."""
+        flight = self._inflight
+        if flight is None:
+            return False
+        flying = {id(t) for _, t in flight.slots}
+        return all(id(t) in flying and t.num_tokens + flight.steps >= t.max_new_tokens for t in self.slots.values())
+
+    def _read(self, flight: _InFlight) -> int:
+        """Appends a dispatch's tokens to the trajectories it decoded and finishes the done ones. One that left
+        its slot since (preempted, or paused) drops them: it re-prefills what the host holds and resamples the
+        same tokens. One that moved (``_pack_slots``) is found in its new slot."""
+        t0 = time.perf_counter()
+        tokens, logps, emitted = flight.pending.fetch()
+        self.stats.decode_time += time.perf_counter() - t0
+        version = flight.pending.version
+        where = {id(t): s for s, t in self.slots.items()}
+        counts = emitted.sum(axis=0)  # a slot emits a prefix of the steps: it stops at its end
         n = 0
-        for slot, t in list(self.slots.items()):
-            for j in range(tokens.shape[0]):
-                if not emitted[j, slot]:
-                    break
-                self._append(t, int(tokens[j, slot]), float(logps[j, slot]), version)
-                n += 1
+        for slot, t in flight.slots:
+            cur, m = where.get(id(t)), int(counts[slot])
+            if cur is None:
+                continue
+            if m and t.uid in self._cut_suffix:  # regeneration statistics are per token
+                for y, lp in zip(tokens[:m, slot].tolist(), logps[:m, slot].tolist(), strict=True):
+                    self._append(t, y, lp, version)
+            elif m:
+                t.tokens.extend(tokens[:m, slot].tolist())
+                t.logps.extend(logps[:m, slot].tolist())
+                t.versions.extend([version] * m)
+            n += m
             if self._is_done(t):
-                self._finish(slot, t)
-        k = tokens.shape[0]
+                self._finish(cur, t)
         self.stats.dispatches += 1
-        self.stats.decode_steps += k
+        self.stats.decode_steps += tokens.shape[0]
         self.stats.useful_token_steps += n
         self.stats.tokens_generated += n
-        self.stats.decode_time += t2 - t1
-        self.stats.host_time += (t1 - t0) - (self.stats.prefill_time - prefill_before) + (time.perf_counter() - t2)
         return n
 
     def run(self, until: Callable[[Scheduler], bool] | None = None, max_dispatches: int | None = None) -> None:
@@ -328,13 +382,17 @@ class Scheduler:
             count += 1
             if max_dispatches is not None and count >= max_dispatches:
                 break
+        if self.idle:  # a dispatch still in flight decodes no running trajectory: nothing to read
+            self._inflight = None
 
     # ------------------------------------------------------------------------------------------------
     # Pause
 
     def pause_all(self) -> list[Trajectory]:
         """Every unfinished trajectory (running ones first, then queued ones); their pages are freed and
-        the queue is emptied. Finished ones stay in ``finished``."""
+        the queue is emptied. Finished ones stay in ``finished``. A dispatch in flight is dropped unread: the
+        trajectories end where the host last read them, as without ``dispatch_ahead``."""
+        self._inflight = None
         running = list(self.slots.items())
         if running:
             self.engine.deactivate([s for s, _ in running])
