@@ -5,7 +5,9 @@ as ``evaluate --checkpoint`` resolves it. Only the params are read (no optimizer
 weights and ``config.json`` (``models.hf.save_pretrained``) and the tokenizer files of the policy the run trained
 from, so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
 load it, and so do ``evaluate --checkpoint=DIR`` and ``TrainConfig.policy_path``. Everything is written into a
-temporary directory next to ``DIR`` and renamed at the end: a failed export leaves nothing half-written.
+temporary directory next to ``DIR``, flushed to the disk and renamed at the end: a failed export leaves nothing
+half-written. ``DIR`` may not be, or hold, the run's workdir, its checkpoints, the policy or tokenizer it reads, or
+the working directory (``--overwrite`` would replace them).
 
 The run may live on any ``etils.epath`` filesystem (``--checkpoint=gs://bucket/runs/x`` is read in place); ``DIR``
 is local, since the rename at the end needs a filesystem that has one (copy the export to a bucket afterwards).
@@ -42,12 +44,23 @@ TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.
 def check_out_dir(out: storage.PathLike, overwrite: bool) -> None:
     """Refuses a non-local directory, a file, or a non-empty directory without ``overwrite``, before any work is
     done."""
+    check_out_kind(out)
+    check_out_empty(out, overwrite)
+
+
+def check_out_kind(out: storage.PathLike) -> None:
+    """Refuses a non-local ``--out`` or one that is a file."""
     if not storage.is_local(out):
         raise ValueError(f"--out={out} is not a local path: export writes a local directory and renames it at the "
                          "end; copy the result to the bucket afterwards (e.g. gcloud storage cp -r).")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={out} is a file; pass a directory.")
+
+
+def check_out_empty(out: storage.PathLike, overwrite: bool) -> None:
+    """Refuses a non-empty ``--out`` without ``overwrite``."""
+    out = Path(out)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out={out} exists and is not empty; pass --overwrite to replace it, or another --out.")
 
@@ -91,29 +104,64 @@ def copy_tokenizer(src: epath.Path, dst: Path) -> None:
             (dst / name).write_bytes((src / name).read_bytes())
 
 
+def check_out_not_in_use(out: Path, in_use: dict[str, storage.PathLike | None],
+                         checkpoints: epath.Path) -> None:
+    """Refuses an ``--out`` that is, or holds, a directory the export reads or the user works in (``in_use``:
+    what -> path), or that lies inside the run's ``checkpoints``: replacing it (``--overwrite``) would delete it,
+    and a directory among the checkpoints would be taken for a damaged step."""
+    if not storage.is_local(out):
+        return  # check_out_dir refuses it
+    out = Path(out)
+    for what, path in in_use.items():
+        if path is None or not storage.is_local(path):
+            continue
+        if storage.is_within(path, out):
+            relation = "is" if Path(path).resolve() == out.resolve() else "holds"
+            raise ValueError(f"--out={out} {relation} {what} ({path}): exporting there would replace it; pass "
+                             "another --out.")
+    if storage.is_local(checkpoints) and storage.is_within(out, checkpoints):
+        raise ValueError(f"--out={out} lies inside the run's checkpoints ({checkpoints}); pass another --out.")
+
+
 def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` into a temporary directory next to ``out``, then renames it to ``out`` (replacing what
-    was there); on any failure the temporary directory is removed and ``out`` is untouched."""
+    """``write(tmp)`` into a temporary directory next to ``out``, flushed to the disk, then renamed to ``out``
+    (replacing what was there); on any failure the temporary directory is removed and ``out`` is untouched."""
+    out = Path(os.path.abspath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
         write(tmp)
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
+        storage.fsync(tmp)
         if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old)  # a directory renames over the empty one mkdtemp made
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            _swap(tmp, out)
         else:
             os.replace(tmp, out)
+        storage.fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap(new: Path, out: Path) -> None:
+    """Replaces the directory ``out`` by ``new``; if the second rename fails, the old ``out`` is put back."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    try:
+        os.replace(out, old)  # a directory renames over the empty one mkdtemp made
+    except BaseException:
+        old.rmdir()
+        raise
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool = False) -> int:
     """Writes the params of ``checkpoint`` (a workdir or a step directory) to ``out`` in HF layout with the
     run's tokenizer; returns the step exported. Every input is checked before anything is written."""
-    check_out_dir(out, overwrite)
+    check_out_kind(out)
     checkpoint, out = storage.as_path(checkpoint), Path(out)
     if (checkpoint / "config.json").exists():
         raise ValueError(f"--checkpoint={checkpoint} is already in Hugging Face layout; export reads a training "
@@ -122,6 +170,11 @@ def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool 
     cfg = TrainConfig()
     policy_path = run_policy_path(root, cfg)
     tok_dir = tokenizer_dir(policy_path, cfg)
+    check_out_not_in_use(out, {"the run's workdir": root, "the checkpoint": checkpoint,
+                               "the run's checkpoints": root / "checkpoints", "the run's policy": policy_path,
+                               "the run's tokenizer": tok_dir, "the working directory": Path.cwd()},
+                        root / "checkpoints")
+    check_out_empty(out, overwrite)
     model = abstract_policy(policy_path, cfg)
     step, params = restore_params(model, mesh_lib.make_mesh(), checkpoint)
     graphdef, _ = nnx.split(model)

@@ -1,7 +1,10 @@
 """Export of a run's checkpoint to Hugging Face layout: transformers loads the trained params and the tokenizer."""
 
 import functools
+import json
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -129,3 +132,77 @@ def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):  # an export that would replace a directory keeps it
         export.export(workdir, tmp_path / "old", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (tmp_path / "old" / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture
+def own_run(run_dir, tmp_path):
+    """A copy of the run whose policy and tokenizer are copies too (policy.txt and TrainConfig.tokenizer_path
+    point at them), under tmp_path/work: a test that exports over them can only damage its own files."""
+    workdir, _ = run_dir
+    work = tmp_path / "work"
+    shutil.copytree(workdir, work / "run")
+    shutil.copytree(POLICY, work / "policy")
+    shutil.copytree(POLICY, work / "tokenizer")
+    (work / "run" / "policy.txt").write_text(json.dumps({"policy_path": str(work / "policy")}) + "\n")
+    return work
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("out, cwd, message", [
+    ("run", None, r"is the run's workdir"),
+    (".", None, r"holds the run's workdir"),  # a parent of the workdir
+    ("run/checkpoints", None, r"is the run's checkpoints"),
+    ("run/checkpoints/2", None, r"lies inside the run's checkpoints"),
+    ("policy", None, r"is the run's policy"),
+    ("tokenizer", None, r"is the run's tokenizer"),
+    (".", "elsewhere", r"is the working directory"),
+    ("..", "elsewhere/inner", r"holds the working directory"),
+])
+def test_overwrite_never_replaces_the_run_its_inputs_or_the_working_directory(own_run, monkeypatch, capsys, out,
+                                                                           cwd, message):
+    """Each of these --out --overwrite used to rename the directory aside and delete it (``--out=.`` raised a
+    traceback and left an empty ``..old-*``): now one line, exit 2, nothing touched."""
+    if cwd is not None:
+        (own_run / cwd).mkdir(parents=True)
+        monkeypatch.chdir(own_run / cwd)
+        out_path = out
+    else:
+        out_path = own_run / out
+    before = _tree(own_run)
+    with pytest.raises(SystemExit) as exit_info:
+        _export(f"--checkpoint={own_run / 'run'}", f"--out={out_path}", "--overwrite",
+                f"--gin_param=TrainConfig.tokenizer_path = '{own_run / 'tokenizer'}'")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
+    assert re.search(message, err), err
+    assert _tree(own_run) == before
+
+
+def test_a_failed_swap_puts_the_old_export_back(tmp_path, monkeypatch):
+    """The second rename of a replacement fails: the previous export is back under its name, nothing else
+    is left."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".hf.export-"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+    monkeypatch.setattr(export.os, "replace", replace)
+    with pytest.raises(OSError, match="No space"):
+        export.write_atomically(out, lambda tmp: (tmp / "model.safetensors").write_text("new"))
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"] and (out / "keep.txt").read_text() == "mine"
+
+
+def test_the_export_is_flushed_to_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(export.os, "replace", lambda s, d: (renamed.append(len(synced)), real_replace(s, d)))
+    export.write_atomically(tmp_path / "hf", lambda tmp: (tmp / "model.safetensors").write_text("w"))
+    assert renamed and any(p.endswith("model.safetensors") for p in synced[:renamed[0]]), (synced, renamed)

@@ -37,6 +37,59 @@ def test_local_paths_behave_like_pathlib(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def _recording_fsync(monkeypatch) -> tuple[list[str], list[int]]:
+    """(paths fsynced, how many fsyncs had happened at each os.replace) while the test runs."""
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda s, d: (renamed.append(len(synced)), real_replace(s, d)))
+    return synced, renamed
+
+
+def test_an_atomic_write_is_on_the_disk_before_its_rename(tmp_path, monkeypatch):
+    """Metrics rewrites and sample logs go through write_text_atomically: the temporary file is fsynced before
+    the rename publishes it (a crash after the rename must not leave the name on empty contents)."""
+    synced, renamed = _recording_fsync(monkeypatch)
+    storage.write_text_atomically(tmp_path / "metrics.jsonl", "{}\n")
+    assert renamed == [1] and synced[0].startswith(str(tmp_path / ".metrics.jsonl.")), (synced, renamed)
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+    synced.clear()
+    storage.fsync(tmp_path)  # a tree: each file and directory
+    assert str(tmp_path / "metrics.jsonl") in synced and str(tmp_path) in synced
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("old")
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space"):
+        storage.write_text_atomically(tmp_path / "a.txt", "new")
+    assert os.listdir(tmp_path) == ["a.txt"] and (tmp_path / "a.txt").read_text() == "old"
+
+
+def test_check_writable_refuses_before_the_work(tmp_path):
+    (tmp_path / "file.txt").write_text("")
+    (tmp_path / "dir").mkdir()
+    storage.check_writable(tmp_path / "new" / "deeper" / "out.jsonl", "--out")  # parents are made at write time
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file.txt"]  # the probe is removed, nothing created
+    with pytest.raises(ValueError, match="is a directory"):
+        storage.check_writable(tmp_path / "dir", "--out")
+    with pytest.raises(ValueError, match="file.txt is a file, not a directory"):
+        storage.check_writable(tmp_path / "file.txt" / "out.jsonl", "--out")
+    with pytest.raises(ValueError, match="cannot be written"):
+        storage.check_writable("/proc/out.jsonl", "--out")
+    storage.check_writable("gs://bucket/out.jsonl", "--out")  # not probed
+
+
+def test_is_within(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    assert storage.is_within(tmp_path / "run" / "x", tmp_path) and storage.is_within(tmp_path, tmp_path)
+    assert storage.is_within(tmp_path / "link", tmp_path / "run") and not storage.is_within(tmp_path, tmp_path / "run")
+    assert not storage.is_within(tmp_path / "runs", tmp_path / "run")
+    assert storage.is_within("gs://b/runs/x", "gs://b/runs") and not storage.is_within("gs://b/runsx", "gs://b/runs")
+    assert not storage.is_within("gs://b/runs", tmp_path)
+
+
 def test_etils_offers_no_memory_scheme():
     """Why the non-local tests below fake a gs:// bucket instead of using an in-memory filesystem."""
     with pytest.raises(KeyError):
