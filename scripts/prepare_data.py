@@ -18,7 +18,9 @@ download). The schema is detected from the columns (``--kind`` forces it):
 
 ``--format array_record`` builds a TFDS array_record dataset of ``{prompt, answer}`` records under the output
 directory instead (read through grain by the ``tfds`` loader). Every output is written to a temporary name, read
-back through the project's loader, and only then renamed into place, so a failed run leaves no partial file.
+back through the project's loader, flushed to the disk, and only then renamed into place, so a failed run leaves no
+partial file and a replaced build is put back if its swap fails. ``--config_name`` and ``--split`` are plain names
+(they name a directory and files under ``--output``).
 Errors print one ``error:`` line and exit with status 2.
 """
 
@@ -38,6 +40,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollverify_jax import storage
 from rollverify_jax.data import datasets
 from rollverify_jax.data.rewards import extract_boxed
 
@@ -50,6 +53,9 @@ ANSWER_COLUMNS = ("answer", "Answer")
 SOLUTION_COLUMNS = ("solution", "Solution")
 ID_COLUMNS = ("id", "ID", "problem_idx", "idx")
 DAPO_COLUMNS = ("prompt", "reward_model")
+# A build's config name and split become one directory and part of its file names under the output directory:
+# no separators, no leading dot (so never '.' or '..').
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 class PrepareError(ValueError):
@@ -269,16 +275,30 @@ def write_atomic(rows: Sequence[Row], output: Path, kind: str, fmt: str) -> int:
     try:
         write_file(rows, tmp, fmt)
         count = len(datasets.get_dataset(loader_name(kind, fmt), path=str(tmp)))
+        storage.fsync(tmp)
         os.replace(tmp, output)
+        storage.fsync_dir(output.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return count
 
 
+def check_name(name: str, flag: str) -> str:
+    """A build's ``--config_name`` or ``--split``: one plain path component, so the build stays inside the output
+    directory (an absolute name or ``..`` would move and delete a directory elsewhere)."""
+    if not NAME.fullmatch(name):
+        raise PrepareError(f"{flag}={name!r} must be a plain name (letters, digits, '_', '.', '-'; not starting "
+                           "with '.'): it names a directory under --output")
+    return name
+
+
 def write_array_record(rows: Sequence[Row], data_dir: Path, kind: str, config_name: str, split: str) -> int:
     """Builds ``<data_dir>/math_prompts/<config_name>`` in a temporary directory beside it, reads it back through
-    grain, then swaps it into place (an existing build of that name is replaced)."""
+    grain, then swaps it into place (an existing build of that name is replaced; if the swap fails, it is put
+    back)."""
+    check_name(config_name, "--config_name")
+    check_name(split, "--split")
     data_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".prepare_data.", dir=data_dir))
     try:
@@ -286,15 +306,29 @@ def write_array_record(rows: Sequence[Row], data_dir: Path, kind: str, config_na
         write_file(rows, source, "jsonl")
         datasets.build_tfds(str(source), loader_name(kind, "jsonl"), str(scratch / "build"), config_name, split)
         count = len(datasets.load_tfds(str(scratch / "build"), config_name=config_name, split=split))
+        build = scratch / "build" / "math_prompts" / config_name
+        storage.fsync(build)
         target = data_dir / "math_prompts" / config_name
         target.parent.mkdir(parents=True, exist_ok=True)
-        old = scratch / "previous"
-        if target.exists():
-            os.replace(target, old)
-        os.replace(scratch / "build" / "math_prompts" / config_name, target)
+        _swap_into_place(build, target, scratch / "previous")
+        storage.fsync_dir(target.parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return count
+
+
+def _swap_into_place(build: Path, target: Path, old: Path) -> None:
+    """Renames ``build`` to ``target``, the previous ``target`` moved to ``old`` first and put back if the second
+    rename fails (``old`` is removed with the scratch directory only after a good swap)."""
+    previous = target.exists()
+    if previous:
+        os.replace(target, old)
+    try:
+        os.replace(build, target)
+    except BaseException:
+        if previous:
+            os.replace(old, target)
+        raise
 
 
 def gin_hint(kind: str, fmt: str, output: str, config_name: str, split: str) -> str:
@@ -328,6 +362,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def prepare(args: argparse.Namespace) -> str:
     """Runs the conversion; returns the report to print."""
     fmt = output_format(args.output, args.format)
+    if fmt == "array_record":  # checked before the inputs are read
+        if args.config_name is not None:
+            check_name(args.config_name, "--config_name")
+        check_name(args.split, "--split")
     files = input_files(args.inputs)
     kind, rows, read = convert(files, args.kind, args.problem_column, args.answer_column, args.keep_duplicates)
     config_name = args.config_name or kind

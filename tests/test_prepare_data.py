@@ -4,6 +4,7 @@ loaders read back; bad inputs end with one ``error:`` line and exit status 2, le
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -181,3 +182,55 @@ def test_a_failed_write_keeps_the_previous_output(tmp_path, capsys, monkeypatch)
     assert "read-back failed" in fails(capsys, source, "--output", out)
     assert out.read_text() == "previous\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aime-out.jsonl", "aime.jsonl"]
+
+
+@pytest.mark.parametrize("flag, name", [("--config_name", "ABS"), ("--config_name", ".."), ("--config_name", "a/../b"),
+                                        ("--config_name", "."), ("--split", "../train")])
+def test_a_build_name_never_escapes_the_output_directory(tmp_path, tfds_tmp, capsys, flag, name):
+    """An absolute --config_name (or one with '..') used to move the directory it named into the scratch
+    directory and delete it; now one line, exit 2, before any input is read."""
+    victim = tmp_path / "victim"
+    (victim / "1.0.0").mkdir(parents=True)
+    (victim / "1.0.0" / "keep.txt").write_text("mine")
+    source = write_parquet(tmp_path / "dapo.parquet", dapo_rows(2, repeats=1))
+    name = str(victim) if name == "ABS" else name
+    err = fails(capsys, source, "--output", tmp_path / "tfds", "--format", "array_record", flag, name)
+    assert f"{flag}={name!r} must be a plain name" in err
+    assert (victim / "1.0.0" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dapo.parquet", "victim"]
+
+
+def test_a_failed_swap_puts_the_previous_build_back(tmp_path, tfds_tmp, capsys, monkeypatch):
+    """The rename of a new build into place fails: the previous build (moved aside first) is back under its name
+    and still loads; no scratch directory is left."""
+    script = load_script("prepare_data")
+    data_dir = tmp_path / "tfds"
+    prepare(write_parquet(tmp_path / "dapo.parquet", dapo_rows(4, repeats=1)), "--output", data_dir,
+            "--format", "array_record")
+    capsys.readouterr()
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).parent.name == "math_prompts" and Path(src).parent.parent.name == "build":
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+    monkeypatch.setattr(script.os, "replace", replace)
+    with pytest.raises(SystemExit) as exit_info:  # (TFDS's progress bars go to stderr too)
+        prepare(write_parquet(tmp_path / "dapo2.parquet", dapo_rows(2, repeats=1)), "--output", data_dir,
+                "--format", "array_record")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: [Errno 28] No space left on device" in err and "Traceback" not in err
+    monkeypatch.undo()
+    assert len(load_tfds(str(data_dir), config_name="dapo")) == 4
+    assert [p.name for p in data_dir.iterdir()] == ["math_prompts"]
+
+
+def test_outputs_are_on_the_disk_before_their_rename(tmp_path, monkeypatch):
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    script = load_script("prepare_data")
+    monkeypatch.setattr(script.os, "replace", lambda s, d: (renamed.append((len(synced), s)), real_replace(s, d)))
+    prepare(write_jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": "1"}]), "--output", tmp_path / "o.jsonl")
+    (count, src), = renamed
+    assert any(p == str(src) for p in synced[:count]), (synced, renamed)
