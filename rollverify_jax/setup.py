@@ -20,7 +20,7 @@ from rollverify_jax import mesh as mesh_lib
 from rollverify_jax import storage
 from rollverify_jax.aot_config import AotConfig  # noqa: F401  (registers the gin configurable)
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
-from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset
+from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset, records_fingerprint
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.metrics import MetricsConfig  # noqa: F401  (registers it for evaluate and aot too)
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
@@ -75,6 +75,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.num_steps={self.num_steps} must be >= 0.")
         if self.max_skipped_steps < 1:
             raise ValueError(f"TrainConfig.max_skipped_steps={self.max_skipped_steps} must be >= 1.")
+        if self.eval_size < 1:  # a negative size would slice problems off the end in silence
+            raise ValueError(f"TrainConfig.eval_size={self.eval_size} must be >= 1.")
         adv_lib.get_advantage_fn(self.advantage)
 
 
@@ -111,6 +113,7 @@ class Run:
     ref_params: object = None
     wall_offset: float = 0.0
     step: int = 0  # completed training steps = the policy version the engine samples with
+    inputs: dict = dataclasses.field(default_factory=dict)  # input_identity: compared on resume (run_settings)
 
     def encode(self, record: dict) -> np.ndarray:
         return np.asarray(self.tokenizer.encode_prompt(record["prompt"], chat=self.cfg.chat_template), np.int32)
@@ -238,6 +241,7 @@ def build(cfg: TrainConfig, workdir: storage.PathLike | None = None, checkpoint:
     if learner_cfg.loss.kl_coef > 0:
         run.ref_params = jax.tree.map(lambda x: x.copy(), run.train_state.params)
     records = load_prompts("train", cfg.train_dataset, cfg.train_dataset_kwargs, tokenizer, cfg.chat_template, room)
+    run.inputs = input_identity(cfg, records, tokenizer)
     run.iterator = PromptIterator(records, batch_size=1, seed=cfg.seed)
     scheduler = Scheduler(engine)
     run.manager = RolloutManager(rollout_cfg, scheduler, lambda: run.iterator.next_batch()[0], run.encode,
@@ -288,6 +292,16 @@ def _restore_params_only(run: Run, checkpoint: epath.Path) -> None:
     run.engine.update_params(params, version=step)
 
 
+def input_identity(cfg: TrainConfig, records: Sequence[dict], tokenizer: Tokenizer) -> dict:
+    """What the run reads besides its settings: the train dataset (its name and arguments, the path among them;
+    the count and content hash of the records it draws from) and the tokenizer's hash. Part of run_settings, so
+    a resume on a data file edited in place or on another tokenizer is refused like a changed setting."""
+    data = records_fingerprint(records)
+    return {"data.train_dataset": cfg.train_dataset, "data.train_dataset_kwargs": cfg.train_dataset_kwargs,
+            "data.train_records": data["records"], "data.train_sha256": data["sha256"],
+            "tokenizer.sha256": tokenizer.fingerprint()}
+
+
 def run_settings(run: Run) -> dict:
     """The settings that define what a run trains (saved in every checkpoint, compared on resume)."""
     rc, sw, lc = run.manager.config, run.manager.switch_cfg, run.learner_cfg
@@ -308,6 +322,7 @@ def run_settings(run: Run) -> dict:
         "param_dtype": run.cfg.param_dtype, "compute_dtype": run.cfg.compute_dtype,
         # The rollout's activation dtype (EngineConfig.compute_dtype, else the model's): it changes what is sampled.
         "engine.compute_dtype": run.engine.compute_dtype,
+        **run.inputs,
     }
 
 

@@ -12,6 +12,7 @@ and nothing here calls it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -393,6 +394,16 @@ def drop_long_prompts(
         raise ValueError(f"{len(records)} records but {len(lengths)} prompt lengths")
     kept = [record for record, n in zip(records, lengths, strict=True) if n <= max_prompt_len]
     return kept, len(records) - len(kept)
+
+
+def records_fingerprint(records: Sequence[Record]) -> dict[str, int | str]:
+    """The number of records and a SHA-256 over them in order (each as sorted-key JSON): what a resume compares,
+    so a data file edited in place, even to the same row count, is not resumed on other prompts in silence."""
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8"))
+        digest.update(b"\n")
+    return {"records": len(records), "sha256": digest.hexdigest()}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -169,6 +170,13 @@ class Tokenizer:
             template_tokens={k: v for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                              if (v := _token_content(config.get(k))) is not None},
         )
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of everything that turns text into ids here (the tokenizer's own serialisation, the chat
+        template and its tokens, the stop and pad ids): what a resume compares, not the directory's name."""
+        parts = [self.hf.to_str(), self.chat_template or "", json.dumps(self.template_tokens, sort_keys=True),
+                 json.dumps([list(self.eos_ids), self.pad_id])]
+        return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()
 
     def token_id(self, token: str) -> int:
         """Id of one token string; a KeyError naming the tokenizer if it is not in the vocabulary."""
