@@ -83,10 +83,8 @@ BUGS = [
         "uniform = np.repeat(np.ones(len(rewards), bool), g)", (T + "test_uniform_groups_leave_the_loss",)),
     Bug("DAPO chat prompts take the first user message", "rollverify_jax/data/datasets.py",
         'return users[-1]["content"]', 'return users[0]["content"]', ("tests/test_datasets.py",)),
-    Bug("a hung grader is never killed (only its counter bumped)", "rollverify_jax/data/rewards.py",
-        "        inflight.clear()\n        self._kill_pool()\n        counts[\"pool_restarts\"] += 1\n\n    # -- pool",
-        "        inflight.clear()\n        pass\n        counts[\"pool_restarts\"] += 1\n\n    # -- pool",
-        ("tests/test_rewards.py",)),
+    Bug("a hung grader is never killed (no deadline for its worker)", "rollverify_jax/data/rewards.py",
+        "timeout=self.timeout_s + self.hard_timeout_grace_s)", "timeout=None)", ("tests/test_rewards.py",)),
 ]
 
 

@@ -1,15 +1,19 @@
-"""Reward functions (a string registry) and a batch scorer that isolates slow or crashing graders.
+"""Reward functions (a string registry) and a batch scorer that isolates slow, crashing or greedy graders.
 
 A reward function maps ``(response, answer) -> float``. Symbolic graders (``math``: math_verify over
-sympy) can hang or crash on adversarial model output, so ``RewardScorer`` runs the ones registered with
-``isolated=True`` in a ``ProcessPoolExecutor`` (spawn context: the parent may hold JAX and threads) with a
-per-item timeout. A grade that times out or crashes gives reward 0 and is counted in
-``reward/grader_timeouts`` / ``reward/grader_errors``; a worker stuck past the timeout is killed together
-with its pool, which is rebuilt, so grading never stalls the run.
+sympy) can hang, crash or eat memory on adversarial model output, so ``RewardScorer`` runs the ones registered
+with ``isolated=True`` in a pebble process pool (spawn context: the parent may hold JAX and threads). Each
+worker is limited: its address space (``memory_limit_mb``; a grader past it gets a MemoryError, not the host's
+OOM killer, which might pick the trainer), each item's CPU time and wall time. A grade that times out or fails
+gives reward 0 and is counted in ``reward/grader_timeouts`` / ``reward/grader_errors``; so is a grade that is
+not a finite number (NaN would otherwise reach the advantages and the loss).
 
-Timeouts work at two levels: inside the worker a SIGALRM timer interrupts Python-level loops (the usual
-sympy hang) and the worker survives; in the parent a hard deadline (``timeout_s + hard_timeout_grace_s``)
-catches a worker stuck in C code with signals blocked, and recycles the pool.
+Timeouts work at two levels: inside the worker a SIGALRM timer (wall) and RLIMIT_CPU's SIGXCPU (CPU time)
+interrupt Python-level loops (the usual sympy hang) and the worker survives; in the parent pebble's deadline
+(``timeout_s + hard_timeout_grace_s``) catches a worker stuck in C code with signals blocked, and kills and
+replaces that worker alone; a worker that dies is replaced alone too, and its item retried once. Workers ignore
+SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM to every process is the trainer's to handle (it finishes its
+step, which needs the graders); the scorer kills its workers with SIGKILL.
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import math
 import multiprocessing as mp
+import os
+import pickle
 import re
+import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +40,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import gin
 import numpy as np
+import pebble
 
 from rollverify_jax import distributed
 
@@ -254,64 +264,90 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
 
 
 class GraderTimeout(BaseException):
-    """Raised by the worker's alarm; a BaseException so graders' ``except Exception`` cannot swallow it."""
+    """Raised by the worker's alarm or CPU-time limit; a BaseException so graders' ``except Exception`` cannot
+    swallow it."""
 
 
 def _raise_timeout(signum, frame) -> None:
     raise GraderTimeout()
 
 
-def _init_worker(barrier) -> None:
-    """Runs once per worker: quiet math_verify's 'timeout disabled' warning, keep the start barrier."""
-    global _START_BARRIER
+_START_BARRIER = None
+_INIT_ERROR: BaseException | None = None
+_KILL_AFTER_S = 0.2  # from pebble's SIGTERM (ignored by the workers) to its SIGKILL
+
+
+def _init_worker(barrier, memory_limit_bytes: int, fn_bytes: bytes, warmup_s: float) -> None:
+    """Runs in every worker pebble starts (the first ones and each replacement): signals, limits, and one grade
+    off the clock. Unpickling ``fn`` imports its module, and one grade loads what the grader builds lazily
+    (math_verify's sympy/antlr tables take seconds), so a fresh worker's first item does not time out. An error
+    here is kept for ``_worker_ready`` to report, rather than a worker that dies and is restarted forever."""
+    global _START_BARRIER, _INIT_ERROR
     _START_BARRIER = barrier
+    _ignore_stop_signals()
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     signal.signal(signal.SIGALRM, _raise_timeout)
-
-
-_START_BARRIER = None
-
-
-def _worker_ready(fn: RewardFn, timeout_s: float) -> bool:
-    """Warm-up task: unpickling ``fn`` imports its module, and one grade off the clock loads what the grader
-    builds lazily (math_verify's sympy/antlr tables take seconds), so a fresh worker's first item does not
-    time out; the barrier proves every worker is up."""
+    signal.signal(signal.SIGXCPU, _raise_timeout)
+    try:
+        if memory_limit_bytes:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
+        fn = pickle.loads(fn_bytes)
+    except Exception as e:  # noqa: BLE001  (reported by the start-up check)
+        _INIT_ERROR = e
+        return
     # Not a real grade: a grader that rejects this sample input is still asked (and charged) for real items.
-    with contextlib.suppress(Exception):
+    signal.setitimer(signal.ITIMER_REAL, warmup_s)
+    try:
         fn("Answer: 1/2", "0.5")
+    except (Exception, GraderTimeout):  # noqa: BLE001
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _ignore_stop_signals() -> None:
+    """A Ctrl-C (SIGINT to the foreground process group) or a scheduler's SIGTERM to every process of the job
+    (SLURM, a container stop) is the trainer's to handle: it finishes its step, which needs the graders. So both
+    are ignored here, for the whole process (a disposition, not a thread's mask: libraries start threads
+    before this runs); the scorer stops a worker with SIGKILL, as pebble does ``_KILL_AFTER_S`` after its
+    SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _worker_ready(timeout_s: float) -> bool:
+    """Start-up check, one per worker (the barrier makes each run on its own): the worker's initialiser worked."""
+    if _INIT_ERROR is not None:
+        raise _INIT_ERROR
     _START_BARRIER.wait(timeout=timeout_s)
     return True
 
 
-def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float) -> float:
-    """One grade under a SIGALRM timer (the pool runs tasks in the worker's main thread)."""
-    signal.signal(signal.SIGALRM, _raise_timeout)
+def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float, cpu_limit_s: float) -> float:
+    """One grade under a wall-clock timer (SIGALRM) and a CPU-time limit (RLIMIT_CPU's soft limit, set to the
+    worker's CPU time so far plus ``cpu_limit_s``, raises SIGXCPU); the pool runs tasks in the main thread."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    limit = math.ceil(usage.ru_utime + usage.ru_stime + cpu_limit_s)
+    resource.setrlimit(resource.RLIMIT_CPU, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         return float(fn(response, answer))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Parent side.
 
 
-@dataclasses.dataclass
-class _Job:
-    """An item being graded: its index, and when it was handed to an idle worker."""
-
-    index: int
-    started: float
-    suspect: bool
-
-
-_COUNT_KEYS = ("timeouts", "errors", "pool_restarts")
+_COUNT_KEYS = ("timeouts", "errors", "nonfinite", "worker_restarts", "pool_restarts")
 
 
 @gin.configurable
 class RewardScorer:
-    """Scores a batch of responses; isolated rewards run in a recycled-on-hang process pool.
+    """Scores a batch of responses; isolated rewards run in a pool of limited worker processes.
 
     Args:
       name: registered reward name (``math``, ``dapo``, ``exact``) or a plug-in ``'package.module:function'``.
@@ -322,6 +358,10 @@ class RewardScorer:
       hard_timeout_grace_s: extra time before the parent kills a worker that ignores its alarm.
       startup_timeout_s: limit for starting the pool (process spawn + imports + warm-up).
       mp_context: ``spawn`` or ``forkserver``; never ``fork`` (the parent may run JAX threads).
+      memory_limit_mb: each worker's address space (RLIMIT_AS); a grade past it fails with a MemoryError and is
+        scored 0 as an error. 0: no limit. A worker that imported math_verify maps about 0.5 GB.
+      cpu_limit_s: each item's CPU time (RLIMIT_CPU; None: ``timeout_s``): bounds a grader that runs threads,
+        whose CPU time outgrows the wall clock.
     """
 
     def __init__(
@@ -334,6 +374,8 @@ class RewardScorer:
         hard_timeout_grace_s: float = 2.0,
         startup_timeout_s: float = 120.0,
         mp_context: str = "spawn",
+        memory_limit_mb: int = 4096,
+        cpu_limit_s: float | None = None,
     ):
         self.spec = get_reward_spec(name)
         self.name = name
@@ -348,6 +390,9 @@ class RewardScorer:
             )
         if mp_context not in ("spawn", "forkserver"):
             raise ValueError(f"RewardScorer.mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
+        if memory_limit_mb < 0 or (cpu_limit_s is not None and cpu_limit_s <= 0):
+            raise ValueError(f"RewardScorer needs memory_limit_mb >= 0 (0: no limit) and cpu_limit_s > 0 or None, "
+                             f"got {memory_limit_mb}, {cpu_limit_s}")
         self.timeout_s = float(timeout_s)
         self.num_workers = int(num_workers)
         self.overlong_buffer = int(overlong_buffer)
@@ -355,8 +400,10 @@ class RewardScorer:
         self.hard_timeout_grace_s = float(hard_timeout_grace_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.mp_context = mp_context
+        self.memory_limit_mb = int(memory_limit_mb)
+        self.cpu_limit_s = float(cpu_limit_s if cpu_limit_s is not None else timeout_s)
         self.totals: collections.Counter[str] = collections.Counter()
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self._pool: pebble.ProcessPool | None = None
         self._lock = threading.Lock()
 
     # -- public API ----------------------------------------------------------------------------------------
@@ -392,6 +439,10 @@ class RewardScorer:
         base, summed = distributed.share_across_processes(grade, len(responses))
         base = base.astype(np.float32)
         counts = collections.Counter({k: int(v) for k, v in zip(_COUNT_KEYS, summed, strict=True) if v})
+        if counts["nonfinite"]:
+            print(f"warning: reward {self.name!r} returned a non-finite grade (NaN or inf) for {counts['nonfinite']} "
+                  f"of {len(responses)} responses; they are scored 0 and counted in reward/grader_errors: a grade "
+                  "must be a finite number (fix the reward function)", file=sys.stderr, flush=True)
         penalties = self._penalties(response_lengths if overlong_penalty else None, len(responses))
         rewards = (base + penalties).astype(np.float32)
         self.totals.update(counts)
@@ -416,125 +467,106 @@ class RewardScorer:
         scores, counts = np.zeros(len(responses), np.float32), collections.Counter()
         for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
             try:
-                scores[i] = self.spec.fn(response, answer)
+                value = self.spec.fn(response, answer)
             except Exception:
                 counts["errors"] += 1
+                continue
+            self._record(scores, counts, i, value)
         return scores, counts
+
+    @staticmethod
+    def _record(scores: np.ndarray, counts: collections.Counter, index: int, value) -> None:
+        """A grade as the float32 reward it becomes; one that is not finite there (NaN, inf, past float32's
+        range) is a grader error, scored 0: it would turn the group's advantages and the loss into NaN."""
+        try:
+            with np.errstate(over="ignore"):  # past float32's range is inf, refused below
+                grade = np.float32(value)
+        except (TypeError, ValueError, OverflowError):
+            grade = np.float32("nan")
+        if np.isfinite(grade):
+            scores[index] = grade
+        else:
+            counts["errors"] += 1
+            counts["nonfinite"] += 1
 
     def _grade_pooled(
         self, responses: list[str], answers: list[str]
     ) -> tuple[np.ndarray, collections.Counter]:
-        """Keep at most ``num_workers`` items in flight, so an item's clock starts when a worker takes it.
+        """Every item is scheduled at once; pebble starts an item's clock when a worker takes it, kills and
+        replaces a worker stuck past the deadline, and names the item a dead worker held.
 
-        A pool that breaks (a worker died) makes every in-flight item a suspect; suspects are then graded one
-        at a time, so only the item that kills a worker on its own is charged with the error.
+        An item whose worker died is retried once (a worker can be killed for another reason, e.g. the OOM
+        killer, while it holds an item); dying again, it is an error. A pool that breaks (pebble gives up when a
+        worker dies with nothing in flight) is replaced and its unfinished items rescheduled, uncharged.
         """
         scores, counts = np.zeros(len(responses), np.float32), collections.Counter()
-        pending: collections.deque[tuple[int, bool]] = collections.deque(
-            (i, False) for i in range(len(responses))
-        )
-        inflight: dict[cf.Future, _Job] = {}
-        while pending or inflight:
-            self._submit_ready(pending, inflight, responses, answers, counts)
-            deadline = (
-                min(job.started for job in inflight.values()) + self.timeout_s + self.hard_timeout_grace_s
-            )
-            cf.wait(inflight, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
-            broken = self._collect_done(inflight, scores, counts)
-            if broken:
-                self._handle_broken(broken, inflight, pending, counts)
-            else:
-                self._handle_expired(inflight, pending, counts)
-        return scores, counts
-
-    def _submit_ready(self, pending, inflight, responses, answers, counts) -> None:
-        """Hand pending items to idle workers; a suspect only runs when nothing else is in flight."""
-        while pending and len(inflight) < self.num_workers:
-            if any(job.suspect for job in inflight.values()):
-                return
-            index, suspect = pending[0]
-            if suspect and inflight:
-                return
-            try:
-                future = self._ensure_pool().submit(
-                    _grade_in_worker, self.spec.fn, responses[index], answers[index], self.timeout_s
-                )
-            except BrokenProcessPool:
-                # A worker died while idle (e.g. the OOM killer). Items in flight are reaped as broken by
-                # _collect_done; with none in flight, replace the pool here and go on.
-                if inflight:
-                    return
+        deaths = collections.Counter()
+        todo = list(range(len(responses)))
+        while todo:
+            pool = self._live_pool(counts)
+            futures = {}
+            with contextlib.suppress(RuntimeError):  # the pool broke while scheduling: the rest retry below
+                for i in todo:
+                    futures[i] = pool.schedule(
+                        _grade_in_worker, (self.spec.fn, responses[i], answers[i], self.timeout_s, self.cpu_limit_s),
+                        timeout=self.timeout_s + self.hard_timeout_grace_s)
+            todo = [i for i in todo if i not in futures]
+            pending = set(futures.values())
+            while pending and pool.active:
+                _, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for i, future in futures.items():
+                if not future.done():  # the pool broke: tasks it had not dispatched never finish
+                    todo.append(i)
+                    continue
+                try:
+                    value = future.result()
+                except GraderTimeout:  # the worker's alarm or CPU limit: the worker lives on
+                    counts["timeouts"] += 1
+                except cf.TimeoutError as e:  # past the deadline: pebble killed the worker and started another
+                    counts["timeouts"] += 1
+                    counts["worker_restarts"] += e.args[:1] == ("Task timeout",)  # not a grader's own
+                except pebble.ProcessExpired:  # the worker died on this item; pebble started another
+                    counts["worker_restarts"] += 1
+                    deaths[i] += 1
+                    if deaths[i] > 1:
+                        counts["errors"] += 1
+                    else:
+                        todo.append(i)
+                except BrokenProcessPool:  # pebble's, for every task of a pool that broke
+                    todo.append(i)
+                except Exception:
+                    counts["errors"] += 1
+                else:
+                    self._record(scores, counts, i, value)
+            if todo and not pool.active:
                 self._kill_pool()
                 counts["pool_restarts"] += 1
-                continue
-            pending.popleft()
-            inflight[future] = _Job(index=index, started=time.monotonic(), suspect=suspect)
-
-    def _collect_done(self, inflight, scores, counts) -> list[_Job]:
-        """Record finished items; return the items whose worker pool broke under them."""
-        broken = []
-        for future in [f for f in inflight if f.done()]:
-            job = inflight.pop(future)
-            try:
-                scores[job.index] = future.result()
-            except GraderTimeout:
-                counts["timeouts"] += 1
-            except BrokenProcessPool:
-                broken.append(job)
-            except Exception:
-                counts["errors"] += 1
-        return broken
-
-    def _handle_broken(self, broken, inflight, pending, counts) -> None:
-        """A worker died: everyone in flight is retried alone; an item that kills a worker alone is an error.
-
-        Retrying even a lone candidate once keeps an item blameless when the worker died for another
-        reason (killed while idle, OOM killer) just as the item was handed to it.
-        """
-        candidates = broken + list(inflight.values())
-        inflight.clear()
-        self._kill_pool()
-        counts["pool_restarts"] += 1
-        if len(candidates) == 1 and candidates[0].suspect:
-            counts["errors"] += 1
-            return
-        for job in sorted(candidates, key=lambda j: j.index, reverse=True):
-            pending.appendleft((job.index, True))
-
-    def _handle_expired(self, inflight, pending, counts) -> None:
-        """Items past the hard deadline are timeouts; their workers are stuck, so the pool is recycled."""
-        now = time.monotonic()
-        expired = [
-            f
-            for f, job in inflight.items()
-            if now - job.started >= self.timeout_s + self.hard_timeout_grace_s
-        ]
-        if not expired:
-            return
-        for future in expired:
-            inflight.pop(future)
-            counts["timeouts"] += 1
-        for job in sorted(inflight.values(), key=lambda j: j.index, reverse=True):
-            pending.appendleft((job.index, job.suspect))
-        inflight.clear()
-        self._kill_pool()
-        counts["pool_restarts"] += 1
+            todo.sort()
+        return scores, counts
 
     # -- pool lifecycle ------------------------------------------------------------------------------------
 
-    def _ensure_pool(self) -> cf.ProcessPoolExecutor:
+    def _live_pool(self, counts: collections.Counter) -> pebble.ProcessPool:
+        """The running pool; one that broke since (a worker died while none was busy) is replaced."""
+        if self._pool is not None and not self._pool.active:
+            self._kill_pool()
+            counts["pool_restarts"] += 1
+        return self._ensure_pool()
+
+    def _ensure_pool(self) -> pebble.ProcessPool:
         """Start the pool and wait until every worker has imported the grader, so no clock counts startup."""
         if self._pool is not None:
             return self._pool
         ctx = mp.get_context(self.mp_context)
         barrier = ctx.Barrier(self.num_workers)
-        pool = cf.ProcessPoolExecutor(
-            self.num_workers, mp_context=ctx, initializer=_init_worker, initargs=(barrier,)
-        )
+        # pebble stops a worker (past its deadline, or at shutdown) with SIGTERM, then SIGKILL after
+        # CONSTS.term_timeout (its documented setting, 3 s by default); the workers ignore SIGTERM.
+        pebble.CONSTS.term_timeout = min(pebble.CONSTS.term_timeout, _KILL_AFTER_S)
+        pool = pebble.ProcessPool(
+            max_workers=self.num_workers, context=ctx, initializer=_init_worker,
+            initargs=(barrier, self.memory_limit_mb * 2**20, pickle.dumps(self.spec.fn), self.startup_timeout_s))
         self._pool = pool
-        ready = [
-            pool.submit(_worker_ready, self.spec.fn, self.startup_timeout_s) for _ in range(self.num_workers)
-        ]
+        ready = [pool.schedule(_worker_ready, (self.startup_timeout_s,)) for _ in range(self.num_workers)]
         done, not_done = cf.wait(ready, timeout=self.startup_timeout_s)
         failed = [f for f in done if f.exception() is not None]
         if not_done or failed:
@@ -544,23 +576,33 @@ class RewardScorer:
                 f"RewardScorer({self.name!r}) could not start {self.num_workers} grader processes: "
                 f"{cause!r}. The reward function must be importable at module level, and a script that "
                 "scores needs an `if __name__ == '__main__':` guard (spawned workers re-import "
-                "the main module); otherwise lower num_workers or raise startup_timeout_s."
+                "the main module); otherwise lower num_workers, raise startup_timeout_s or memory_limit_mb."
             )
         return pool
 
+    def worker_pids(self) -> list[int]:
+        """The pool's worker processes now (none before the first isolated grade)."""
+        return [p.pid for p in self._worker_processes()]
+
+    def _worker_processes(self) -> list:
+        # pebble keeps its workers in the pool manager (pid -> Process); there is no public handle.
+        if self._pool is None:
+            return []
+        manager = getattr(self._pool, "_pool_manager", None)
+        return list(getattr(getattr(manager, "worker_manager", None), "workers", {}).values())
+
     def _kill_pool(self) -> None:
-        """Kill workers outright: a hung worker never returns, so a polite shutdown would wait forever."""
-        pool, self._pool = self._pool, None
+        """Kill workers outright (a hung one never returns, so a polite shutdown could wait), then stop the
+        pool's threads."""
+        processes, pool, self._pool = self._worker_processes(), self._pool, None
         if pool is None:
             return
-        # CPython keeps the worker processes in `_processes` (pid -> Process); there is no public handle.
-        processes = list((getattr(pool, "_processes", None) or {}).values())
         for process in processes:
-            if process.is_alive():
-                process.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.join(timeout=5.0)
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGKILL)
+        pool.stop()
+        with contextlib.suppress(Exception):
+            pool.join(timeout=10.0)
 
     # -- rewards and metrics -------------------------------------------------------------------------------
 
@@ -581,6 +623,8 @@ class RewardScorer:
             "reward/overlong_penalty_mean": float(penalties.sum() / n),
             "reward/grader_timeouts": float(counts["timeouts"]),
             "reward/grader_errors": float(counts["errors"]),
+            "reward/grader_nonfinite": float(counts["nonfinite"]),
+            "reward/grader_worker_restarts": float(counts["worker_restarts"]),
             "reward/grader_pool_restarts": float(counts["pool_restarts"]),
             "time/grading": seconds,
         }
