@@ -52,24 +52,32 @@ def test_auto_uses_reference_off_tpu_and_unknown_impl_fails():
         paged_attention(*case, impl="flash")
 
 
-def test_gpu_pallas_kernel_gets_one_element_type_for_a_float32_query_on_bf16_pages(monkeypatch):
+@pytest.mark.parametrize("float32_query", [False, True])
+def test_gpu_pallas_kernel_gets_one_element_type_for_a_float32_query_on_bf16_pages(monkeypatch, float32_query):
     """On a GPU, Triton refuses a float32 query against bf16 pages (the interpreter here would accept it): the
-    dispatcher hands the kernel the pages' type and returns the query's."""
+    dispatcher hands the kernel the pages' type, or (gpu_float32_query) keeps the query float32 and passes unit
+    K/V scales, with which the kernel casts each K/V block to float32 itself. The result is the query's type;
+    the float32 query matches the reference's float32 scores (bf16 query and probabilities do not)."""
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 
     real = gpu_kernel.paged_attention
 
     def strict(q, k_pages, *args, **kwargs):
-        assert q.dtype == k_pages.dtype, (q.dtype, k_pages.dtype)
+        scales = kwargs.get("k_scales_pages")
+        assert q.dtype == k_pages.dtype or (scales is not None and q.dtype == jnp.float32), (q.dtype, k_pages.dtype)
+        if scales is not None:
+            np.testing.assert_array_equal(np.asarray(scales), 1.0)
         return real(q, k_pages, *args, **kwargs)
     monkeypatch.setattr(gpu_kernel, "paged_attention", strict)
     q, k, v, lengths, table = _paged_case(seed=1, b=2, hq=16, hkv=1, d=16, page=4, pages_per_seq=4)
     kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
     want = np.asarray(paged_attention_reference(jnp.asarray(q), kb, vb, lengths, table))
     got = paged_attention(jnp.asarray(q), kb, vb, jnp.asarray(lengths), jnp.asarray(table), impl="pallas_gpu",
-                          pages_per_compute_block=2, interpret=True)
+                          pages_per_compute_block=2, interpret=True, gpu_float32_query=float32_query)
     assert got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), want, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 if float32_query else 3e-2)
+    if not float32_query:
+        assert np.abs(np.asarray(got) - want).max() > 1e-4  # the bf16 path's rounding is visible
 
 
 def _numpy_attention(q, k_pages, v_pages, lengths, table):
@@ -121,10 +129,10 @@ def test_chunked_and_gpu_kernel_equal_the_reference(shape, dtype):
     gpu = np.asarray(paged_attention(*args, impl="pallas_gpu", pages_per_compute_block=2, interpret=True))
     np.testing.assert_allclose(chunked, ref, atol=2e-6)
     np.testing.assert_allclose(chunked, truth, atol=2e-6)
-    # The kernel takes the query in the pages' type (bf16 rounds q once more) and rounds its probabilities to it.
-    tol = 1e-5 if dtype == "float32" else 3e-2
-    np.testing.assert_allclose(gpu, ref, atol=tol)
-    np.testing.assert_allclose(gpu, truth, atol=tol)
+    # A float32 query stays float32 (gpu_float32_query): the kernel's scores and probabilities are the
+    # reference's up to summation order, whatever the pages' type.
+    np.testing.assert_allclose(gpu, ref, atol=1e-5)
+    np.testing.assert_allclose(gpu, truth, atol=1e-5)
 
 
 def test_auto_picks_the_reference_on_short_gpu_tables_and_a_kernel_that_never_gathers_on_long_ones():

@@ -89,7 +89,8 @@ def gpu_kernel_fits(head_dim: int, page_size: int) -> bool:
     return _pow2(head_dim) and head_dim >= 16 and _pow2(page_size)
 
 
-def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret):
+def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, block_tokens, interpret,
+                float32_query):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     hkv, _, size, d = k_pages.shape
@@ -98,14 +99,26 @@ def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_bloc
                          f"page size; got head_dim={d}, page_size={size}. Use impl='chunked' (or 'auto').")
     pages = page_table.shape[1]
     # The kernel needs the table's width to be a multiple of its block (and of the splits), and Triton's blocks
-    # are powers of two: the largest power of two up to the configured block that divides it (a 5-page live
-    # bucket runs 5 x 1-page blocks).
-    block = max(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(1, min(pages_per_compute_block, pages))
-                and pages % b == 0)
+    # are powers of two: the largest power of two up to the configured block (in pages, and in tokens: Triton
+    # holds a block's K and V, and the next one's, in shared memory) that divides it (a 5-page live bucket runs
+    # 5 x 1-page blocks).
+    most = max(1, min(pages_per_compute_block, block_tokens // size, pages))
+    block = max(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= most and pages % b == 0)
     k_splits = next(s for s in (16, 8, 4, 2, 1) if pages % (s * block) == 0)
     block_h = max(16, q.shape[1] // hkv)
     block_h = 1 << (block_h - 1).bit_length()  # a power of two (the kernel pads the q heads of a group to it)
-    return paged_attention(q, k_pages, v_pages, page_table, lengths, block_h=block_h,
+    scales = {}
+    if float32_query and q.dtype == jnp.float32 and k_pages.dtype != jnp.float32:
+        # Unit K/V scales make the kernel cast each K/V block to the query's float32 before its products (its
+        # path for quantized pages), so scores and probabilities stay float32 as in the reference and the
+        # resume prefill: a bf16 query and bf16 probabilities put the OPS noise floor of the tiny policy at
+        # 5e-3, half of ds (scripts/check_gpu.py ops_floor, interpret mode). Cost: the scales' reads (4 bytes a
+        # token per head against K's 2 x head_dim) and one [Hkv, P, S] float32 broadcast per step.
+        ones = jnp.ones(k_pages.shape[:3], jnp.float32)
+        scales = {"k_scales_pages": ones, "v_scales_pages": ones}
+    else:  # Triton's products take one element type (it refuses a float32 query on bf16 pages)
+        q = q.astype(k_pages.dtype)
+    return paged_attention(q, k_pages, v_pages, page_table, lengths, **scales, block_h=block_h,
                            pages_per_compute_block=block, k_splits=k_splits, interpret=interpret)
 
 
@@ -128,12 +141,16 @@ def resolve_impl(impl: str, platform: str, head_dim: int, page_size: int, table_
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_table: jax.Array, impl: str = "auto", pages_per_compute_block: int = 4,
                     interpret: bool = False, platform: str | None = None,
-                    gpu_reference_max_tokens: int = 512, chunk_tokens: int = 2048) -> jax.Array:
+                    gpu_reference_max_tokens: int = 512, gpu_block_tokens: int = 64,
+                    gpu_float32_query: bool = True, chunk_tokens: int = 2048) -> jax.Array:
     """Dispatches paged decode attention. ``impl='auto'``: ``resolve_impl`` (the Pallas kernel on TPU; on GPU
     the reference on tables of at most ``gpu_reference_max_tokens`` tokens per sequence, where gathering them
     is cheap, and the Pallas GPU kernel above, which never gathers the table; the reference on CPU).
-    ``chunk_tokens``: the block of impl='chunked'. ``platform``: the one the program is compiled for (default:
-    JAX's default backend; a deviceless TPU compile passes 'tpu')."""
+    ``gpu_block_tokens``: the most tokens in a block of the GPU kernel (64: the block that ran on an H200, 4 pages
+    of 16 at head_dim 128); ``pages_per_compute_block`` caps it in pages too. ``gpu_float32_query``: a float32
+    query stays float32 in the GPU kernel (K/V blocks cast up; False: everything in the pages' type, the
+    kernel's fastest path). ``chunk_tokens``: the block of impl='chunked'. ``platform``: the one the program
+    is compiled for (default: JAX's default backend; a deviceless TPU compile passes 'tpu')."""
     if impl not in IMPLS:
         raise ValueError(f"Unknown paged attention impl {impl!r}; use one of {IMPLS}.")
     impl = resolve_impl(impl, platform or jax.default_backend(), q.shape[-1], k_pages.shape[2], page_table.shape[1],
@@ -147,5 +164,6 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
     if impl == "pallas_tpu":
         out = _pallas_tpu(qk, k_pages, v_pages, lengths, page_table, pages_per_compute_block)
     else:
-        out = _pallas_gpu(qk, k_pages, v_pages, lengths, page_table, pages_per_compute_block, interpret)
+        out = _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, gpu_block_tokens,
+                          interpret, gpu_float32_query)
     return out.astype(q.dtype)
