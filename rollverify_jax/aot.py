@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     def body():
+        if args.json:  # before the compile, which takes minutes: a bad path used to fail only after it
+            storage.check_writable(args.json, "--json")
         from rollverify_jax.setup import parse_gin
 
         parse_gin(args.gin_file, args.gin_param)
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         report = {**compile_run(args.topology), "compilation_cache": cache}
         print(format_report(report))
         if args.json:
-            storage.as_path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            storage.write_text_atomically(args.json, json.dumps(report, indent=2) + "\n")
         if not report["fits"]:
             raise SystemExit(1)
 

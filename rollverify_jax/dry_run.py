@@ -49,11 +49,16 @@ def dry_run(train_cfg, num_devices: int | None = None) -> dict:
     get_reward_spec(reward_name)
     policy, problems = check_policy(train_cfg)
     cfg = architecture(train_cfg)
-    shape = mesh_shape()
+    shape = mesh_lib.check_shape(mesh_shape())  # a 0 or a negative entry used to divide by zero below
+    if num_devices is not None and num_devices < 1:
+        raise ValueError(f"--dry_run_devices={num_devices} must be >= 1.")
     if num_devices is None:
         num_devices = 8 if -1 in shape else math.prod(shape)
     if -1 in shape:
-        shape[shape.index(-1)] = num_devices // math.prod(s for s in shape if s != -1)
+        known = math.prod(s for s in shape if s != -1)
+        if num_devices % known:
+            raise ValueError(f"{num_devices} devices do not divide over make_mesh.shape={shape}.")
+        shape[shape.index(-1)] = num_devices // known
     if math.prod(shape) != num_devices:
         raise ValueError(f"make_mesh.shape={shape} does not cover {num_devices} devices.")
     mesh = AbstractMesh(tuple(shape), mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3)

@@ -172,20 +172,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
     distributed.add_cli_flags(ap)
     args = ap.parse_args(argv)
-    if args.k:
+    if args.k is not None:  # EvalConfig checks it (0 used to be ignored in silence)
         args.gin_param.append(f"EvalConfig.samples_per_problem = {args.k}")
     run_cli(lambda: _main(args), args.traceback)
 
 
 def _main(args: argparse.Namespace) -> None:
+    # Checked before the evaluation, which can take hours: a bad --samples_out used to fail only after it.
+    if args.num_problems is not None and args.num_problems < 1:
+        raise ValueError(f"--num_problems={args.num_problems} must be >= 1.")
+    if args.samples_out:
+        storage.check_writable(args.samples_out, "--samples_out")
     parse_gin(args.gin_file, args.gin_param)
+    EvalConfig()  # its values (--k among them) are checked before the policy loads
     distributed.initialize_from_flags(args)
     compile_cache.compilation_cache()
     checkpoint = storage.as_path(args.checkpoint)
     if not (checkpoint / "config.json").exists():
         resolve_checkpoint(checkpoint)  # a mistyped path fails here, before the policy is loaded
     cfg = TrainConfig()
-    if args.num_problems:
+    if args.num_problems is not None:
         cfg = dataclasses.replace(cfg, eval_size=args.num_problems)
     run = build(cfg, checkpoint=checkpoint)
     try:

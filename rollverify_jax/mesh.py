@@ -37,25 +37,41 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), axis_types: str = "auto",
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with axes ('data', 'fsdp', 'tensor'); one entry of ``shape`` may be -1 (the rest)."""
     devices = list(devices if devices is not None else jax.devices())
-    shape = list(shape)
-    if len(shape) != len(MESH_AXES):
-        raise ValueError(f"make_mesh.shape must have {len(MESH_AXES)} entries for {MESH_AXES}, got {shape}.")
-    if shape.count(-1) > 1:
-        raise ValueError(f"make_mesh.shape may hold at most one -1, got {shape}.")
-    known = math.prod(s for s in shape if s != -1)
-    if -1 in shape:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not divide over mesh shape {shape}.")
-        shape[shape.index(-1)] = len(devices) // known
-    if math.prod(shape) != len(devices):
-        raise ValueError(
-            f"Mesh shape {shape} needs {math.prod(shape)} devices but {len(devices)} are available; "
-            "use -1 for one axis to take the rest."
-        )
+    shape = resolve_shape(shape, len(devices))
     if axis_types not in _AXIS_TYPES:
         raise ValueError(f"Unknown axis_types {axis_types!r}; use one of {sorted(_AXIS_TYPES)}.")
     return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(_AXIS_TYPES[axis_types],) * len(MESH_AXES),
                          devices=devices)
+
+
+def check_shape(shape: Sequence[int]) -> list[int]:
+    """``make_mesh.shape`` as a list, checked: one entry per mesh axis, each >= 1 or -1 (at most one -1)."""
+    shape = list(shape)
+    if len(shape) != len(MESH_AXES):
+        raise ValueError(f"make_mesh.shape must have {len(MESH_AXES)} entries for {MESH_AXES}, got {shape}.")
+    bad = [s for s in shape if isinstance(s, bool) or not isinstance(s, int) or (s < 1 and s != -1)]
+    if bad:  # a 0 used to divide by zero
+        raise ValueError(f"make_mesh.shape={tuple(shape)}: each entry must be a device count >= 1, or -1 for the "
+                         f"devices left; got {bad[0]!r}.")
+    if shape.count(-1) > 1:
+        raise ValueError(f"make_mesh.shape may hold at most one -1, got {shape}.")
+    return shape
+
+
+def resolve_shape(shape: Sequence[int], num_devices: int) -> list[int]:
+    """``make_mesh.shape`` over ``num_devices`` devices, its -1 replaced by the devices left."""
+    shape = check_shape(shape)
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"{num_devices} devices do not divide over mesh shape {shape}.")
+        shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"Mesh shape {shape} needs {math.prod(shape)} devices but {num_devices} are available; "
+            "use -1 for one axis to take the rest."
+        )
+    return shape
 
 
 @gin.configurable

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -201,6 +202,17 @@ def _check_numerics(step: int, metrics: dict, cfg: TrainConfig, bad_steps: list[
     return True
 
 
+def _error_files(e: OSError) -> list[str]:
+    return [os.fsdecode(n) for n in (e.filename, e.filename2) if isinstance(n, str | bytes | os.PathLike)]
+
+
+def _is_workdir_error(e: OSError, workdir: epath.Path) -> bool:
+    """Whether an OSError is the workdir's (a full or unwritable disk): it names a file there, or none at all
+    (orbax and tensorstore name none at save time). One that names another file is an input's."""
+    files = _error_files(e)
+    return not files or any(storage.is_within(f, workdir) for f in files)
+
+
 def _storage_error(e: OSError, workdir: epath.Path) -> None:
     """A full or unwritable disk at save time: one message, the checkpoints already committed named, exit 2."""
     root = workdir / "checkpoints"
@@ -262,6 +274,10 @@ def _main(args: argparse.Namespace) -> None:
     except OSError as e:
         if isinstance(e, FileNotFoundError):  # a missing input file: the CLI's usual one-line error
             raise
+        if not _is_workdir_error(e, workdir):  # e.g. an unreadable data file: said as it is, not as a full disk
+            raise ValueError(f"cannot use {_error_files(e)[0]}: {e.strerror or e}. It is one of the run's inputs "
+                             f"(data, policy, tokenizer), not its workdir {storage.absolute(workdir)}: check the "
+                             "path and its permissions.") from e
         _storage_error(e, workdir)
     evals = [m for m in metrics if "eval/accuracy" in m]
     if evals:

@@ -21,6 +21,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +47,26 @@ def read_run(path) -> RunData:
     if not metrics.is_file():
         raise FileNotFoundError(f"{path} has no metrics.jsonl: --calibrate_from takes a run's directory.")
     steps = []
-    for line in metrics.read_text().splitlines():
-        if line.strip():
+    lines = metrics.read_text().splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
             rec = json.loads(line)
-            if "time/step" in rec:
-                steps.append(rec)
+        except json.JSONDecodeError as e:
+            rec, error = None, e.msg
+        else:
+            error = None if isinstance(rec, dict) else "not a JSON object"
+        if error is not None:
+            if i == last:  # a run killed mid-write, or one still writing, leaves its last line torn
+                print(f"warning: {metrics}: line {i + 1}, the last, is cut off ({error}); reading the lines before it",
+                      file=sys.stderr, flush=True)
+                continue
+            raise ValueError(f"{metrics}: line {i + 1} is not a metrics record ({error}); only the last line of a "
+                             "run's metrics.jsonl can be cut off by a crash, so this file is damaged.")
+        if "time/step" in rec:
+            steps.append(rec)
     if not steps:
         raise ValueError(f"{metrics} holds no training step (no time/step record).")
     mode = None
