@@ -1,36 +1,58 @@
-"""Device check for one GPU: the GPU kernels against the jnp references, the engine end to end, throughput.
+"""Device check for one GPU, in one run under a time limit: speed against the roofline first, then the GPU kernels
+against the jnp references and the engine end to end.
 
-Sections (each in its own try/except; the JSON report is rewritten after every section, so a run cut short
-still leaves what it measured):
+Sections, in the order they run (each in its own try/except; the JSON report is rewritten after every section,
+so a run cut short still leaves what it measured; sections left when ``--budget-s`` is spent are skipped, and a
+watchdog writes the report and exits at ``--hard-limit-s``):
 
-- ``env``: versions, devices.
-- ``prefill_attention``: ``causal_attention(..., 'cudnn')`` (cuDNN fused, ``jax.nn.dot_product_attention``) vs
-  the 'reference' on packed rows (segments + padding), bf16 (cuDNN has no float32 kernel: the float32 attempt is
-  recorded), forward and gradients, against the reference computed in float32 on the same bf16-rounded inputs;
-  the bf16 reference's own error is the baseline the tolerance is set from.
+- ``env``: versions, devices, the chip's datasheet figures (HBM bandwidth, bf16 peak) the rooflines use.
 - ``paged_attention``: ``paged_attention(..., impl='pallas_gpu')`` (Pallas GPU kernel, compiled, not interpret)
   vs ``paged_attention_reference``, float32 and bf16, plus per-call times.
+- ``long_context`` (gpu_speed.py): the GPU decode default at a 22,528-token context. One layer's attention,
+  bf16 pages, 8 slots x 2 KV heads x head_dim 128 (one device's share of configs/qwen3_8b_dapo_8xh200.gin's
+  heads): 'auto' for 'gpu' (the Pallas GPU kernel above 512 tokens a sequence), the reference (gathers the whole
+  table) and 'chunked', against float32 truth, with times and compiled temporaries. Then the engine at that
+  context (bench model, 8 slots of prompts filling it, greedy): decode tokens/s with the default and with the
+  reference, against the roofline, and how many greedy tokens agree (bf16).
+- ``decode_throughput`` (gpu_speed.py): generated tokens/s of the engine (prompts of 24-32 tokens,
+  ``--new-tokens`` each, EOS off, T = 1) on a random bigger model, bf16, at each ``--concurrency``: the GPU
+  default, the same with ``EngineConfig.dispatch_ahead`` (decode n + 1 dispatched before n is read), and the
+  Pallas kernel forced (when it passed above); each against the HBM roofline (every weight plus the live KV once
+  per step, at the datasheet bandwidth), with decode's own ms per step and the host's share of the wall.
+- ``decode_fixed_cost`` (gpu_speed.py): where a decode step's fixed cost goes. Dispatch times at several
+  ``steps_per_dispatch`` fitted to t = a + k b (a: per dispatch, b: per step), synced and back to back; the
+  compiled step's launching ops (HLO of the scan body); a ``jax.profiler`` trace of three dispatches (device
+  kernels per step, mean kernel time, the device's busy share of the span); and the same fit in a child process
+  per ``--xla-variants`` entry (XLA_FLAGS, e.g. CUDA graphs for the loop body).
+- ``train_step`` (gpu_speed.py): one GRPO train step (forward + backward + AdamW) per ``--train-presets`` model
+  on a packed long-tailed batch (``learner.pack_for_learner``), float32 params, bf16 compute, cuDNN attention;
+  MFU = model FLOPs of the real tokens / (step time x bf16 peak), and the packed positions' useful share.
+- ``compile_config`` (gpu_speed.py, with ``--compile-config``): that config's train step, resume prefill and
+  decode dispatch compiled on this machine's GPUs at ``--compile-layers`` decoder layers (its own mesh when the
+  GPUs are there, else one GPU standing for one device of it); per-program memory, per-layer growth.
 - ``engine_greedy``: Engine + Scheduler, greedy, on the tiny policy (``assets/tiny_policy``, else the random
   'tiny' preset): every generated token must be the argmax of a teacher-forced forward of the model over the
   engine's own sequence (up to a tolerance: ``regret`` = max logit - logit of the chosen token). Cases: float32
   with impl auto (cuDNN prefill), float32 with the reference prefill, bf16 compute with auto, and the Pallas
   decode kernel (float32 and bf16).
-- ``decode_throughput``: generated tokens/s of the engine (the bench_decode.py workload: prompts of 24-32
-  tokens, ``--new-tokens`` each, EOS off, T = 1) on a random bigger model, bf16, at each ``--concurrency``, with
-  the reference paged attention and, when the kernel worked above, 'pallas_gpu'; compile time separately.
 - ``ops_floor``: the OPS noise floor (``scripts/bench_ops_floor.py``'s ``measure``): with unchanged weights, the
   resume prefill's log pi against decode's recorded log mu, on the tiny policy, float32 and bf16 (params, compute
   and KV), with the platform's kernels (cuDNN prefill; reference and, when it passed above, Pallas decode), with
   ``EngineConfig.logits_chunk`` unset and set. Verification's segment threshold is ds = 0.01; the floor must sit
   well below it (float32: mean segment OPS < ds / 10 passes; bf16 is recorded).
-- ``train_step``: one GRPO train step (forward + backward + AdamW) of the learner on a packed long-tailed batch,
-  float32 params and bf16 compute, with the 'cudnn' attention impl (and the 'reference' one for comparison).
+- ``prefill_attention``: ``causal_attention(..., 'cudnn')`` (cuDNN fused, ``jax.nn.dot_product_attention``) vs
+  the 'reference' on packed rows (segments + padding), bf16 (cuDNN has no float32 kernel: the float32 attempt is
+  recorded), forward and gradients, against the reference computed in float32 on the same bf16-rounded inputs;
+  the bf16 reference's own error is the baseline the tolerance is set from.
 
-Device run (from the repo root; the wheels in .whl are the pure-Python packages the device lacks):
+Device run, one H200 (about 12 minutes; from the repo root; .whl holds the pure-Python wheels the device image
+lacks, gin-config among them: `.venv/bin/pip download --no-deps -d .whl gin-config`, and `.whl/` in
+.git/info/exclude, carried):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && XLA_PYTHON_CLIENT_MEM_FRACTION=.5 python3 scripts/check_gpu.py --out $OUT/gpu_check.json
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 python3 scripts/check_gpu.py --out $OUT/gpu_check.json --compile-config configs/qwen3_8b_dapo_8xh200.gin --compile-layers 1 2
 
-CPU test of every code path (interpret-mode Pallas, XLA's dot_product_attention in place of cuDNN):
+CPU test of every code path (interpret-mode Pallas, XLA's dot_product_attention in place of cuDNN;
+tests/test_check_gpu.py runs the speed sections this way):
 
     JAX_PLATFORMS=cpu .venv/bin/python scripts/check_gpu.py --allow-cpu --small --out /tmp/gpu_check_cpu.json
 """  # noqa: E501  (the device command above is kept on one line, to be copied whole)
@@ -38,14 +60,12 @@ CPU test of every code path (interpret-mode Pallas, XLA's dot_product_attention 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import statistics
 import sys
+import threading
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,21 +74,34 @@ os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # measure compiles; 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import gin  # noqa: E402
+import gpu_speed  # noqa: E402  (scripts/ is on sys.path when this script runs)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from gpu_common import (  # noqa: E402
+    elapsed,
+    err_text,
+    max_abs,
+    max_mag,
+    on_gpu,
+    over_budget,
+    precision,
+    reset_kernels,
+    run_engine,
+    timed,
+    use_kernels,
+)
 
-from rollverify_jax import mesh as mesh_lib  # noqa: E402
 from rollverify_jax.models import flash_attention as fa  # noqa: E402
 from rollverify_jax.models import init_model, load_pretrained, model_config  # noqa: E402
-from rollverify_jax.rl import learner  # noqa: E402
-from rollverify_jax.rl.batch import build_batch  # noqa: E402
-from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory  # noqa: E402
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Trajectory  # noqa: E402
 from rollverify_jax.rollout.attention import paged_attention, paged_attention_reference  # noqa: E402
 
 POLICY = ROOT / "assets" / "tiny_policy"
-T0 = time.perf_counter()
+SECTIONS = ("paged_attention", "long_context", "decode_throughput", "decode_fixed_cost", "train_step",
+            "compile_config", "engine_greedy", "ops_floor", "prefill_attention")
+CUDA_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 
 # Sizes: (device default, --small). A flag given explicitly wins over both.
 SIZES = {
@@ -76,113 +109,61 @@ SIZES = {
     "attn_head_dim": (128, 32),
     "paged_batch": (64, 3), "paged_heads": (8, 8), "paged_kv_heads": (2, 2), "paged_head_dim": (128, 32),
     "paged_page_size": (16, 4), "paged_pages_per_seq": (64, 8),
+    "long_context": (22_528, 22_528), "long_slots": (8, 2), "long_heads": (8, 16), "long_kv_heads": (2, 1),
+    "long_head_dim": (128, 16), "long_page": (64, 64),
+    "long_engine_preset": ("bench_100m", "tiny"), "long_engine_context": (22_528, 1024), "long_engine_slots": (8, 2),
+    "long_engine_new": (64, 8),
     "engine_requests": (12, 6), "engine_slots": (8, 4),
     "bench_preset": ("bench_100m", "tiny"), "concurrency": ([64, 256], [8]), "new_tokens": (128, 16),
-    "decode_rounds": (2, 1), "train_rows": (64, 8), "train_width": (1024, 128), "train_iters": (3, 1),
+    "decode_rounds": (2, 1),
+    "fixed_steps": ([1, 8, 32], [1, 4]), "fixed_slots": (64, 4), "fixed_dispatches": (5, 2),
+    "train_presets": (["bench_100m", "qwen3_0_6b"], ["tiny"]), "train_rows": (64, 8), "train_width": (2048, 128),
+    "train_iters": (3, 1), "train_micro_batch": (4, 4),
     "floor_slots": (32, 4), "floor_new": (384, 16),
+    "compile_layers": ([1, 2], [1]),
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="gpu_check.json", help="JSON report path")
+    ap.add_argument("--out", default=None, help="JSON report path (default: $OUT/gpu_check.json, else gpu_check.json)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (CPU test of the code paths)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU test)")
-    ap.add_argument("--budget-s", type=float, default=270.0,
-                    help="wall-clock budget: the throughput measurements still to run past it are skipped")
-    ap.add_argument("--sections", nargs="+", default=None,
-                    help="run only these sections (env always runs): prefill_attention paged_attention "
-                         "engine_greedy ops_floor decode_throughput train_step")
+    ap.add_argument("--budget-s", type=float, default=660.0,
+                    help="wall-clock budget: the measurements still to run past it are skipped")
+    ap.add_argument("--hard-limit-s", type=float, default=None,
+                    help="the watchdog writes the report and exits (status 3) here (default: budget + 90 s)")
+    ap.add_argument("--sections", nargs="+", default=None, choices=SECTIONS,
+                    help="run only these sections (env always runs), in the order above")
+    ap.add_argument("--compile-config", default=None, help="a gin config whose programs compile_config compiles")
+    ap.add_argument("--no-profile", action="store_true", help="decode_fixed_cost: no profiler trace")
+    ap.add_argument("--xla-variants", nargs="*", default=None,
+                    help="decode_fixed_cost: XLA_FLAGS to rerun its fit with, one child process each "
+                         "(default on a GPU: CUDA graphs for the loop body)")
+    ap.add_argument("--no-xla-variants", action="store_true")
     for name, (default, _) in SIZES.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(default, list):
-            ap.add_argument(flag, type=int, nargs="+", default=None)
+            ap.add_argument(flag, type=type(default[0]), nargs="+", default=None)
         else:
             ap.add_argument(flag, type=type(default), default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for name, (default, small) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, small if args.small else default)
+    if args.out is None:
+        args.out = os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
+    if args.hard_limit_s is None:
+        args.hard_limit_s = args.budget_s + 90
+    if args.no_xla_variants:
+        args.xla_variants = []
+    elif args.xla_variants is None:
+        args.xla_variants = [CUDA_GRAPHS]
     return args
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Helpers
-
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def elapsed() -> float:
-    return time.perf_counter() - T0
-
-
-def err_text(e: BaseException, lines: int = 25) -> dict:
-    tb = traceback.format_exc().rstrip().splitlines()
-    return {"error": f"{type(e).__name__}: {e}"[:3000], "traceback": "\n".join(tb[-lines:])}
-
-
-def max_abs(a, b, where=None) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    if where is not None:
-        a, b = a[where], b[where]
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
-
-
-def max_mag(a, where=None) -> float:
-    a = np.asarray(a, np.float32)
-    if where is not None:
-        a = a[where]
-    return float(np.max(np.abs(a))) if a.size else 0.0
-
-
-def timed(fn, *a, iters: int = 10) -> tuple[float, float]:
-    """(first-call seconds incl. compile, median seconds of ``iters`` further calls)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*a))
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
-
-
-_PAGED = {"impl": "auto"}
-
-
-def use_kernels(prefill: str = "auto", paged: str = "auto") -> None:
-    """Binds the prefill (FlashConfig.impl, part of the engine's jit key) and paged-decode implementations for
-    the code built next. The paged impl is a gin default read at trace time, not part of the engine's jit key:
-    when it changes, compiled code is dropped."""
-    gin.clear_config()
-    gin.bind_parameter("FlashConfig.impl", prefill)
-    gin.bind_parameter("paged_attention.impl", paged)
-    gin.bind_parameter("paged_attention.interpret", paged == "pallas_gpu" and not on_gpu())
-    if paged != _PAGED["impl"]:
-        jax.clear_caches()
-        _PAGED["impl"] = paged
-
-
-def reset_kernels() -> None:
-    use_kernels("auto", "auto")
-    gin.clear_config()
-
-
-def precision(name: str | None):
-    """``jax.default_matmul_precision(name)`` as a context (none when ``name`` is None or JAX lacks it)."""
-    fn = getattr(jax, "default_matmul_precision", None)
-    return fn(name) if name and fn is not None else contextlib.nullcontext()
-
-
-def over_budget(args) -> bool:
-    return elapsed() > args.budget_s
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Sections
+# Sections (the speed sections are in gpu_speed.py)
 
 
 def section_env(args) -> dict:
@@ -195,7 +176,7 @@ def section_env(args) -> dict:
         "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(), "flax": flax.__version__,
         "optax": optax.__version__, "gin": getattr(gin, "__version__", "?"), "backend": jax.default_backend(),
         "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in devices], "num_devices": len(devices),
-        "small": args.small,
+        "small": args.small, "chip": gpu_speed.chip(),
     }
     try:
         from jax._src.lib import cuda_versions  # noqa: PLC0415  (private: present only with the CUDA plugin)
@@ -362,16 +343,6 @@ def _tiny_model(compute_dtype: str):
     return init_model(model_config("tiny", dtype=compute_dtype), seed=0), "random tiny preset"
 
 
-def _run_engine(engine: Engine, reqs: list[Trajectory]) -> list[Trajectory]:
-    sched = Scheduler(engine)
-    sched.submit(reqs)
-    sched.run()
-    done = sorted(sched.take_finished(), key=lambda t: t.uid)
-    if len(done) != len(reqs):
-        raise RuntimeError(f"{len(done)} of {len(reqs)} requests finished")
-    return done
-
-
 def _greedy_case(args, compute_dtype: str, prefill: str, paged: str, matmul_precision: str | None,
                  tol: float) -> dict:
     use_kernels(prefill, paged)
@@ -387,7 +358,7 @@ def _greedy_case(args, compute_dtype: str, prefill: str, paged: str, matmul_prec
         engine = Engine(model, cfg, SamplingConfig(greedy=True), eos_ids=())
         res["prefill_kernel"] = engine._static().kernel()["impl"]
         t0 = time.perf_counter()
-        trajs = _run_engine(engine, reqs)
+        trajs = run_engine(engine, reqs)
         res["engine_s"] = time.perf_counter() - t0
         width = max(len(t.prompt) + t.num_tokens for t in trajs)
         x = np.zeros((len(trajs), width), np.int32)
@@ -487,174 +458,39 @@ def _floor_line(res: dict) -> str:
         f" (prefill {res['prefill_impl']}, decode {res['paged_impl']})")
 
 
-def _bench_requests(n: int, new: int, seed: int, vocab: int) -> list[Trajectory]:
-    rng = np.random.default_rng(seed)
-    hi = min(vocab, 30_000)
-    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, hi, size=rng.integers(24, 33)).astype(np.int32),
-                       seed=seed * 100_000 + i, max_new_tokens=new) for i in range(n)]
-
-
-def _decode_run(args, model, n: int, max_len: int, prefill: str) -> dict:
-    """Compile (warm-up + one rollout), then ``decode_rounds`` timed rollouts of n requests."""
-    vocab = model.cfg.vocab_size
-    ecfg = EngineConfig(num_slots=n, page_size=16, max_seq_len=max_len, steps_per_dispatch=8, kv_dtype="bfloat16")
-    engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=())
-    run: dict = {"prefill_kernel": engine._static().kernel()["impl"]}
-    t0 = time.perf_counter()
-    engine.warmup()
-    _run_engine(engine, _bench_requests(n, args.new_tokens, 999, vocab))  # compiles every shape used below
-    run["compile_and_first_rollout_s"] = time.perf_counter() - t0
-    rates = []
-    for r in range(args.decode_rounds):
-        t0 = time.perf_counter()
-        done = _run_engine(engine, _bench_requests(n, args.new_tokens, r, vocab))
-        rates.append(sum(t.num_tokens for t in done) / (time.perf_counter() - t0))
-    run.update(tokens_per_s=statistics.median(rates), tokens_per_s_rounds=rates, tokens_per_round=n * args.new_tokens)
-    return run
-
-
-def section_decode_throughput(args, state: dict) -> dict:
-    cfg = model_config(args.bench_preset, param_dtype="bfloat16", dtype="bfloat16")
-    model = init_model(cfg, seed=0)
-    out: dict = {"model": args.bench_preset, "params": cfg.num_params(), "dtype": "bfloat16 params and compute",
-                 "kv_dtype": "bfloat16", "new_tokens": args.new_tokens, "runs": []}
-    impls = ["reference"] + (["pallas_gpu"] if state.get("pallas_ok") else [])
-    if not state.get("pallas_ok"):
-        out["pallas_gpu"] = "skipped: the kernel did not pass paged_attention"
-    max_len = -(-(32 + args.new_tokens) // 64) * 64  # pages of 16: live-page buckets stay multiples of 4
-    ok = True
-    prefill = "auto"
-    for impl in impls:
-        use_kernels(prefill, impl)
-        for n in args.concurrency:
-            run = {"paged_impl": impl, "concurrent": n, "prefill_impl": prefill}
-            if over_budget(args):
-                run["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
-                out["runs"].append(run)
-                continue
-            try:
-                run.update(_decode_run(args, model, n, max_len, prefill))
-            except Exception as e:  # noqa: BLE001
-                run.update(err_text(e))
-                ok = False
-                if prefill == "auto":  # the prefill kernel may be what failed: measure decode on the reference
-                    prefill = "reference"
-                    use_kernels(prefill, impl)
-                    try:
-                        run["retry_with_reference_prefill"] = _decode_run(args, model, n, max_len, prefill)
-                    except Exception as e2:  # noqa: BLE001
-                        run["retry_with_reference_prefill"] = err_text(e2)
-            out["runs"].append(run)
-            print(f"   {_run_line(run)}", flush=True)
-    reset_kernels()
-    out["status"] = "ok" if ok else "fail"
-    return out
-
-
-def _run_line(run: dict) -> str:
-    head = f"{run['paged_impl']:>10} x {run['concurrent']:>4} concurrent: "
-    if "error" in run:
-        retry = run.get("retry_with_reference_prefill")
-        tail = ""
-        if retry:
-            tail = (f"; with reference prefill: {retry['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in retry
-                    else "; reference prefill: ERROR " + retry["error"].splitlines()[0][:100])
-        return head + "ERROR " + run["error"].splitlines()[0][:160] + tail
-    if "skipped" in run:
-        return head + "skipped (" + run["skipped"] + ")"
-    return head + (f"{run['tokens_per_s']:.0f} tok/s (compile + first rollout "
-                   f"{run['compile_and_first_rollout_s']:.1f} s)")
-
-
-def _train_batch(rows: int, width: int, vocab: int) -> dict:
-    """Long-tailed rows like RL's: prompts of 32-96 tokens, responses lognormal (median ~width/5), cut to fit."""
-    rng = np.random.default_rng(7)
-    trajs = []
-    for i in range(rows):
-        p = int(rng.integers(min(32, width // 4), min(97, width // 2)))
-        r = int(np.clip(rng.lognormal(np.log(width / 5), 0.7), 4, width - p))
-        trajs.append(Trajectory(uid=i, group_id=i // 8, prompt=rng.integers(4, vocab, size=p).astype(np.int32),
-                                seed=0, max_new_tokens=r, tokens=rng.integers(4, vocab, size=r).tolist(),
-                                logps=(-rng.exponential(1.0, size=r)).tolist()))
-    advantages = rng.normal(size=rows).astype(np.float32)
-    return build_batch(trajs, advantages, max_len=width)
-
-
-def section_train_step(args, state: dict) -> dict:
-    cfg = model_config(args.bench_preset, param_dtype="float32", dtype="bfloat16")
-    model = init_model(cfg, seed=0)
-    mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-5))
-    graphdef = learner.split_params(model)[0]
-    shardings = learner.train_state_shardings(model, optimizer, mesh)
-    lcfg = learner.LearnerConfig()
-    batch = learner.pack_for_learner(_train_batch(args.train_rows, args.train_width, cfg.vocab_size), lcfg, mesh)
-    out: dict = {"model": args.bench_preset, "params": cfg.num_params(), "dtype": "float32 params, bfloat16 compute",
-                 "rows": args.train_rows, "width": args.train_width,
-                 "real_tokens": int(np.asarray(batch["attention_mask"]).sum()),
-                 "packed_shape": list(np.asarray(batch["packed_tokens"]).shape), "runs": []}
-    impls = ["cudnn", "reference"] if on_gpu() else ["reference"]
-    if not on_gpu():
-        out["note"] = "CPU: 'cudnn' cannot run here; the reference impl exercises the same step code"
-    ok = True
-    for impl in impls:
-        run: dict = {"attention_impl": impl}
-        if over_budget(args) and impl != impls[0]:
-            run["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
-            out["runs"].append(run)
-            continue
-        try:
-            step = learner.make_train_step(graphdef, lcfg, optimizer, mesh, shardings, flash=fa.FlashConfig(impl=impl))
-            train_state = learner.init_train_state(model, optimizer, mesh, seed=0)
-            t0 = time.perf_counter()
-            train_state, m = step(train_state, batch)
-            jax.block_until_ready(m)
-            run["compile_and_first_step_s"] = time.perf_counter() - t0
-            times = []
-            for _ in range(args.train_iters):
-                t0 = time.perf_counter()
-                train_state, m = step(train_state, batch)
-                jax.block_until_ready(m)
-                times.append(time.perf_counter() - t0)
-            metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
-            run.update(step_s=statistics.median(times), step_s_all=times, loss=metrics.get("loss"),
-                       grad_norm=metrics.get("grad_norm"), skipped_updates=metrics.get("train/skipped_updates"))
-            run["finite"] = bool(np.isfinite(run["loss"]) and np.isfinite(run["grad_norm"]))
-            ok &= run["finite"]
-            del train_state
-        except Exception as e:  # noqa: BLE001
-            run.update(err_text(e))
-            ok = False
-        out["runs"].append(run)
-        print(f"   {_train_line(run)}", flush=True)
-    out["status"] = "ok" if ok else "fail"
-    return out
-
-
-def _train_line(run: dict) -> str:
-    head = f"{run['attention_impl']:>10}: "
-    if "error" in run:
-        return head + "ERROR " + run["error"].splitlines()[0][:160]
-    if "skipped" in run:
-        return head + "skipped (" + run["skipped"] + ")"
-    return head + (f"step {run['step_s']:.3f} s (compile + first {run['compile_and_first_step_s']:.1f} s), "
-                   f"loss {run['loss']:.4g}, grad norm {run['grad_norm']:.4g}")
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Driver
 
 
+_WRITE = threading.Lock()
+
+
 def write_report(report: dict, path: str) -> None:
-    report["elapsed_s"] = round(elapsed(), 2)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(path)
+    with _WRITE:
+        report["elapsed_s"] = round(elapsed(), 2)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        tmp.replace(path)
+
+
+def start_watchdog(report: dict, args) -> None:
+    """At ``--hard-limit-s`` (a compile or kernel that hangs), the report as it stands is written with the
+    section in progress named, and the process exits with status 3: the run always ends inside its limit."""
+    def fire():
+        report["watchdog"] = (f"hard limit of {args.hard_limit_s:.0f} s reached during section "
+                              f"{report.get('running')!r}; exited")
+        write_report(report, args.out)
+        print("ERROR: " + report["watchdog"], file=sys.stderr, flush=True)
+        os._exit(3)
+    timer = threading.Timer(max(1.0, args.hard_limit_s - elapsed()), fire)
+    timer.daemon = True
+    timer.start()
 
 
 def run_section(report: dict, name: str, fn, args, *extra) -> None:
     print(f"== {name} (at {elapsed():.0f} s)", flush=True)
+    report["running"] = name
     t0 = time.perf_counter()
     try:
         res = fn(args, *extra) or {}
@@ -707,20 +543,27 @@ def summary(report: dict) -> str:
         if name == "ops_floor":
             for case, r in res.get("cases", {}).items():
                 lines.append(f"  {case}: {_floor_line(r)}")
+        if name == "long_context":
+            lines += gpu_speed.long_context_lines(res)
         if name == "decode_throughput":
             for r in res.get("runs", []):
-                lines.append(f"  {_run_line(r)}")
+                lines.append(f"  {gpu_speed.decode_run_line(r)}")
+        if name == "decode_fixed_cost":
+            lines += gpu_speed.fixed_cost_lines(res)
         if name == "train_step":
-            lines.append(f"  {res.get('model')} packed {res.get('packed_shape')}, {res.get('real_tokens')} real tokens")
             for r in res.get("runs", []):
-                lines.append(f"  {_train_line(r)}")
+                lines.append(f"  {gpu_speed.train_line(r)}")
+        if name == "compile_config":
+            for r in res.get("by_layers", []):
+                lines.append(f"  {gpu_speed.compile_line(r)}")
     lines.append(f"total {report.get('elapsed_s', elapsed()):.1f} s; report: {report.get('out')}")
     return "\n".join(lines)
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     report: dict = {"args": vars(args), "out": args.out, "sections": {}}
+    start_watchdog(report, args)
     run_section(report, "env", lambda a: section_env(a), args)
     if not on_gpu() and not args.allow_cpu:
         report["error"] = f"no GPU: JAX backend is {jax.default_backend()!r} ({jax.devices()}); --allow-cpu to test"
@@ -728,19 +571,23 @@ def main() -> int:
         print("ERROR: " + report["error"], file=sys.stderr)
         return 2
     state: dict = {}
-    sections = [("prefill_attention", section_prefill_attention, ()),
-                ("paged_attention", section_paged_attention, (state,)),
-                ("engine_greedy", section_engine_greedy, (state,)),
-                ("ops_floor", section_ops_floor, (state,)),
-                ("train_step", section_train_step, (state,)),
-                ("decode_throughput", section_decode_throughput, (state,))]
-    for name, fn, extra in sections:
+    fns = {"paged_attention": section_paged_attention, "long_context": gpu_speed.section_long_context,
+           "decode_throughput": gpu_speed.section_decode_throughput,
+           "decode_fixed_cost": gpu_speed.section_decode_fixed_cost, "train_step": gpu_speed.section_train_step,
+           "compile_config": gpu_speed.section_compile_config, "engine_greedy": section_engine_greedy,
+           "ops_floor": section_ops_floor, "prefill_attention": lambda a, _: section_prefill_attention(a)}
+    for name in SECTIONS:
         if args.sections and name not in args.sections:
             continue
-        run_section(report, name, fn, args, *extra)
+        if over_budget(args):
+            report["sections"][name] = {"status": "skipped", "skipped": f"time budget ({args.budget_s:.0f} s) spent"}
+            write_report(report, args.out)
+            continue
+        run_section(report, name, fns[name], args, state)
+    report.pop("running", None)
     write_report(report, args.out)
     print(summary(report), flush=True)
-    failed = [n for n, r in report["sections"].items() if r.get("status") != "ok"]
+    failed = [n for n, r in report["sections"].items() if r.get("status") not in ("ok", "skipped")]
     return 1 if failed else 0
 
 
