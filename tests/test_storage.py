@@ -58,6 +58,19 @@ def test_an_atomic_write_is_on_the_disk_before_its_rename(tmp_path, monkeypatch)
     assert str(tmp_path / "metrics.jsonl") in synced and str(tmp_path) in synced
 
 
+def test_the_metrics_rewrite_and_the_sample_log_are_on_the_disk_before_their_rename(tmp_path, monkeypatch):
+    with MetricsWriter(tmp_path, use_tensorboard=False, active=True) as writer:
+        for step in range(3):
+            writer.write(step, {"x": 1.0})
+    synced, renamed = _recording_fsync(monkeypatch)
+    MetricsWriter(tmp_path, use_tensorboard=False, resume_step=2, active=True).close()  # drops step 2's row
+    write_samples(tmp_path / "samples" / "step_2.jsonl", [{"response": "r"}], step=2)
+    assert len(renamed) == 2 and all(n > 0 for n in renamed), (synced, renamed)
+    assert synced[0].startswith(str(tmp_path / ".metrics.jsonl."))
+    assert any(p.startswith(str(tmp_path / "samples" / ".step_2.jsonl.")) for p in synced[renamed[0]:renamed[1]])
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+
+
 def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("old")
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
