@@ -31,13 +31,24 @@ host reads and writes the same directory, so on several hosts it must be a files
 Only process 0 moves a damaged or uncommitted step aside (every host waits for it), so hosts never race to
 rename the same directory.
 
-Faults met on resume, each said in one line and none deleting a user's data silently:
+Faults met on resume, none deleting a user's data silently:
 
-- an interrupted save (a ``<step>.orbax-checkpoint-tmp-*`` directory) is named, then removed by orbax;
-- a bare ``<step>`` directory without its commit file is moved aside to ``<step>.uncommitted`` before the
-  manager lists steps (otherwise orbax counts the step as saved and never saves it again);
-- a committed checkpoint that cannot be read (a truncated array file, a missing item) is moved aside to
-  ``<step>.corrupt`` with the error, and the restore falls back to the next newest committed step.
+- an interrupted save (a ``<step>.orbax-checkpoint-tmp-*`` directory) is removed by orbax, and a bare ``<step>``
+  directory without its commit file is moved aside to ``<step>.uncommitted`` before the manager lists steps
+  (otherwise orbax counts the step as saved and never saves it again); one line says what was cleaned up and
+  which step the run resumes from;
+- a committed checkpoint is moved aside to ``<step>.corrupt`` only on positive evidence that its files are
+  damaged (``_damage_evidence``: a missing item or JSON file, JSON that does not parse, a missing manifest, a
+  chunk tensorstore finds truncated or undecodable, a chunk file it names that is gone from a directory that is
+  there), with a warning naming it; the restore then falls back to the next newest committed step;
+- any other error (permissions, storage unavailable, out of device memory, a state of another shape) stops the
+  run with one message naming the step and the error (``RestoreError``), and moves nothing: set aside on such
+  an error, every good checkpoint would go the same way and the next start would begin at step 0.
+
+On several hosts each host's outcome is all-gathered before anything moves: an error on any host stops every
+host, and a step is set aside only when no host met an error and some host found it damaged. (A chunk that only
+one host reads is an exception in practice: the other hosts wait in orbax's restore barrier until it times out,
+which they report as an error, so such damage stops the run instead of being set aside.)
 """
 
 from __future__ import annotations
@@ -57,11 +68,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from rollverify_jax import storage
+from rollverify_jax import distributed, storage
 
 COMMIT_FILE = "commit_success.txt"
 ITEM_NAMES = ("state", "extra", "meta")
 _ARRAY_TAG = "__ndarray__"
+SET_ASIDE = ("corrupt", "uncommitted")  # <step>.<why> directories: kept, out of orbax's step list
 
 
 @gin.configurable
@@ -137,6 +149,21 @@ def _fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> l
             for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)]
 
 
+class RestoreError(ValueError):
+    """A committed checkpoint could not be restored, and its files show no damage (permissions, storage, device
+    memory): the run stops with this one message (a ValueError: the CLI's ``error:`` line, exit 2) and the
+    checkpoint stays where it is."""
+
+
+class FingerprintMismatch(ValueError):
+    """The checkpoint was saved for another model architecture."""
+
+
+# Outcomes of one restore attempt on one host, all-gathered before anything moves: an error on any host stops
+# every host, else damage seen by any host sets the step aside.
+_RESTORED, _DAMAGED, _FAILED = 0, 1, 2
+
+
 class Checkpointer:
     """Saves and restores (state, extra) under ``<workdir>/checkpoints``; every host calls every method."""
 
@@ -149,6 +176,7 @@ class Checkpointer:
         # Normalised through JSON (tuples -> lists) so it compares equal to what a restore reads back.
         self.model_fingerprint: dict[str, Any] = json.loads(json.dumps(encode_extra(dict(model_fingerprint or {}),
                                                                                     "model_fingerprint")))
+        self.cleaned_up: list[str] = []  # interrupted saves found on disk, said with the step the run resumes from
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.config.max_to_keep,
             save_interval_steps=1,  # the interval is decided in `save`, see `should_save`
@@ -165,7 +193,7 @@ class Checkpointer:
     # -- faults found on disk -------------------------------------------------------------------------------------
 
     def _report_interrupted_saves(self) -> None:
-        """Names each save that never committed, and moves bare uncommitted step directories aside (process 0
+        """Notes each save that never committed, and moves bare uncommitted step directories aside (process 0
         does; the others wait for it, so every host then lists the same steps)."""
         if _is_primary():
             self._move_uncommitted_aside()
@@ -176,10 +204,24 @@ class Checkpointer:
             return
         for path in sorted(self.directory.iterdir()):
             if ".orbax-checkpoint-tmp" in path.name:
-                _say(f"checkpoint: removing {path.name}, a save that was interrupted before it committed")
+                self.cleaned_up.append(f"removed {path.name} (a save interrupted before it committed)")
             elif path.is_dir() and path.name.isdigit() and not (path / COMMIT_FILE).exists():
                 aside = self._set_aside(int(path.name), "uncommitted")
-                _say(f"checkpoint: step {path.name} has no {COMMIT_FILE} (never committed); moved to {aside.name}")
+                self.cleaned_up.append(f"moved step {path.name} to {aside.name} (no {COMMIT_FILE}: never committed)")
+
+    def say_cleanup(self, resume_step: int | None) -> None:
+        """One line (process 0): the interrupted saves found on disk and the step the run resumes from."""
+        if self.cleaned_up and _is_primary():
+            where = f"resuming from step {resume_step}" if resume_step is not None else "starting at step 0"
+            _say(f"checkpoint: {'; '.join(self.cleaned_up)}; {where}")
+        self.cleaned_up = []
+
+    def set_aside_steps(self) -> list[str]:
+        """Names of the step directories set aside (``<step>.corrupt``, ``<step>.uncommitted``, ...)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p.name for p in self.directory.iterdir()
+                      if p.name.split(".")[0].isdigit() and p.name.partition(".")[2].startswith(SET_ASIDE))
 
     def _set_aside(self, step: int, why: str) -> epath.Path:
         """Renames ``<step>`` to ``<step>.<why>`` (``.<why>-1``, ... if taken): out of orbax's step list, kept."""
@@ -236,15 +278,12 @@ class Checkpointer:
     # -- restore -------------------------------------------------------------------------------------------------
 
     def check_fingerprint(self, step: int) -> None:
-        """Raises ValueError when checkpoint ``step`` was saved for a different model architecture (and
-        `_Unreadable` when its ``meta`` item cannot be read)."""
-        try:
-            saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
-        except Exception as e:
-            raise _Unreadable(_first_line(e)) from e
+        """Raises FingerprintMismatch (a ValueError) when checkpoint ``step`` was saved for a different model
+        architecture; whatever orbax raises when its ``meta`` item cannot be read."""
+        saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
         diff = _fingerprint_diff(saved, self.model_fingerprint)
         if diff:
-            raise ValueError(
+            raise FingerprintMismatch(
                 f"Checkpoint {self.directory / str(step)} was saved for a different model; differing fields: "
                 + "; ".join(diff)
                 + ". Use a fresh workdir for this model (or restore with the matching model config)."
@@ -255,30 +294,114 @@ class Checkpointer:
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with shardings; the arrays are
         read straight onto those shardings. Without it, orbax uses the shardings recorded at save time, which
-        only works on the same device topology. Without ``step``, an unreadable newest checkpoint is moved
-        aside (``<step>.corrupt``, with a warning that names the error) and the next newest is tried.
+        only works on the same device topology. Without ``step``, see ``restore_newest``; a step asked for by
+        number is never moved.
         """
+        if step is None:
+            restored = self.restore_newest(abstract_state)
+            if restored is None:
+                raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
+            return restored
         self.wait_until_finished()
         steps = self.all_steps()
-        if step is not None:
-            if step not in steps:
-                raise FileNotFoundError(f"No committed checkpoint for step {step} under {self.directory}; "
-                                        f"available steps: {steps}.")
-            try:
-                return self._restore_step(step, abstract_state)
-            except _Unreadable as e:
-                raise ValueError(f"Checkpoint {self.directory / str(step)} cannot be read: {e}") from None
-        for candidate in reversed(steps):
-            try:
-                return self._restore_step(candidate, abstract_state)
-            except _Unreadable as e:
-                if _is_primary():
-                    aside = self._set_aside(candidate, "corrupt")
-                    _say(f"checkpoint: step {candidate} cannot be read ({e}); moved to {aside.name}, trying the "
-                         "previous step")
-                _sync(f"rollverify_checkpoint_{candidate}_set_aside")
-                self._manager.reload()
-        raise FileNotFoundError(f"No committed checkpoint under {self.directory}; nothing to restore.")
+        if step not in steps:
+            raise FileNotFoundError(f"No committed checkpoint for step {step} under {self.directory}; "
+                                    f"available steps: {steps}.")
+        outcome, value = self._agreed_attempt(step, abstract_state)
+        if outcome == _DAMAGED:
+            raise ValueError(f"Checkpoint {self.directory / str(step)} cannot be read: {value}")
+        return value
+
+    def restore_newest(self, abstract_state: Any = None) -> tuple[int, Any, dict[str, Any]] | None:
+        """(step, state, extra) of the newest committed step that restores, or None when none does (no step
+        committed, or every one damaged). A damaged step is moved aside (``<step>.corrupt``, with a warning
+        naming the damage) and the next newest is tried; any other error raises (``RestoreError``, or the
+        ValueError of a fingerprint or state-tree mismatch) and moves nothing."""
+        self.wait_until_finished()
+        for candidate in reversed(self.all_steps()):
+            outcome, value = self._agreed_attempt(candidate, abstract_state)
+            if outcome == _RESTORED:
+                self.say_cleanup(candidate)
+                return value
+            if _is_primary():
+                aside = self._set_aside(candidate, "corrupt")
+                _say(f"checkpoint: step {candidate} cannot be read ({value}); moved to {aside.name}, trying the "
+                     "previous step")
+            _sync(f"rollverify_checkpoint_{candidate}_set_aside")
+            self._manager.reload()
+        return None
+
+    def _agreed_attempt(self, step: int, abstract_state: Any) -> tuple[int, Any]:
+        """(_RESTORED, (step, state, extra)) or (_DAMAGED, what shows the damage), decided alike on every host;
+        raises the error when any host met one that is not damage (nothing is moved then)."""
+        try:
+            outcome, value = _RESTORED, self._restore_step(step, abstract_state)
+        except Exception as e:  # noqa: BLE001  (classified below: damage, or an error that stops the run)
+            evidence = self._damage_evidence(step, e)
+            outcome, value = (_DAMAGED, f"{evidence}; {_first_line(e)}") if evidence else (_FAILED, e)
+        every = distributed.gather_ints([outcome])[:, 0]
+        if outcome == _FAILED:
+            failure = self._failure(step, value)
+            if failure is value:
+                raise value
+            raise failure from value
+        if (every == _FAILED).any():
+            failed = [int(i) for i in np.flatnonzero(every == _FAILED)]
+            raise RestoreError(f"Checkpoint {self.directory / str(step)} could not be restored on process(es) "
+                               f"{failed} (their log names the error); nothing was moved. Fix the cause and run "
+                               "the same command again.")
+        if outcome == _RESTORED and (every == _DAMAGED).any():
+            damaged = [int(i) for i in np.flatnonzero(every == _DAMAGED)]
+            return _DAMAGED, f"process(es) {damaged} found it damaged"
+        return outcome, value
+
+    def _failure(self, step: int, e: Exception) -> Exception:
+        """The one message of a restore error that is not damage: a mismatch the user must fix, or the error."""
+        where = self.directory / str(step)
+        if isinstance(e, FingerprintMismatch):
+            return e
+        if isinstance(e, ValueError) and _status_code(e) is None and _TREE_MISMATCH.search(str(e)):
+            return ValueError(f"Could not restore the state of {where} onto abstract_state (does the state tree, "
+                              f"e.g. the optimizer, match the one saved?): {e}")
+        return RestoreError(f"Checkpoint {where} could not be restored: {_first_line(e)}. Its files show no damage, "
+                            "so nothing was moved: fix the cause (permissions, storage, device memory) and run the "
+                            "same command again.")
+
+    def _damage_evidence(self, step: int, error: Exception) -> str | None:
+        """What the step's own files show to be damaged, or None when they show nothing (then the error is the
+        storage's, the machine's or the settings', and the step must stay where it is)."""
+        step_dir = self.directory / str(step)
+        try:
+            if not (step_dir / COMMIT_FILE).exists():
+                return None  # the step itself cannot be seen now: storage, not damage
+            for item in ITEM_NAMES:
+                if not (step_dir / item).is_dir():
+                    return f"its {item!r} item is missing"
+            for name in ("extra/metadata", "meta/metadata", "state/_METADATA"):
+                path = step_dir / name
+                if not path.exists():
+                    if name.startswith("state"):  # orbax restores without it
+                        continue
+                    return f"{name} is missing"
+                try:
+                    json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return f"{name} is not valid JSON"
+            state = step_dir / "state"
+            if ((state / "d").is_dir() or any(state.glob("ocdbt.process_*"))) \
+                    and not (state / "manifest.ocdbt").exists():
+                return "state/manifest.ocdbt is missing"
+            code = _status_code(error)
+            if code in _DAMAGE_CODES:
+                return f"tensorstore reports {code}"
+            if code == "NOT_FOUND":  # a chunk file it names is gone, from a directory that is there
+                for named in _QUOTED.findall(str(error)):
+                    path = storage.as_path(named)
+                    if named.startswith(str(step_dir)) and not path.exists() and path.parent.is_dir():
+                        return f"{named[len(str(step_dir)) + 1:]} is missing"
+        except Exception:  # noqa: BLE001  (the files cannot even be looked at: no evidence of damage)
+            return None
+        return None
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the ``params`` of step's train state, read onto the shardings of ``abstract_params`` (a pytree of
@@ -290,8 +413,10 @@ class Checkpointer:
                                     f"available steps: {self.all_steps()}.")
         try:
             self.check_fingerprint(step)  # a ValueError naming the fields when it was saved for another model
-        except _Unreadable as e:
-            raise ValueError(f"Checkpoint {self.directory / str(step)} cannot be read: {e}") from None
+        except FingerprintMismatch:
+            raise
+        except Exception as e:
+            raise ValueError(f"Checkpoint {self.directory / str(step)} cannot be read: {_first_line(e)}") from None
         item = {"params": abstract_params}
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                                    dtype=a.dtype), item)
@@ -303,23 +428,12 @@ class Checkpointer:
         return restored["state"]["params"]
 
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
-        """One step's (step, state, extra); ValueError for a mismatch the user must fix, `_Unreadable` for a
-        checkpoint whose files are damaged (orbax raises a bare Exception or FileNotFoundError then)."""
+        """One step's (step, state, extra); raises whatever the fingerprint check or orbax raises."""
         self.check_fingerprint(step)
         state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
             else ocp.args.StandardRestore()
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args,
-                                                                             extra=ocp.args.JsonRestore()))
-        except json.JSONDecodeError as e:
-            raise _Unreadable(_first_line(e)) from e
-        except ValueError as e:
-            if _STORAGE_ERROR.search(str(e)):  # tensorstore reports damaged files as ValueErrors too
-                raise _Unreadable(_first_line(e)) from e
-            raise ValueError(f"Could not restore the state of {self.directory / str(step)} onto abstract_state "
-                             f"(does the state tree, e.g. the optimizer, match the one saved?): {e}") from e
-        except Exception as e:
-            raise _Unreadable(_first_line(e)) from e
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args,
+                                                                         extra=ocp.args.JsonRestore()))
         return step, restored["state"], decode_extra(restored["extra"] or {})
 
     # -- lifetime ------------------------------------------------------------------------------------------------
@@ -342,12 +456,20 @@ class Checkpointer:
         self.close()
 
 
-# How tensorstore words a file it cannot read (a truncated or missing chunk, a bad manifest).
-_STORAGE_ERROR = re.compile(r"OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|Error opening")
+# tensorstore's errors begin with an absl status code. DATA_LOSS (bytes that do not decode) and OUT_OF_RANGE (a file
+# shorter than its manifest says) are about the files themselves; NOT_FOUND is damage only when the file it names
+# is confirmed missing (an unreachable bucket or an unmounted disk says NOT_FOUND too), and every other code
+# (PERMISSION_DENIED, UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) is never damage.
+_STATUS_CODE = re.compile(r"^([A-Z][A-Z_]+): ")
+_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE")
+_QUOTED = re.compile(r'"([^"]+)"')
+# How orbax words a target state that does not fit the saved one (another optimizer, shape or dtype).
+_TREE_MISMATCH = re.compile(r"tree structure|shape|dtype", re.IGNORECASE)
 
 
-class _Unreadable(Exception):
-    """A checkpoint's files are damaged (truncated, missing): not the user's settings."""
+def _status_code(e: Exception) -> str | None:
+    match = _STATUS_CODE.match(str(e))
+    return match.group(1) if match else None
 
 
 def _first_line(e: Exception) -> str:

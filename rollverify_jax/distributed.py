@@ -65,6 +65,18 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def gather_ints(values) -> np.ndarray:
+    """Every process's ``values`` (small ints), one row per process: ``[processes, len(values)]``. The input of a
+    decision every host must take alike (stop, set a checkpoint aside, refuse to start), so no host acts on what
+    only it saw; every process calls it at the same point, like any collective. One process: its own row."""
+    mine = np.asarray(values, np.int32).reshape(-1)
+    if jax.process_count() == 1:
+        return mine[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), mine.size)
+
+
 def fetch(tree):
     """Device arrays -> host numpy, whole on every process. On one process ``jax.device_get``; on several, an
     array sharded over other hosts' devices is all-gathered first (every process must call this together), so

@@ -22,6 +22,7 @@ from rollverify_jax.aot_config import AotConfig  # noqa: F401  (registers the gi
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset, records_fingerprint
 from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.fresh_start import check_fresh_start
 from rollverify_jax.metrics import MetricsConfig  # noqa: F401  (registers it for evaluate and aot too)
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
 from rollverify_jax.models.hf import config_to_hf
@@ -69,6 +70,9 @@ class TrainConfig:
     allow_changed_settings: bool = False
     # Steps in a row whose updates were skipped for a NaN/Inf loss or gradient before the run stops (exit 3).
     max_skipped_steps: int = 3
+    # A workdir with metric rows or set-aside checkpoints but no checkpoint to restore is refused; True (or
+    # --restart_from_scratch) starts it at step 0 anyway (rollverify_jax/fresh_start.py).
+    restart_from_scratch: bool = False
 
     def __post_init__(self):
         if self.num_steps < 0:
@@ -247,11 +251,17 @@ def build(cfg: TrainConfig, workdir: storage.PathLike | None = None, checkpoint:
     run.manager = RolloutManager(rollout_cfg, scheduler, lambda: run.iterator.next_batch()[0], run.encode,
                                  seed=cfg.seed, switch=SwitchConfig(), verify=VerifyConfig())
     run.checkpointer = Checkpointer(workdir, CheckpointConfig(), model_fingerprint=model_fingerprint(model))
-    latest = run.checkpointer.latest_step()
-    if latest is not None:
+    restored = None
+    if run.checkpointer.latest_step() is not None:
         abstract = learner_lib.abstract_train_state(model, optimizer, mesh)
-        # The newest checkpoint that can be read (a damaged one is moved aside with a warning).
-        _, run.train_state, extra = run.checkpointer.restore(abstract_state=abstract)
+        # The newest checkpoint that can be read (a damaged one is moved aside with a warning; any other error
+        # stops here and moves nothing).
+        restored = run.checkpointer.restore_newest(abstract_state=abstract)
+    if restored is None:  # none to restore: refused when the workdir shows a run was there
+        check_fresh_start(workdir, run.checkpointer, allow=cfg.restart_from_scratch)
+        run.checkpointer.say_cleanup(None)
+    else:
+        _, run.train_state, extra = restored
         check_resume_settings(extra.get("settings", {}), run_settings(run), allow=cfg.allow_changed_settings)
         load_run_state(run, extra)
         print(f"resumed from checkpoint step {run.step}", flush=True)

@@ -23,12 +23,13 @@ from rollverify_jax.checkpoint import COMMIT_FILE
 from rollverify_jax.cli import run_cli
 from rollverify_jax.evaluate import EvalConfig, evaluate_run
 from rollverify_jax.metrics import MetricsConfig, MetricsWriter, open_progress, open_wandb, save_operative_config
-from rollverify_jax.preemption import StopRequest
+from rollverify_jax.preemption import SKIPPED_EXIT_STATUS, Decision, StopRequest
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch, flatten_groups, pad_rows
 from rollverify_jax.rl.filters import FilterInputs, apply_filter
 from rollverify_jax.setup import Run, TrainConfig, build, parse_gin, run_state
+from rollverify_jax.workdir_lock import WorkdirLock
 
 __all__ = ["TrainConfig", "build", "learn", "main", "parse_gin", "score", "select", "train", "train_one_step"]
 
@@ -128,18 +129,29 @@ def train(cfg: TrainConfig, workdir: storage.PathLike) -> list[dict]:
     metrics_cfg = MetricsConfig()  # its settings are checked (wandb installed?) before any work
     fresh = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
+    # Before anything touches the checkpoints: a second launch would remove this one's in-flight saves.
+    lock = WorkdirLock.acquire(workdir)
     try:
-        run = build(cfg, workdir=workdir, for_training=True)
-    except BaseException:
-        if fresh:  # a configuration error leaves no half-made workdir behind
-            storage.remove_tree(workdir)
-        raise
+        try:
+            run = build(cfg, workdir=workdir, for_training=True)
+        except BaseException:
+            if fresh:  # a configuration error leaves no half-made workdir behind
+                lock.release()
+                storage.remove_tree(workdir)
+            raise
+        return _train_loop(cfg, workdir, run, metrics_cfg)
+    finally:
+        lock.release()
+
+
+def _train_loop(cfg: TrainConfig, workdir: epath.Path, run: Run, metrics_cfg: MetricsConfig) -> list[dict]:
     start = run.step
     save_operative_config(workdir)
     if distributed.is_main_process():
         (workdir / "policy.txt").write_text(json.dumps({"policy_path": cfg.policy_path}) + "\n")
     # Rows past the restored checkpoint are redone, so they are dropped first (with no checkpoint, every row is:
-    # a run killed after its step-0 evaluation would otherwise log step 0 twice).
+    # a run killed after its step-0 evaluation would otherwise log step 0 twice; build refused a fresh start in
+    # a workdir with more history than that).
     writer = MetricsWriter(workdir, use_tensorboard=cfg.metrics_tensorboard, resume_step=start + 1 if start else 0,
                            wandb_run=open_wandb(metrics_cfg, workdir, start))
     written = []
@@ -153,27 +165,37 @@ def train(cfg: TrainConfig, workdir: storage.PathLike) -> list[dict]:
                 written.append(writer.write(0, m))
                 bar.update(0, m)
             for step in range(start + 1, cfg.num_steps + 1):
-                if stop.agree():  # signalled after the last step's stop check (or during step 0)
+                decision = stop.agree()
+                if decision.stop:  # signalled after the last step's stop check (or during step 0)
                     if step > 1:  # the state in memory is step - 1's: save it (skipped if already saved)
                         run.checkpointer.save(step - 1, run.train_state,
                                               run_state(run, time.perf_counter() - t_start), force=True)
-                    _stopped(stop, run.checkpointer)
+                    _stopped(decision, stop, run.checkpointer)
                 metrics = train_one_step(run)
-                last = step == cfg.num_steps or (
-                    cfg.time_budget_s > 0 and time.perf_counter() - t_start >= cfg.time_budget_s)
-                if last or (cfg.eval_every and step % cfg.eval_every == 0):
+                skipped = _report_skipped(step, metrics, bad_steps)
+                # One decision, the same on every host: a signal on any host, JAX's preemption sync point, any
+                # host's clock past the budget, or too many skipped steps in a row.
+                decision = stop.agree(
+                    preempted=run.checkpointer.reached_preemption(step),
+                    out_of_time=cfg.time_budget_s > 0 and time.perf_counter() - t_start >= cfg.time_budget_s,
+                    too_many_skipped=len(bad_steps) >= cfg.max_skipped_steps)
+                last = step == cfg.num_steps or decision.out_of_time
+                interrupted = decision.stop and not last  # no evaluation: the grace period is short
+                if last or (cfg.eval_every and step % cfg.eval_every == 0 and not interrupted):
                     metrics.update(evaluate_run(run))
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)
-                skipped = _check_numerics(step, metrics, cfg, bad_steps)
-                # A signal (or, on several hosts, JAX's preemption sync point) stops here, after a saved step.
-                stopping = stop.agree() or run.checkpointer.reached_preemption(step)
-                if not skipped:  # a step with skipped updates never replaces a good checkpoint
+                # Every stop commits the state in memory. A skipped update changes no params or optimizer state,
+                # so after a skipped step that state is still the last applied update's; only the interval saves
+                # pass over skipped steps (a run of them must not rotate the good checkpoints out).
+                if last or decision.stop or not skipped:
                     run.checkpointer.save(step, run.train_state, run_state(run, metrics["time/wall"]),
-                                          force=last or stopping)
-                if stopping and not last:
-                    _stopped(stop, run.checkpointer)
+                                          force=last or decision.stop)
+                if decision.too_many_skipped:
+                    _too_many_skipped(bad_steps, metrics, run.checkpointer)
+                if interrupted:
+                    _stopped(decision, stop, run.checkpointer)
                 if last:
                     break
     finally:
@@ -182,24 +204,35 @@ def train(cfg: TrainConfig, workdir: storage.PathLike) -> list[dict]:
     return written
 
 
-def _check_numerics(step: int, metrics: dict, cfg: TrainConfig, bad_steps: list[int]) -> bool:
-    """Reports a step whose updates were skipped for a NaN/Inf loss or gradient; stops the run (exit status 3,
-    the last good checkpoint intact) after ``TrainConfig.max_skipped_steps`` such steps in a row."""
+def _nonfinite(metrics: dict) -> str:
+    return " and ".join(name for name, key in (("loss", "train/nonfinite_loss"), ("gradient", "train/nonfinite_grad"))
+                        if metrics.get(key))
+
+
+def _report_skipped(step: int, metrics: dict, bad_steps: list[int]) -> bool:
+    """Reports a step whose updates were skipped for a NaN/Inf loss or gradient, and keeps the run of such steps
+    in ``bad_steps`` (the stop after ``TrainConfig.max_skipped_steps`` of them is agreed by every host)."""
     skipped = int(metrics.get("train/skipped_updates", 0))
     if not skipped:
         bad_steps.clear()
         return False
     bad_steps.append(step)
-    which = " and ".join(name for name, key in (("loss", "train/nonfinite_loss"), ("gradient", "train/nonfinite_grad"))
-                         if metrics.get(key))
-    print(f"step {step}: {skipped} of {int(metrics['train/num_updates'])} updates skipped (non-finite {which}); "
-          "not checkpointed", file=sys.stderr, flush=True)
-    if len(bad_steps) >= cfg.max_skipped_steps:
-        print(f"error: steps {bad_steps} in a row had non-finite {which}; stopping. The last checkpoint is from "
-              "before them: lower OptimizerConfig.learning_rate or check the data, then run the same command to "
-              "resume from it.", file=sys.stderr, flush=True)
-        raise SystemExit(3)
+    print(f"step {step}: {skipped} of {int(metrics['train/num_updates'])} updates skipped (non-finite "
+          f"{_nonfinite(metrics)}); not checkpointed unless the run stops here", file=sys.stderr, flush=True)
     return True
+
+
+def _too_many_skipped(bad_steps: list[int], metrics: dict, checkpointer) -> None:
+    """Ends a run after ``TrainConfig.max_skipped_steps`` non-finite steps in a row (exit status 3), once the state
+    of its last step is committed: the skipped updates changed nothing, so it holds the last applied update."""
+    checkpointer.wait_until_finished()
+    latest = checkpointer.latest_step()
+    kept = f"checkpoint step {latest} is committed (skipped updates change nothing: it holds the params of the " \
+        "last update applied)" if latest is not None else "no checkpoint was committed"
+    print(f"error: steps {bad_steps} in a row had non-finite {_nonfinite(metrics)}; stopping. The {kept}: lower "
+          "OptimizerConfig.learning_rate or check the data, then run the same command to resume from it.",
+          file=sys.stderr, flush=True)
+    raise SystemExit(SKIPPED_EXIT_STATUS)
 
 
 def _error_files(e: OSError) -> list[str]:
@@ -225,16 +258,19 @@ def _storage_error(e: OSError, workdir: epath.Path) -> None:
     raise SystemExit(2)
 
 
-def _stopped(stop: StopRequest, checkpointer) -> None:
-    """Ends a run stopped by a signal: waits for the checkpoint commit, says which step is saved in one line,
-    and exits with the signal's status (143 for SIGTERM)."""
+def _stopped(decision: Decision, stop: StopRequest, checkpointer) -> None:
+    """Ends a run stopped by a signal or JAX's preemption notice: waits for the checkpoint commit, says which step
+    is saved and how long the stop took in one line, and exits with the signal's status (143 for SIGTERM and for
+    JAX's notice)."""
     checkpointer.wait_until_finished()
     latest = checkpointer.latest_step()
-    name = "preemption" if stop.signum is None else signal.Signals(stop.signum).name
+    name = "JAX's preemption notice" if decision.signum is None else signal.Signals(decision.signum).name
     where = f"checkpoint {checkpointer.directory / str(latest)} committed" if latest is not None else \
         "no checkpoint yet (the run starts over)"
-    print(f"stopped by {name}: {where}; run the same command to resume.", file=sys.stderr, flush=True)
-    raise SystemExit(stop.exit_status if stop.signum is not None else 0)
+    took = stop.seconds_since_signal()
+    took = f" {took:.0f} s after the signal" if took is not None else ""
+    print(f"stopped by {name}: {where}{took}; run the same command to resume.", file=sys.stderr, flush=True)
+    raise SystemExit(decision.exit_status)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,9 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--traceback", action="store_true", help="show the full stack of a configuration error")
     ap.add_argument("--allow_changed_settings", action="store_true",
                     help="resume even though run-defining settings differ from the checkpoint's (listed)")
+    ap.add_argument("--restart_from_scratch", action="store_true",
+                    help="start at step 0 although the workdir has metrics or set-aside checkpoints but no "
+                         "checkpoint that can be restored (refused otherwise)")
     args = ap.parse_args(argv)
     if args.allow_changed_settings:
         args.gin_param.append("TrainConfig.allow_changed_settings = True")
+    if args.restart_from_scratch:
+        args.gin_param.append("TrainConfig.restart_from_scratch = True")
     run_cli(lambda: _main(args), args.traceback)
 
 

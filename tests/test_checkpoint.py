@@ -1,6 +1,7 @@
 """Orbax checkpoints: sharded round trip, exact host state, retention, interval, fingerprint, atomicity."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -497,13 +498,22 @@ def _truncate_array_files(step_dir):
         big.write_bytes(big.read_bytes()[:50])
 
 
-@pytest.mark.parametrize("damage", ["truncated array file", "missing item"])
+DAMAGE = {  # each is positive evidence on disk that the step's files are damaged
+    "truncated array file": lambda step_dir: _truncate_array_files(step_dir),
+    "missing chunk file": lambda step_dir: [p.unlink() for p in (step_dir / "state").rglob("*")
+                                            if p.is_file() and p.parent.name == "d" and p.stat().st_size > 1000],
+    "missing item": lambda step_dir: (step_dir / "extra" / "metadata").unlink(),
+    "missing item directory": lambda step_dir: shutil.rmtree(step_dir / "extra"),
+    "unparsable JSON item": lambda step_dir: (step_dir / "extra" / "metadata").write_text('{"step": '),
+    "unparsable manifest": lambda step_dir: (step_dir / "state" / "manifest.ocdbt").write_bytes(b"garbage"),
+    "missing manifest": lambda step_dir: (step_dir / "state" / "manifest.ocdbt").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
 def test_unreadable_newest_checkpoint_falls_back_and_is_kept_aside(tmp_path, capsys, damage):
     root = _two_steps(tmp_path)
-    if damage == "truncated array file":
-        _truncate_array_files(root / "2")
-    else:
-        (root / "2" / "extra" / "metadata").unlink()
+    DAMAGE[damage](root / "2")
     with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
         step, state, extra = ckpt.restore(abstract_state={"x": jax.ShapeDtypeStruct((256,), jnp.float32)})
         assert step == 1 and extra == {"step": 1}
@@ -511,30 +521,138 @@ def test_unreadable_newest_checkpoint_falls_back_and_is_kept_aside(tmp_path, cap
         err = capsys.readouterr().err
         assert "checkpoint: step 2 cannot be read" in err and "moved to 2.corrupt" in err
         assert (root / "2.corrupt").is_dir() and ckpt.all_steps() == [1]  # kept, out of the step list
+        assert ckpt.set_aside_steps() == ["2.corrupt"]
         assert ckpt.save(2, {"x": jnp.full(256, 5.0)}, {"step": 2}, force=True)  # the step can be redone
     with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
         assert ckpt.restore()[2] == {"step": 2}
+
+
+def _failing_restore(monkeypatch, ckpt, error, step=2):
+    """orbax's restore of ``step`` raises ``error`` (every other step restores as usual)."""
+    real = ckpt._manager.restore
+
+    def restore(s, *a, **kw):
+        if s == step:
+            raise error
+        return real(s, *a, **kw)
+
+    monkeypatch.setattr(ckpt._manager, "restore", restore)
+
+
+NOT_DAMAGE = {  # what storage, permissions and memory raise while the files are intact
+    "permission": PermissionError(13, "Permission denied"),
+    "tensorstore permission": ValueError('PERMISSION_DENIED: Error opening "zarr" driver: Error reading "x/.zarray" '
+                                         'in OCDBT database at "gs://bucket/run/checkpoints/2/state/"'),
+    "storage unavailable": ValueError('UNAVAILABLE: Error opening "cast" driver: Error reading "gs://bucket/run/'
+                                      'checkpoints/2/state/manifest.ocdbt": 503 Service Unavailable'),
+    "bucket not found": ValueError('NOT_FOUND: Error opening "zarr" driver: Error reading "x/.zarray" in OCDBT '
+                                   'database at "gs://bucket/run/checkpoints/2/state/": bucket does not exist'),
+    "deadline": ValueError("DEADLINE_EXCEEDED: Error reading local file: timed out"),
+    "device memory": RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 536870912 bytes."),
+    "disk gone": OSError(5, "Input/output error"),
+}
+
+
+@pytest.mark.parametrize("error", list(NOT_DAMAGE))
+def test_a_restore_error_that_is_not_damage_moves_nothing(tmp_path, monkeypatch, capsys, error):
+    """Set aside on such an error, every good checkpoint would follow, and the next start would begin at step 0:
+    the error stops the restore with one message naming the step and the error, and nothing is renamed."""
+    root = _two_steps(tmp_path)
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        _failing_restore(monkeypatch, ckpt, NOT_DAMAGE[error])
+        with pytest.raises(ValueError, match="checkpoints/2 could not be restored") as err:
+            ckpt.restore()
+        assert str(NOT_DAMAGE[error]).split(":")[0][:20] in str(err.value) and "nothing was moved" in str(err.value)
+        assert ckpt.all_steps() == [1, 2]
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2"]
+    assert "corrupt" not in capsys.readouterr().err
+
+
+def test_a_state_of_another_shape_is_a_settings_error_and_moves_nothing(tmp_path):
+    root = _two_steps(tmp_path)
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        with pytest.raises(ValueError, match="checkpoints/2 onto abstract_state \\(does the state tree"):
+            ckpt.restore(abstract_state={"x": jax.ShapeDtypeStruct((128,), jnp.float32)})
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2"]
+
+
+def _other_host(monkeypatch, outcomes):
+    """A second process whose restore attempts end as ``outcomes`` (0 restored, 1 damaged, 2 failed), one per
+    all-gather: this process is process 0 of 2 for the restore's agreement."""
+    from rollverify_jax import distributed
+
+    outcomes = list(outcomes)
+    monkeypatch.setattr(distributed, "gather_ints",
+                        lambda values: np.asarray([list(values), [outcomes.pop(0)]]), raising=False)
+
+
+def test_another_hosts_error_moves_nothing_on_any_host(tmp_path, monkeypatch):
+    """Process 1 cannot read step 2 (its mount is down); process 0 can: the hosts stop together, nothing moved."""
+    root = _two_steps(tmp_path)
+    _other_host(monkeypatch, [2])
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        with pytest.raises(ValueError, match=r"checkpoints/2 could not be restored on process\(es\) \[1\]"):
+            ckpt.restore()
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2"]
+
+
+def test_damage_here_and_an_error_elsewhere_moves_nothing(tmp_path, monkeypatch):
+    root = _two_steps(tmp_path)
+    _truncate_array_files(root / "2")
+    _other_host(monkeypatch, [2])
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        with pytest.raises(ValueError, match=r"on process\(es\) \[1\]"):
+            ckpt.restore()
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2"]
+
+
+def test_damage_another_host_found_is_set_aside_by_process_0(tmp_path, monkeypatch, capsys):
+    """Only process 1 reads the damaged shard: process 0 read its own part fine, and still sets the step aside,
+    so both fall back to the same step."""
+    root = _two_steps(tmp_path)
+    _other_host(monkeypatch, [1, 0])
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        assert ckpt.restore()[0] == 1
+    assert "step 2 cannot be read (process(es) [1] found it damaged); moved to 2.corrupt" in capsys.readouterr().err
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2.corrupt"]
+
+
+def test_every_step_damaged_leaves_nothing_to_restore_and_keeps_them_all(tmp_path, capsys):
+    root = _two_steps(tmp_path)
+    for step in ("1", "2"):
+        (root / step / "extra" / "metadata").unlink()
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        assert ckpt.restore_newest() is None
+        assert ckpt.set_aside_steps() == ["1.corrupt", "2.corrupt"] and ckpt.all_steps() == []
+        with pytest.raises(FileNotFoundError, match="nothing to restore"):
+            ckpt.restore()
+    err = capsys.readouterr().err
+    assert "step 2 cannot be read (extra/metadata is missing" in err and "step 1 cannot be read" in err
 
 
 def test_an_explicit_unreadable_step_is_a_clear_error(tmp_path):
     root = _two_steps(tmp_path)
     (root / "2" / "meta" / "metadata").unlink()
     with Checkpointer(tmp_path, CheckpointConfig(), FP) as ckpt:
-        with pytest.raises(ValueError, match="checkpoints/2 cannot be read: FileNotFoundError"):
+        with pytest.raises(ValueError, match="checkpoints/2 cannot be read: meta/metadata is missing; "
+                                             "FileNotFoundError"):
             ckpt.restore(2)
     assert (root / "2").is_dir()  # asked for by name: left where it is
 
 
-def test_uncommitted_step_directory_is_set_aside_and_the_step_saved_again(tmp_path, capsys):
-    """A bare step directory without the commit file used to block every later save of that step."""
+def test_interrupted_saves_are_cleaned_up_in_one_line_with_the_resumed_step(tmp_path, capsys):
+    """A bare step directory without the commit file used to block every later save of that step; it and an
+    orbax tmp directory are cleaned up, and one line says what was removed and where the run resumes."""
     root = _two_steps(tmp_path)
     (root / "2" / COMMIT_FILE).unlink()
     (root / "5.orbax-checkpoint-tmp").mkdir()
     with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
-        err = capsys.readouterr().err
-        assert f"step 2 has no {COMMIT_FILE} (never committed); moved to 2.uncommitted" in err
-        assert "removing 5.orbax-checkpoint-tmp, a save that was interrupted" in err
         assert ckpt.latest_step() == 1
+        assert ckpt.restore()[0] == 1
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("checkpoint:")]
+        assert lines == [f"checkpoint: moved step 2 to 2.uncommitted (no {COMMIT_FILE}: never committed); "
+                         "removed 5.orbax-checkpoint-tmp (a save interrupted before it committed); "
+                         "resuming from step 1"]
         assert ckpt.save(2, {"x": jnp.zeros(256)}, {"step": 2}, force=True)
         assert ckpt.latest_step() == 2
     assert (root / "2.uncommitted").is_dir()
