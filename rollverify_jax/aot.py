@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from rollverify_jax import compile_cache, storage  # noqa: E402
+from rollverify_jax import aot_decode, compile_cache, storage  # noqa: E402
 from rollverify_jax import mesh as mesh_lib  # noqa: E402
 from rollverify_jax.aot_config import CHIPS, AotConfig, GiB  # noqa: E402
 from rollverify_jax.cli import run_cli  # noqa: E402
@@ -192,41 +192,57 @@ def compile_run(topology: str | None = None) -> dict:
 
     # Resume prefill and one decode dispatch
     layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
-                                            cfg.num_attention_heads)
+                                            cfg.num_attention_heads, engine_cfg.megacore)
     num_pages = engine_lib.pool_pages(cfg, engine_cfg, layout.num_shards)
     decode_state = engine_lib.abstract_decode_state(cfg, engine_cfg, layout, num_pages)
     _, params = nnx.split(model)
     graphdef = engine_lib.rollout_graphdef(model, engine_cfg.compute_dtype)  # the engine's activation dtype
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    model_param_bytes = sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+                            for v in jax.tree.leaves(params, is_leaf=is_var))
+    serving = engine_lib.serving_param_shardings(params, mesh, engine_cfg.serving_layout)  # as the engine holds them
+    train_layout = jax.tree.leaves(mesh_lib.param_shardings(params, mesh))
+    copied = any(a != b for a, b in zip(jax.tree.leaves(serving), train_layout, strict=True))
     params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
-                          mesh_lib.param_shardings(params, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
+                          serving, is_leaf=is_var)
     static = engine_lib._Static(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash)
     n = aot.prefill_rows or math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
     packed = engine_lib.PackedPrefill(*[_sds((n, width), jnp.int32, mesh)] * 5, *[_sds((n,), jnp.int32, mesh)] * 3)
     programs["prefill"], _ = _compile("prefill", lambda: engine_lib._prefill_jit.lower(
         static, params, decode_state, packed, True))
-    programs["decode"], _ = _compile("decode", lambda: engine_lib._generate_jit.lower(
+    programs["decode"], decode_compiled = _compile("decode", lambda: engine_lib._generate_jit.lower(
         static, params, decode_state, engine_cfg.steps_per_dispatch))
 
     # Resident and peak bytes per device
     state_bytes, kv_bytes = _per_device_bytes(state), _per_device_bytes(decode_state.pages)
     param_bytes = _per_device_bytes(state.params)
-    resident = state_bytes + kv_bytes
-    outside = {"train_step": kv_bytes, "prefill": state_bytes - param_bytes, "decode": state_bytes - param_bytes}
+    # A serving layout other than the train state's is a copy the engine holds through the train step too.
+    copy_bytes = _per_device_bytes(params) if copied else 0
+    resident = state_bytes + kv_bytes + copy_bytes
+    engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
+    outside = {"train_step": kv_bytes + copy_bytes, "prefill": engine_outside, "decode": engine_outside}
     peaks = {k: p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"] + outside[k]
              for k, p in programs.items()}
     peak = max(peaks.values())
     budget = int(chip.hbm_bytes * aot.hbm_fraction)
     train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot, _batch_devices(mesh))
     decode_bytes = (param_bytes + kv_bytes) * engine_cfg.steps_per_dispatch  # every step reads weights and KV
+    decode = aot_decode.decode_report(
+        decode_compiled, programs["decode"], cfg=cfg, engine_cfg=engine_cfg, rollout=rollout, aot=aot, chip=chip,
+        layout=layout, mesh=mesh, device_kind=devices[0].device_kind, engine_param_bytes=_per_device_bytes(params),
+        model_param_bytes=model_param_bytes, num_devices=len(devices))
     return {
         "topology": topology, "device_kind": devices[0].device_kind, "num_devices": len(devices),
         "mesh": dict(mesh.shape), "params": cfg.num_params(), "context": engine_cfg.max_seq_len,
         "rows_per_step": rows, "hbm_bytes_per_device": chip.hbm_bytes,
         "budget_bytes_per_device": budget, "resident_bytes_per_device": resident,
-        "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes},
+        "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes,
+                     "serving_params": copy_bytes},
         "peak_bytes_per_device": peak, "peak_program": max(peaks, key=peaks.get), "fits": peak <= budget,
         "programs": programs,
         "train_useful_token_fraction": train["train_useful_token_fraction"],
+        "decode_roofline_fraction": decode["decode_roofline_fraction"],
+        "decode": decode,
         "train": train,
         "estimate": {  # from the chips' public peaks at stated efficiencies, not a measurement
             "train_mfu": aot.train_mfu,
@@ -245,7 +261,9 @@ def format_report(r: dict) -> str:
                      f"aliased {p['alias_bytes'] / GiB:7.2f} GiB  compile {p['compile_s']} s")
     res = r["resident"]
     lines.append(f"  resident per device: {r['resident_bytes_per_device'] / GiB:.2f} GiB (train state "
-                 f"{res['train_state'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f})")
+                 f"{res['train_state'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f}"
+                 + (f", serving copy of the weights {res['serving_params'] / GiB:.2f}" if res.get("serving_params")
+                    else "") + ")")
     lines.append(f"  peak per device: {r['peak_bytes_per_device'] / GiB:.2f} GiB ({r['peak_program']}) of "
                  f"{r['hbm_bytes_per_device'] / GiB:.0f} GiB HBM (plan: {r['budget_bytes_per_device'] / GiB:.1f})")
     e = r["estimate"]
@@ -256,6 +274,8 @@ def format_report(r: dict) -> str:
     lines.append(f"  estimate (not measured): train step {e['train_step_s']:.1f} s at {e['train_mfu']:.0%} MFU; "
                  f"decode dispatch {e['decode_dispatch_s'] * 1e3:.1f} ms for {e['decode_tokens_per_dispatch']} "
                  "tokens at HBM bandwidth")
+    if r.get("decode"):
+        lines.extend(aot_decode.format_decode(r["decode"]))
     if r.get("compilation_cache"):
         lines.append(f"  compile times may be loads from the compilation cache {r['compilation_cache']}")
     lines.append("  FITS" if r["fits"] else "  DOES NOT FIT")

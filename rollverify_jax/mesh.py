@@ -129,6 +129,37 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=None) -> nnx.State:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def serving_specs(state: nnx.State, mesh: Mesh, rules=None) -> nnx.State:
+    """The training specs without the batch axes, except along 'experts': decode from weights split over
+    'tensor' only and whole on every data x fsdp device, so each device runs its own slots' tokens through
+    them, where the training layout leaves XLA two choices per step (gather the weights, or all-reduce every
+    layer's activations over the batch axes). Experts split over a batch axis stay there (expert parallelism
+    exchanges activations, not weights)."""
+    def spec(v, train: PartitionSpec) -> PartitionSpec:
+        names = v.get_metadata().get("logical_axes") or ()
+        out = []
+        for i, entry in enumerate(train):
+            if i < len(names) and names[i] == "experts":
+                out.append(entry)
+                continue
+            kept = tuple(a for a in _entry_axes(entry) if a not in BATCH_AXES)
+            out.append(kept[0] if len(kept) == 1 else (kept or None))
+        return PartitionSpec(*out)
+    return jax.tree.map(spec, state, param_specs(state, mesh, rules), is_leaf=_is_var)
+
+
+def serving_shardings(state: nnx.State, mesh: Mesh, rules=None) -> nnx.State:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), serving_specs(state, mesh, rules),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry as a tuple of mesh axes (None: ())."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Leading (batch) dimension over ('data', 'fsdp'); the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))

@@ -45,7 +45,8 @@ def test_three_programs_compile_for_the_topology(report):
 
 def test_report_adds_up(report):
     res = report["resident"]
-    assert report["resident_bytes_per_device"] == res["train_state"] + res["kv_pool"]
+    assert report["resident_bytes_per_device"] == res["train_state"] + res["kv_pool"] + res["serving_params"]
+    assert res["serving_params"] == 0  # the train layout: the engine's weights are the train state's arrays
     assert res["params"] < res["train_state"]  # + float32 moments
     assert report["peak_bytes_per_device"] >= report["resident_bytes_per_device"]
     assert report["fits"] is (report["peak_bytes_per_device"] <= report["budget_bytes_per_device"])
@@ -87,3 +88,37 @@ def test_packed_train_estimate_counts_the_positions_the_step_computes():
     assert packed["train_micro_batches_per_update"] == 1
     assert packed["train_useful_token_fraction"] == pytest.approx(240 / 256)
     assert packed["train_speedup_vs_unpacked"] == pytest.approx(4.0)  # 16 rows of 128 -> 4 rows of 128
+
+
+def test_report_has_the_decode_roofline(report):
+    """The decode section: the kernel on both of a v5p chip's TensorCores (one KV head, 2 slots per chip: split by
+    slot), collectives read from the compiled step, and the roofline fraction in (0, 1]."""
+    d = report["decode"]
+    assert report["decode_roofline_fraction"] == d["decode_roofline_fraction"]
+    assert 0 < d["decode_roofline_fraction"] <= 1
+    assert d["two_cores_per_chip"] and d["kernel_on_both_cores"]
+    assert [k["grid"][0] for k in d["attention_kernels"]] == [2]
+    assert d["collectives_per_step"]["count"] > 0  # FSDP weights: activations all-reduced over 'fsdp'
+    assert d["weights_bytes_per_chip"] >= d["weights_min_bytes_per_chip"]
+    phase = d["on_policy_phase"]
+    assert phase["rules"]["stale"]["kv_read_ratio"] >= phase["rules"]["one"]["kv_read_ratio"] >= 1
+    assert d["full_slots"]["roofline_s"] <= d["full_slots"]["estimate_s"]
+
+
+def test_serving_layout_copy_is_counted_and_drops_the_decode_collectives(report, tmp_path):
+    """EngineConfig.serving_layout = 'tensor' on a pure-FSDP mesh: the engine holds whole weights on each chip (a
+    copy, resident beside the train state and outside the train step), and decode needs no per-layer
+    all-reduces over 'fsdp'."""
+    out = tmp_path / "serving.json"
+    gin.clear_config()
+    try:
+        aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
+                  "--gin_param=EngineConfig.serving_layout = 'tensor'", f"--json={out}"])
+    finally:
+        gin.clear_config()
+    r = json.loads(out.read_text())
+    res = r["resident"]
+    assert res["serving_params"] == r["decode"]["weights_bytes_per_chip"] > res["params"]
+    assert r["resident_bytes_per_device"] == report["resident_bytes_per_device"] + res["serving_params"]
+    before, after = report["decode"]["collectives_per_step"], r["decode"]["collectives_per_step"]
+    assert after["count"] < before["count"] and after["bytes"] < before["bytes"]

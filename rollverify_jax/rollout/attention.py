@@ -36,11 +36,18 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     return out.reshape(b, hq, d)
 
 
-def _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block):
+def megacore_mode(num_kv_heads: int, batch: int) -> str | None:
+    """How the TPU kernel splits over a chip's two TensorCores: by KV head when they divide by 2, else by
+    sequence (None: neither divides; one core)."""
+    return "kv_head" if num_kv_heads % 2 == 0 else "batch" if batch % 2 == 0 else None
+
+
+def _pallas_tpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, megacore=False):
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
+    mode = megacore_mode(k_pages.shape[0], q.shape[0]) if megacore else None
     return paged_attention(q, k_pages, v_pages, lengths, page_table,
-                           pages_per_compute_block=pages_per_compute_block)
+                           pages_per_compute_block=pages_per_compute_block, megacore_mode=mode)
 
 
 def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
@@ -140,7 +147,7 @@ def resolve_impl(impl: str, platform: str, head_dim: int, page_size: int, table_
 @gin.configurable
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_table: jax.Array, impl: str = "auto", pages_per_compute_block: int = 4,
-                    interpret: bool = False, platform: str | None = None,
+                    interpret: bool = False, platform: str | None = None, megacore: bool = False,
                     gpu_reference_max_tokens: int = 512, gpu_block_tokens: int = 64,
                     gpu_float32_query: bool = True, chunk_tokens: int = 2048) -> jax.Array:
     """Dispatches paged decode attention. ``impl='auto'``: ``resolve_impl`` (the Pallas kernel on TPU; on GPU
@@ -150,7 +157,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
     of 16 at head_dim 128); ``pages_per_compute_block`` caps it in pages too. ``gpu_float32_query``: a float32
     query stays float32 in the GPU kernel (K/V blocks cast up; False: everything in the pages' type, the
     kernel's fastest path). ``chunk_tokens``: the block of impl='chunked'. ``platform``: the one the program
-    is compiled for (default: JAX's default backend; a deviceless TPU compile passes 'tpu')."""
+    is compiled for (default: JAX's default backend; a deviceless TPU compile passes 'tpu'). ``megacore``: the
+    chip has two TensorCores (v4, v5p) and the TPU kernel runs on both (``megacore_mode``); without it the
+    kernel's grid runs on one of them."""
     if impl not in IMPLS:
         raise ValueError(f"Unknown paged attention impl {impl!r}; use one of {IMPLS}.")
     impl = resolve_impl(impl, platform or jax.default_backend(), q.shape[-1], k_pages.shape[2], page_table.shape[1],
@@ -162,7 +171,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
     # The kernels' matrix products take one element type (Triton refuses a float32 query on bf16 pages).
     qk = q.astype(k_pages.dtype)
     if impl == "pallas_tpu":
-        out = _pallas_tpu(qk, k_pages, v_pages, lengths, page_table, pages_per_compute_block)
+        out = _pallas_tpu(qk, k_pages, v_pages, lengths, page_table, pages_per_compute_block, megacore)
     else:
         out = _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block, gpu_block_tokens,
                           interpret, gpu_float32_query)

@@ -27,6 +27,8 @@ from rollverify_jax.rollout.attention import paged_attention
 from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
+SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
+MEGACORE_KINDS = ("TPU v4", "TPU v5", "TPU v5p")  # device kinds with two TensorCores per JAX device
 
 
 @gin.configurable
@@ -39,6 +41,10 @@ class EngineConfig:
     dtype in memory and the KV cache stays in ``kv_dtype``; 'float32' over bf16 weights and KV takes the gap
     between the resume's log pi and decode's log mu from bf16 noise down to float32-activation noise
     (docs/benchmarks.md, OPS noise floor). The learner is unaffected.
+    serving_layout: how the engine's weights lie on the mesh. 'train': the train state's arrays (no copy; FSDP over
+    the batch axes, so every decode step all-reduces each layer's activations over them); 'tensor': a copy split
+    over 'tensor' only, whole on every data x fsdp device (experts stay where the rules put them), made at every
+    ``update_params`` and held beside the train state (docs/scale.md, decode against the HBM roofline).
     dispatch_ahead: the scheduler dispatches decode n + 1 before it reads decode n's outputs, so the host's work
     between dispatches overlaps the device's; a slot that finishes in n is refilled one dispatch later
     (``Scheduler``; samples are unchanged, when requests start is not)."""
@@ -55,11 +61,16 @@ class EngineConfig:
     live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all
     live_slots: bool = True  # decode runs over the slots up to the highest running one (a bucket), not all
     compute_dtype: str | None = None  # activations of prefill/insert/decode (None: the model's Qwen3Config.dtype)
+    serving_layout: str = "train"  # the engine's weights: 'train' (the train state's arrays) | 'tensor' (a copy)
+    megacore: bool = True  # the TPU paged-attention kernel on both TensorCores of a v4 / v5p chip
     dispatch_ahead: bool = False  # the scheduler dispatches decode n + 1 before reading n's outputs (Scheduler)
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
             raise ValueError(f"EngineConfig.page_reservation={self.page_reservation!r}: use 'incremental' or 'full'.")
+        if self.serving_layout not in SERVING_LAYOUTS:
+            raise ValueError(f"EngineConfig.serving_layout={self.serving_layout!r}: use one of "
+                             f"{', '.join(map(repr, SERVING_LAYOUTS))}.")
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"EngineConfig.compute_dtype={self.compute_dtype!r}: use None (the model's own "
                              f"Qwen3Config.dtype) or one of {', '.join(map(repr, COMPUTE_DTYPES))}.")
@@ -123,20 +134,29 @@ class PoolLayout:
     mesh: Mesh
     pool_axes: tuple[str, ...] = ()
     heads_axis: str | None = None
+    use_megacore: bool = True
 
     @classmethod
-    def for_mesh(cls, mesh: Mesh, num_slots: int, num_kv_heads: int, num_q_heads: int) -> PoolLayout:
+    def for_mesh(cls, mesh: Mesh, num_slots: int, num_kv_heads: int, num_q_heads: int,
+                 megacore: bool = True) -> PoolLayout:
         axes = tuple(a for a in mesh_lib.BATCH_AXES if mesh.shape[a] > 1)
         if num_slots % max(1, math.prod(mesh.shape[a] for a in axes)):
             axes = ()
         tensor = mesh.shape["tensor"]
         heads = "tensor" if tensor > 1 and num_kv_heads % tensor == 0 and num_q_heads % tensor == 0 else None
-        return cls(mesh, axes, heads)
+        return cls(mesh, axes, heads, megacore)
 
     @property
     def platform(self) -> str:
         """The mesh's platform ('cpu', 'gpu', 'tpu'), which picks the kernels (a deviceless TPU mesh: 'tpu')."""
         return self.mesh.devices.flat[0].platform
+
+    @property
+    def megacore(self) -> bool:
+        """Whether the attention kernel splits over two TensorCores per chip (``EngineConfig.megacore``, on a chip
+        that has two: TPU v4 and v5p, 'TPU v4' and 'TPU v5'; not v5e 'TPU v5 lite' nor v6e 'TPU v6 lite')."""
+        return (self.use_megacore and self.platform == "tpu"
+                and self.mesh.devices.flat[0].device_kind in MEGACORE_KINDS)
 
     @property
     def num_shards(self) -> int:
@@ -193,7 +213,8 @@ class _PrefillAttention:
 
 class _DecodeAttention:
     """One new token per slot: write its K/V at ``lengths``, then paged attention over lengths + 1, per device
-    over the slots and pages it holds."""
+    over the slots and pages it holds. An inactive slot (finished, preempted, free) attends over its first
+    token only: its output is discarded, and its stale length would have the kernel read its old KV."""
 
     def __init__(self, pages: paged_cache.KVPages, page_table, lengths, active, layout: PoolLayout):
         self.k, self.v = list(pages.k), list(pages.v)
@@ -208,11 +229,11 @@ class _DecodeAttention:
             pos, valid = lengths[:, None], active[:, None]
             kp = paged_cache.write_kv(kp, k, pos, table, valid, offset)
             vp = paged_cache.write_kv(vp, v, pos, table, valid, offset)
-            # A slot is never longer than its table's pages (inactive slots' lengths are clamped to them).
-            seen = jnp.minimum(lengths + 1, table.shape[1] * kp.shape[2])
+            # A slot is never longer than its table's pages; an inactive one reads one token (0 gives NaN).
+            seen = jnp.where(active, jnp.minimum(lengths + 1, table.shape[1] * kp.shape[2]), 1)
             # Scaled in float32: the prefill scales its float32 scores, and a bf16 q * scale rounds q again.
             qs = q[:, 0].astype(jnp.float32) * scale
-            out = paged_attention(qs, kp, vp, seen, table - offset, platform=lay.platform)
+            out = paged_attention(qs, kp, vp, seen, table - offset, platform=lay.platform, megacore=lay.megacore)
             return out[:, None].astype(q.dtype), kp, vp
 
         rows = lay.heads_spec(slots=True)
@@ -387,6 +408,13 @@ def rollout_graphdef(model: Qwen3ForCausalLM, compute_dtype: str | None = None) 
     return nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))[0]
 
 
+def serving_param_shardings(params: nnx.State, mesh: Mesh, serving_layout: str = "train") -> nnx.State:
+    """The shardings the engine holds its weights in (``EngineConfig.serving_layout``)."""
+    if serving_layout == "tensor":
+        return mesh_lib.serving_shardings(params, mesh)
+    return mesh_lib.param_shardings(params, mesh)
+
+
 def pool_pages(model_cfg, config: EngineConfig, num_shards: int = 1) -> int:
     """Pages in the KV pool, a multiple of ``num_shards``: the budget's worth (``kv_memory_bytes``, the whole
     mesh's), or enough for every slot at ``max_seq_len`` plus each shard's scratch page."""
@@ -449,7 +477,7 @@ class Engine:
         self.params = self._place_params(params)
         self.eos_ids = tuple(sorted(set(eos_ids))) or (-1,)
         self.layout = PoolLayout.for_mesh(self.mesh, config.num_slots, model.cfg.num_key_value_heads,
-                                          model.cfg.num_attention_heads)
+                                          model.cfg.num_attention_heads, config.megacore)
         num_pages = pool_pages(model.cfg, config, self.layout.num_shards)
         self.allocator = paged_cache.PageAllocator(num_pages, config.page_size, config.num_slots,
                                                    config.max_seq_len, self.layout.num_shards)
@@ -462,10 +490,12 @@ class Engine:
     # Placement
 
     def _place_params(self, params):
-        return jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
+        return jax.device_put(params, serving_param_shardings(params, self.mesh, self.config.serving_layout))
 
     def update_params(self, params: nnx.State, version: int) -> None:
-        """New policy weights (e.g. after a train step) and their version number."""
+        """New policy weights (e.g. after a train step) and their version number. A serving copy replaces the
+        old one, never beside it (the old one is dropped first)."""
+        self.params = None
         self.params = self._place_params(params)
         self.set_version(version)
 
