@@ -52,6 +52,24 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(out)
 
 
+def speed(rows: list[tuple[str, dict]]) -> str:
+    """What the compiled programs make of the machine at the length model (estimates, not measurements)."""
+    head = ("| config | train: useful positions | micro-batches per update | FLOPs vs one row per sequence | "
+            "est. train step s (MFU) | decode tok/s/chip, every slot running: estimate / roofline | "
+            "decode_roofline_fraction (on-policy phase) |")
+    out = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    for config, r in rows:
+        t, e, d = r["train"], r["estimate"], r.get("decode", {})
+        full = d.get("full_slots", {})
+        decode = (f"{full['estimate_tokens_per_s_per_chip']:,.0f} / {full['roofline_tokens_per_s_per_chip']:,.0f}"
+                  if full else "-")
+        fraction = f"{r['decode_roofline_fraction']:.2f}" if "decode_roofline_fraction" in r else "-"
+        out.append(f"| `{config}` | {t['train_useful_token_fraction']:.1%} | {t['train_micro_batches_per_update']:.2f}"
+                   f" | {t['train_speedup_vs_unpacked']:.2f}x fewer | {e['train_step_s']:.0f} ({e['train_mfu']:.0%}) | "
+                   f"{decode} | {fraction} |")
+    return "\n".join(out)
+
+
 def programs(rows: list[tuple[str, dict]]) -> str:
     out = ["| config | program | temporaries GiB | arguments GiB | outputs GiB | aliased GiB | XLA GFLOP (loop "
            "bodies once) |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -82,7 +100,9 @@ def main() -> None:
     text = (ROOT / args.out).read_text() if (ROOT / args.out).exists() else ""
     marker = "<!-- aot table -->"
     generated = (f"{marker}\nMeasured at commit `{commit}` with `python scripts/aot_table.py` (libtpu 0.0.42.1, "
-                 f"JAX 0.10.2, deviceless).\n\n{table(rows)}\n\nPer program, per chip:\n\n{programs(rows)}\n{marker}")
+                 f"JAX 0.10.2, deviceless).\n\n{table(rows)}\n\nAt the length model (estimates from the compiled "
+                 f"programs, not measurements; the sections above say what each assumes):\n\n{speed(rows)}\n\n"
+                 f"Per program, per chip:\n\n{programs(rows)}\n{marker}")
     if marker in text:
         before, _, rest = text.partition(marker)
         _, _, after = rest.partition(marker)
