@@ -40,16 +40,15 @@ def lognormal_lengths(median: float, sigma: float, cap: int, n: int = 512, seed:
     return out
 
 
-def block_tokens_sum(lo: int, hi: int, block: int) -> int:
+def block_tokens_sum(lo, hi, block: int):
     """sum over x in [lo, hi] of x rounded up to a multiple of ``block`` (tokens a kernel reads that fetches
-    whole blocks), in closed form; 0 when hi < lo."""
-    if hi < lo:
-        return 0
+    whole blocks), in closed form; 0 when hi < lo. ``lo`` and ``hi`` may be ints or integer numpy arrays
+    (elementwise: the simulator prices every running slot at once)."""
 
-    def upto(n: int) -> int:  # sum over x in [1, n]
-        q, s = divmod(max(n, 0), block)
+    def upto(n):  # sum over x in [1, n]
+        q, s = divmod(n * (n > 0), block)
         return block * block * q * (q + 1) // 2 + s * (q + 1) * block
-    return upto(hi) - upto(lo - 1)
+    return (upto(hi) - upto(lo - 1)) * (hi >= lo)
 
 
 def _blocks(tokens: int, block: int) -> int:

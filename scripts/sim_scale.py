@@ -5,8 +5,9 @@ of the speed-up against context.
     python scripts/sim_scale.py --json docs/results/simulator_scale.json --plot docs/results/simulator_speedup.png \
         [--tables]
 
-Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' cost analysis and
-the stated assumptions; the train step's packed rows follow the real config's own LearnerConfig); the 8K row is
+Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' aot reports, a
+decode step priced as their decode estimate prices it, and the stated assumptions; the train step's packed rows
+follow the real config's own LearnerConfig); the 8K row is
 the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K config was compiled: its per-token costs are
 the ~20K programs'). RollVerify runs under two acceptances:
 ``default`` (the shipped defaults and the paper-shaped acceptance of configs/sim/scale_common.gin) and
@@ -58,16 +59,22 @@ def predict(files: list[str], params: list[str], modes, steps: int | None) -> li
     cfg, shape = sim.SimConfig(), sim.read_run_shape()
     inputs = sim.build_inputs(cfg, shape, [])
     n = steps or cfg.num_steps or shape.num_steps
-    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices), inputs.costs.decode_step_s)
-            for m in modes]
+    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
+                       inputs.costs.decode_per_step_s()) for m in modes]
 
 
-def with_terms(summary: dict, decode_step_s: float = 0.0) -> dict:
+def with_terms(summary: dict, decode_per_step: dict | None = None) -> dict:
     """The summary plus each cost term in device-days (``prefill_attn`` is part of ``prefill``; ``decode_step``,
-    the per-step weight reads and host time, is part of ``decode``, the rest of which is the KV reads)."""
+    the part of each decode step no length changes (``CostModel.decode_per_step_s``: the weights' read, the
+    collectives, host time), is part of ``decode``, the rest of which is the KV the attention kernel reads;
+    ``decode_collectives`` is part of ``decode_step``). Every real config's dispatch runs all its slots, so
+    these are the all-slot step's parts."""
     scale = summary["num_devices"] / 86400.0
     terms = {t.removesuffix("_s"): summary[t] * scale for t in TERMS}
-    terms["decode_step"] = decode_step_s * summary["decode_steps"] * scale
+    parts = decode_per_step or {}
+    steps = summary["decode_steps"] * scale
+    terms["decode_step"] = sum(parts.values()) * steps
+    terms["decode_collectives"] = parts.get("collectives", 0.0) * steps
     return {**summary, "terms_days": terms}
 
 
@@ -208,9 +215,10 @@ def tables(out: dict) -> str:
         goal = f"{GOAL[st['context']]}x" if st["model"] == "Qwen3-8B" else "-"
         lines.append(f"| {_label(st)} | {m['on_policy']['num_devices']} | {on:.2f} | {pa:.2f} | {rv:.2f} | "
                      f"{on / pa:.2f}x | {on / rv:.2f}x | {goal} | {tiny:.2f} ({on / tiny:.2f}x) | {ptxt} |")
-    lines += ["", "| setting | mode | prefill (of which attention) | decode (weights + KV reads) | verify | train | "
-              "overhead | total | prefill tokens: padded / computed / copied | prefill calls | decoded "
-              "tokens | trained response tokens | train positions (useful share) | cut tokens | acceptance | switch |",
+    lines += ["", "| setting | mode | prefill (of which attention) | decode (weights + collectives + KV reads) | "
+              "verify | train | overhead | total | prefill tokens: padded / computed / copied | prefill calls | "
+              "decoded tokens | trained response tokens | train positions (useful share) | cut tokens | acceptance | "
+              "switch |",
               "| --- " * 16 + "|"]
     names = {"on_policy": "on-policy", "partial": "naive partial", "rollverify": "RollVerify",
              "rollverify_tiny": "RollVerify, tiny-run p(c)"}
@@ -222,9 +230,11 @@ def tables(out: dict) -> str:
             sw = r["switch_step"] if r["switch_step"] >= 0 else "-"
             positions = (f"{r['train_positions'] / 1e6:,.0f}M ({r['train_useful_fraction']:.2f})"
                          if "train_positions" in r else "-")  # a --json from before the packed train step
+            coll = t.get("decode_collectives", 0.0)  # a --json from before the kernel decode has none
             lines.append(
                 f"| {_label(st)} | {name} | {t['prefill']:.2f} ({t['prefill_attn']:.2f}) | {t['decode']:.2f} "
-                f"({t['decode_step']:.2f} + {t['decode'] - t['decode_step']:.2f}) | {t['verify']:.2f} | "
+                f"({t['decode_step'] - coll:.2f} + {coll:.2f} + {t['decode'] - t['decode_step']:.2f}) | "
+                f"{t['verify']:.2f} | "
                 f"{t['train']:.2f} | {t['overhead']:.2f} | {r['device_days']:.2f} | "
                 f"{r['prefill_padded_tokens'] / 1e6:,.0f}M / {r['prefill_tokens'] / 1e6:,.0f}M / "
                 f"{r['shared_prompt_tokens'] / 1e6:,.0f}M | {r['prefill_calls'] / 1e3:,.0f}K | "

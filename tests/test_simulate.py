@@ -390,6 +390,75 @@ def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
     assert useful == pytest.approx(est["train_useful_token_fraction"], rel=1e-12)
 
 
+def test_kernel_decode_by_hand():
+    # 2 slots (one bucket of 2), B = 1 group of 2, prompt 3, k = 2, lengths (5, 2); kernel blocks of 4 tokens.
+    # Insert samples token 1 of each. Dispatch 1: u0 attends 4, 5 (blocks 4 + 8), u1 attends 4 (4) and ends, its
+    # slot reads one block at step 2 (4): 20 tokens. Dispatch 2: u0 attends 6, 7 (8 + 8), the free slot one block
+    # at each step (8): 24. A step costs weights 1 s + KV 1 s a token + collectives 8 bytes / 1 B/s + 0.5 s:
+    # 2 * 9.5 + 20 + 2 * 9.5 + 24 = 82.
+    roof = RooflineCosts(num_devices=1, peak_flops=1e30, hbm_bandwidth=1.0, decode_num_slots=2,
+                         decode_weights_bytes=1.0, decode_kv_bytes_per_token=1.0, decode_block_tokens=4,
+                         decode_collectives=1, decode_collective_bytes=8.0, ici_bandwidth=1.0,
+                         collective_latency_s=0.5)
+    c = roof.cost_model()
+    w = Workload("on_policy", 1, 2, 2, 2, 10, prompt_len=3)
+    (s,) = simulate(w, c, LengthModel(10, lengths=[5, 2]), num_steps=1).steps
+    assert (s.dispatches, s.decode_steps, s.decode_s) == (2, 4, 82.0)
+    kernel = c.decode_kernel
+    assert kernel.kernel_tokens(4, 2, [4], [4]) == (4 + 8 + 8 + 8) + 4 * 4 and kernel.kernel_tokens(2, 2, [], []) == 16
+    # a smaller live bucket computes fewer slots' activations: FLOPs and collective bytes scale, weights do not
+    half = dataclasses.replace(roof, decode_num_slots=4, decode_program_flops=8.0).decode_kernel().at(2)
+    assert (half.program_flops, half.collective_bytes, half.weights, half.collectives) == (4.0, 4.0, 1.0, 1)
+    assert c.decode_per_step_s() == {"step": 0.0, "weights": 1.0, "collectives": 8.5}
+    with pytest.raises(ValueError, match="running slots"):
+        c.decode(1, 2, 1, 4, 2)
+    # nothing bound: no kernel, decode costs decode_host_s a step (the fitted CostModel never reads lengths)
+    assert RooflineCosts(decode_host_s=0.25).cost_model().decode(1, 4, 3, 10) == 1.0
+    assert not CostModel().reads_slot_lengths and c.reads_slot_lengths
+
+
+# `python -m rollverify_jax.aot --gin_file=configs/<config>.gin` at commit 5e3d9d2 with 1ff5fc0's configs (the
+# reports configs/sim/*.gin bind): decode.full_slots.estimate_s, a step with every slot running at the length model
+AOT_FULL_SLOTS_S = {"qwen3_8b_dapo": 0.006345176867414105, "qwen3_8b_64k_dapo": 0.004796844150162749,
+                    "qwen3_30b_a3b_dapo": 0.005492528742423147}
+
+
+@pytest.mark.parametrize("config,sim_config", [("qwen3_8b_dapo", "qwen3_8b_v5p"),
+                                               ("qwen3_8b_64k_dapo", "qwen3_8b_64k_v5p"),
+                                               ("qwen3_30b_a3b_dapo", "qwen3_30b_a3b_v5p")])
+def test_real_scale_decode_step_equals_the_aot_estimate(config, sim_config):
+    # With every slot running, the simulator's decode step costs what the aot report estimates (full_slots:
+    # the step at the KV the kernel reads, averaged over the steps of the length model's sequences): all slots
+    # decode the aot length model's sequences in lockstep, and the mean step is compared. The bindings are
+    # aot's assumptions and the real config's shape.
+    from rollverify_jax import roofline
+    from rollverify_jax.aot_config import CHIPS, AotConfig
+    from rollverify_jax.setup import parse_gin
+
+    parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
+    shape, a, roof, cfg = sim_cli.read_run_shape(), AotConfig(), RooflineCosts(), sim_cli.SimConfig()
+    chip = CHIPS["TPU v5"]
+    assert (roof.peak_flops, roof.hbm_bandwidth) == (chip.peak_flops, chip.hbm_bandwidth)
+    assert roof.ici_bandwidth == chip.ici_bandwidth * a.collective_links / (2 * chip.ici_links)
+    assert roof.collective_latency_s == a.collective_latency_s and roof.decode_host_s == 0.0
+    assert (roof.decode_num_slots, roof.decode_kv_shards) == (shape.num_slots, shape.pool_shards)
+    assert roof.decode_block_tokens == shape.page_size * 4  # pages_per_compute_block's default
+    assert (cfg.length_median, cfg.length_sigma, cfg.prompt_len) == (
+        a.response_length_median, a.response_length_sigma, a.prompt_len)
+    s, p = shape.num_slots, a.prompt_len
+    rows = shape.batch_groups * shape.group_size
+    lengths = roofline.lognormal_lengths(a.response_length_median, a.response_length_sigma,
+                                         min(shape.max_new_tokens, shape.max_seq_len - p), rows)
+    costs = roof.cost_model()
+    total = sum(costs.decode(1, n, s, s * (p + 1), s, 0, (np.full(s, p + 1), np.full(s, n))) for n in lengths)
+    assert total / sum(lengths) == pytest.approx(AOT_FULL_SLOTS_S[config], rel=1e-6)
+    # the memory side binds (the max is linear), and collectives and weights are the step's fixed part
+    step = costs.decode_kernel.step
+    assert step.weights / step.hbm_bandwidth > step.program_flops / step.peak_flops
+    assert step.kv_bytes_per_token / step.shards / step.hbm_bandwidth > step.attn_flops_per_token_ctx / (
+        step.devices * step.peak_flops)
+
+
 def test_page_pool_limit_makes_a_request_wait():
     # One shard of 2 pages of 4 tokens, 2 slots, k = 1, prompt 0, two sequences of 8 (cap 8: 2 pages each).
     # u0 takes 1 page (0 + 0 + k + 1 = 2 positions); u1 needs 1 page plus a page of headroom for u0: only 1 is

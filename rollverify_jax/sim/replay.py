@@ -396,6 +396,7 @@ class _Slots:
         self.base = [0] * num_slots  # tokens held - k * clock
         self.target = [0] * num_slots
         self.base_np = np.zeros(num_slots, np.int64)
+        self.target_np = np.zeros(num_slots, np.int64)
         self.floor_np = np.zeros(num_slots, np.int64)  # pages granted at admission (a grant never shrinks)
         self._admissions = 0
         self.clear()
@@ -431,6 +432,7 @@ class _Slots:
         heapq.heappush(self.ends, (self.clock - (tokens - target) // self.k, self.stamp[slot], slot))  # + ceil(rem/k)
         heapq.heappush(self.longest, (-base, self.stamp[slot], slot))
         self.base_np[slot], self.floor_np[slot], self.live_np[slot] = base, pages, True
+        self.target_np[slot] = target
         self.active += 1
         self.base_sum += base
 
@@ -485,6 +487,13 @@ class _Slots:
 
     def by_shard(self, per_slot: np.ndarray) -> np.ndarray:
         return per_slot.reshape(self.shards, self.per_shard).sum(1)
+
+    def reads(self, prompt_len: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """For the running slots over the next ``steps`` decode steps: tokens each attends at the first (prompt +
+        its tokens), and steps it runs (fewer for one that ends sooner)."""
+        live = self.live_np
+        held = self.base_np[live] + self.k * self.clock
+        return prompt_len + held, np.minimum(self.target_np[live] - held, steps)
 
 
 @dataclasses.dataclass
@@ -860,7 +869,8 @@ class Replay:
             n = min(n, widens)
         attended = m * self.w.prompt_len + slots.tokens_sum()
         bucket = self.w.slot_bucket(m)
-        rec.decode_s += self.costs.decode(n, k, m, attended, bucket, width)
+        running = slots.reads(self.w.prompt_len, n * k) if self.costs.reads_slot_lengths else None
+        rec.decode_s += self.costs.decode(n, k, m, attended, bucket, width, running)
         ended = slots.advance(n)
         total = m * n * k - sum(n * k - rem for _, rem in ended)
         rec.dispatches += n
