@@ -1,10 +1,18 @@
 """Fault drill: runs every fault the trainer must survive on the tiny RollVerify config and prints a matrix.
 
-Each fault runs in its own workdir under ``--root`` against an uninterrupted reference run of the same
-settings. "equal" means the final checkpoint (parameters, optimizer state, step, PRNG) is bit-identical to the
-reference's and ``metrics.jsonl`` holds exactly one row per step.
+Each fault is a real launch of the CLI (``python -m rollverify_jax.train``, ``.export``; two processes for the
+multi-host faults) in its own workdir under ``--root``, against an uninterrupted reference run of the same
+settings. "bit-identical" means the final checkpoint (parameters, optimizer state, step, PRNG, data position) is
+bit-identical to the reference's and ``metrics.jsonl`` holds exactly one row per step. Saves are asynchronous,
+as by default. The drill compiles into its own cache (``<root>/xla_cache``), so its first run compiles and the
+others load.
 
-    python scripts/fault_drill.py [--steps 6] [--kills 3] [--out docs/reliability.md]
+    python scripts/fault_drill.py [--steps 6] [--kills 3] [--only kill9 hosts ...] [--out docs/reliability.md]
+    python scripts/fault_drill.py --fresh_clone /tmp/drill_clone --out docs/reliability.md
+
+``--fresh_clone DIR`` clones this checkout's HEAD (committed files only) into DIR and runs the drill there with
+this interpreter (its installed packages, the clone's code); ``--out`` then rewrites the marked matrix of this
+checkout's file. Exit status 0 when every check passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -22,26 +31,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 # The tiny RollVerify run, made small: a few steps of 8 groups x 4, a checkpoint every step (async, as default).
 PARAMS = ["RolloutConfig.batch_groups = 8", "RolloutConfig.group_size = 4", "EngineConfig.num_slots = 16",
           "TrainConfig.eval_size = 16", "TrainConfig.eval_samples = 1", "TrainConfig.eval_every = 0",
           "TrainConfig.time_budget_s = 0.0", "CheckpointConfig.save_interval_steps = 1",
           "CheckpointConfig.max_to_keep = 3", "TrainConfig.metrics_tensorboard = False"]
+CASES = ("kill9", "sigterm", "damage", "restore_error", "all_damaged", "nan", "nan_sigterm", "disk_full",
+         "second_launch", "export", "changed_data", "hosts", "grader")
+DEVICES_PER_HOST = 2  # the two-host runs: 2 processes x 2 CPU devices, the tiny config's mesh (1, -1, 1)
 
-# Runs the trainer with a fault injected from inside (NaN batches, a full disk), for the faults no signal or
-# file edit can cause.
+# Runs the trainer with a fault injected from inside, for the faults no signal or file edit can cause: NaN batches
+# from a step on ("nan") or at one step ("nan_once"; "nan_once_sigterm" also sends itself SIGTERM during that
+# step), a full disk at a step's save, a permission error restoring a step (the drill runs as root, where chmod
+# denies nothing).
 INJECT = r'''
-import errno, sys
+import errno, os, signal, sys
 import numpy as np
 from rollverify_jax import train
 kind, at = sys.argv[1], int(sys.argv[2])
-if kind == "nan":
+if kind.startswith("nan"):
     real = train.learn
     def learn(run, batch):
-        if run.step + 1 >= at:
+        if run.step + 1 == at or (kind == "nan" and run.step + 1 >= at):
             batch = {**batch, "advantages": np.full_like(batch["advantages"], np.nan)}
-        return real(run, batch)
+        out = real(run, batch)
+        if kind == "nan_once_sigterm" and run.step == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
     train.learn = learn
 if kind == "disk_full":
     from orbax.checkpoint._src.path import atomicity
@@ -54,6 +72,14 @@ if kind == "disk_full":
             atomicity.AtomicRenameTemporaryPath.finalize = no_space
         return real_save(self, step, *a, **kw)
     Checkpointer.save = save
+if kind == "restore_error":
+    from rollverify_jax.checkpoint import Checkpointer
+    real_restore = Checkpointer._restore_step
+    def restore_step(self, step, *a, **kw):
+        if step == at:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self.directory / str(step) / "state"))
+        return real_restore(self, step, *a, **kw)
+    Checkpointer._restore_step = restore_step
 train.main(sys.argv[3:])
 '''
 
@@ -63,15 +89,50 @@ def train_cmd(workdir: Path, steps: int, extra=()) -> list[str]:
             *[f"--gin_param={p}" for p in (*PARAMS, f"TrainConfig.num_steps = {steps}", *extra)]]
 
 
-def run(args: list[str], inject: tuple[str, int] | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
+def run(args: list[str], inject: tuple[str, int] | None = None, module: str = "rollverify_jax.train",
+        timeout: float = 1800) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", INJECT, *map(str, inject), *args] if inject else \
-        [sys.executable, "-m", "rollverify_jax.train", *args]
+        [sys.executable, "-m", module, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rollverify_jax.train", *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start(args: list[str], log: Path, inject: tuple[str, int] | None = None) -> subprocess.Popen:
+    """A training launch in the background; its stderr goes to ``log`` (a pipe nobody reads could fill)."""
+    cmd = [sys.executable, "-c", INJECT, *map(str, inject), *args] if inject else \
+        [sys.executable, "-m", "rollverify_jax.train", *args]
+    with open(log, "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def start_hosts(per_host: list[list[str]], log_dir: Path) -> list[subprocess.Popen]:
+    """One launch as ``len(per_host)`` JAX processes on this machine (as scripts/multihost_local.py starts them),
+    each with its own arguments; each process's output goes to ``log_dir/process_<i>.log``."""
+    from multihost_local import free_port
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    address = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_HOST}"}
+    procs = []
+    for i, args in enumerate(per_host):
+        cmd = [sys.executable, "-m", "rollverify_jax.train", *args, f"--coordinator_address={address}",
+               f"--num_processes={len(per_host)}", f"--process_id={i}"]
+        with open(log_dir / f"process_{i}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 900) -> list[int | None]:
+    """Exit statuses; a process still running at the deadline is killed and reads None."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    return codes
 
 
 def steps_logged(workdir: Path) -> list[int]:
@@ -81,11 +142,34 @@ def steps_logged(workdir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_for_step(proc: subprocess.Popen, workdir: Path, step: int) -> None:
+def rows(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def wait_for_step(procs, workdir: Path, step: int, timeout: float = 900) -> None:
+    """Until ``metrics.jsonl`` has a row at ``step`` or later; RuntimeError if a process ends first."""
+    procs = procs if isinstance(procs, list) else [procs]
+    deadline = time.monotonic() + timeout
     while not any(s >= step for s in steps_logged(workdir)):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.2)
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"the run ended (or stalled) before step {step}: exit {[p.poll() for p in procs]}")
+        time.sleep(0.1)
+
+
+def committed(workdir: Path) -> list[int]:
+    root = workdir / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()) \
+        if root.is_dir() else []
+
+
+def tree(path: Path) -> list[tuple[str, int, int]]:
+    """Every file under ``path`` with its size and modification time: equal before and after = nothing touched."""
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*"))
+
+
+def one_error_line(err: str) -> bool:
+    """The CLI's refusal: a line starting 'error: ' and no traceback."""
+    return "Traceback" not in err and any(line.startswith("error: ") for line in err.splitlines())
 
 
 def final_state(workdir: Path):
@@ -123,11 +207,11 @@ def drill(args) -> list[tuple[str, bool, str]]:
     root = Path(args.root).absolute()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    steps, rows = args.steps, []
-    rng = random.Random(args.seed)
+    os.environ["ROLLVERIFY_COMPILATION_CACHE"] = str(root / "xla_cache")  # every launch below shares it
+    steps, out = args.steps, []
 
     def record(name, ok, detail):
-        rows.append((name, ok, detail))
+        out.append((name, ok, detail))
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
 
     ref_dir = root / "reference"
@@ -136,42 +220,62 @@ def drill(args) -> list[tuple[str, bool, str]]:
         raise SystemExit(f"the reference run failed:\n{done.stderr[-3000:]}")
     reference = final_state(ref_dir)
     print(f"reference: {steps} steps", flush=True)
+    cases = {"kill9": lambda: kill9(root, steps, reference, record, random.Random(args.seed), args.kills),
+             "sigterm": lambda: sigterm(root, steps, reference, record),
+             "damage": lambda: damaged(root, ref_dir, steps, reference, record),
+             "restore_error": lambda: restore_error(root, ref_dir, steps, record),
+             "all_damaged": lambda: all_damaged(root, ref_dir, steps, record),
+             "nan": lambda: nan(root, steps, record),
+             "nan_sigterm": lambda: nan_sigterm(root, record),
+             "disk_full": lambda: disk_full(root, steps, record),
+             "second_launch": lambda: second_launch(root, steps, reference, record),
+             "export": lambda: export_into_the_run(root, ref_dir, record),
+             "changed_data": lambda: changed_data(root, record),
+             "hosts": lambda: hosts(root, steps, record),
+             "grader": lambda: record(*grader_load(args.grader_items))}
+    for name in CASES:
+        if args.only and name not in args.only:
+            continue
+        t0 = time.monotonic()
+        try:
+            cases[name]()
+        except Exception as e:  # noqa: BLE001  (a drill that breaks is a failed case, not the end of the drill)
+            record(f"{name} (the drill itself)", False, f"{type(e).__name__}: {e}")
+        print(f"  [{name}: {time.monotonic() - t0:.0f} s]", flush=True)
+    return out
 
-    def wanted(name):
-        return not args.only or name in args.only
 
-    for k in range(args.kills if wanted("kill9") else 0):  # kill -9 at random points (mid-step, mid-commit)
+def kill9(root, steps, reference, record, rng, kills):
+    """kill -9 at random points (mid-step, mid-commit, mid-write); the resume also takes over the dead launch's
+    lock with a warning."""
+    for k in range(kills):
         work = root / f"kill9_{k}"
-        proc = start(train_cmd(work, steps))
-        wait_for_step(proc, work, rng.randint(0, steps - 2))
-        time.sleep(rng.uniform(0.0, 4.0))
+        proc = start(train_cmd(work, steps), root / f"kill9_{k}.log")
+        after = rng.randint(0, steps - 3)
+        delay = rng.uniform(0.0, 3.0)
+        wait_for_step(proc, work, after)
+        time.sleep(delay)
+        running = proc.poll() is None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed_at = max(steps_logged(work), default=-1)
         resumed = run(train_cmd(work, steps))
+        took_over = "warning: taking over the lock" in resumed.stderr and "is not running" in resumed.stderr
         ok, detail = equal_to_reference(work, reference, steps) if resumed.returncode == 0 else \
             (False, f"resume failed: {resumed.stderr[-500:]}")
-        record(f"kill -9 after step {killed_at} (+{rng.random():.1f} s), resume", ok, detail)
-
-    if wanted("sigterm"):
-        sigterm(root, steps, reference, record)
-    if wanted("damage"):
-        damaged(root, ref_dir, steps, reference, record)
-    if wanted("nan"):
-        nan(root, steps, record)
-    if wanted("disk_full"):
-        disk_full(root, steps, record)
-    if wanted("grader"):
-        record(*grader_load(args.grader_items))
-    return rows
+        if not running:
+            ok, detail = False, "the run had ended before the kill (drill timing: fewer --steps after the kill)"
+        record(f"kill -9 {delay:.1f} s after step {after}'s row (last row: step {killed_at}), resume",
+               ok and took_over, f"{detail}; stale lock taken over with a warning: {took_over}")
 
 
 def sigterm(root, steps, reference, record):
     work = root / "sigterm"
-    proc = start(train_cmd(work, steps))
+    proc = start(train_cmd(work, steps), root / "sigterm.log")
     wait_for_step(proc, work, 2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=600)
+    wait_all([proc], 600)
+    err = (root / "sigterm.log").read_text()
     saved = "stopped by SIGTERM: checkpoint" in err and "committed" in err
     resumed = run(train_cmd(work, steps))
     ok, detail = equal_to_reference(work, reference, steps) if resumed.returncode == 0 else (False, "resume failed")
@@ -210,6 +314,50 @@ def damaged(root, ref_dir, steps, reference, record):
            f"exit {resumed.returncode}, named in one line: {said}")
 
 
+def restore_error(root, ref_dir, steps, record):
+    """A permission error restoring the newest step is not damage: one line, exit 2, nothing renamed; without
+    the fault the same command resumes from that very step."""
+    work = root / "restore_error"
+    shutil.copytree(ref_dir, work)
+    before = tree(work)
+    done = run(train_cmd(work, steps), inject=("restore_error", steps))
+    said = f"checkpoints/{steps} could not be restored" in done.stderr and "Permission denied" in done.stderr \
+        and "nothing was moved" in done.stderr and one_error_line(done.stderr)
+    untouched = tree(work) == before
+    again = run(train_cmd(work, steps))
+    resumed = again.returncode == 0 and f"resumed from checkpoint step {steps}" in again.stdout
+    record(f"permission error restoring the newest step ({steps}), twice the same command (fault, then none)",
+           done.returncode == 2 and said and untouched and resumed,
+           f"exit {done.returncode}, one line naming the step and the error: {said}, workdir untouched (nothing "
+           f"renamed, metrics.jsonl as it was): {untouched}; without the fault: exit {again.returncode}, resumed "
+           f"from step {steps}: {resumed}")
+
+
+def all_damaged(root, ref_dir, steps, record):
+    """Every checkpoint damaged: the first start sets them aside and refuses to start over, so does the second;
+    metrics.jsonl is kept whole; --restart_from_scratch starts at step 0 and keeps the old rows aside."""
+    work = root / "all_damaged"
+    shutil.copytree(ref_dir, work)
+    for step in committed(work):
+        (work / "checkpoints" / str(step) / "extra" / "metadata").unlink()
+    history = (work / "metrics.jsonl").read_text()
+    first, second = run(train_cmd(work, steps)), run(train_cmd(work, steps))
+    aside = sorted(p.name for p in (work / "checkpoints").iterdir())
+    refused = [c.returncode for c in (first, second)] == [2, 2] and all(
+        "has no checkpoint that can be restored, but a run was there" in c.stderr and one_error_line(c.stderr)
+        for c in (first, second))
+    kept = (work / "metrics.jsonl").read_text() == history
+    scratch = run([*train_cmd(work, 1), "--restart_from_scratch"])
+    old = work / "metrics.before_restart.jsonl"
+    restarted = scratch.returncode == 0 and steps_logged(work) == [0, 1] and old.exists() and \
+        old.read_text() == history
+    record("every checkpoint damaged: start twice, then --restart_from_scratch",
+           refused and kept and bool(aside) and all(a.endswith(".corrupt") for a in aside) and restarted,
+           f"exit {first.returncode} then {second.returncode} (one line: {refused}), set aside: {aside}, "
+           f"metrics.jsonl whole: {kept}; --restart_from_scratch: exit {scratch.returncode}, steps "
+           f"{steps_logged(work)}, old rows kept as {old.name}: {restarted}")
+
+
 def nan(root, steps, record):
     work = root / "nan"
     done = run(train_cmd(work, steps, ("TrainConfig.max_skipped_steps = 2",)), inject=("nan", 3))
@@ -220,6 +368,28 @@ def nan(root, steps, record):
            f"exit {done.returncode}, latest checkpoint {latest}, reported: {said}")
 
 
+def nan_sigterm(root, record, steps: int = 4, at: int = 2):
+    """SIGTERM during a step whose update is skipped (NaN at that step only): the stop commits that step (its
+    state is the last applied update's) and the resume equals a run that was never stopped."""
+    ref = root / "nan_once_reference"
+    done = run(train_cmd(ref, steps), inject=("nan_once", at))
+    if done.returncode:
+        raise RuntimeError(f"the reference run with a NaN at step {at} failed: {done.stderr[-500:]}")
+    reference = final_state(ref)
+    work = root / "nan_sigterm"
+    stopped = run(train_cmd(work, steps), inject=("nan_once_sigterm", at))
+    said = f"stopped by SIGTERM: checkpoint {work / 'checkpoints' / str(at)} committed" in stopped.stderr
+    skipped = [r.get("train/skipped_updates") for r in rows(work) if r["step"] > 0]
+    saved = committed(work)
+    resumed = run(train_cmd(work, steps), inject=("nan_once", at))
+    ok, detail = equal_to_reference(work, reference, steps) if resumed.returncode == 0 else \
+        (False, f"resume failed: {resumed.stderr[-500:]}")
+    record(f"SIGTERM on a NaN-skipped step ({at}), resume",
+           stopped.returncode == 143 and said and saved[-1:] == [at] and skipped[-1:] == [1] and ok,
+           f"exit {stopped.returncode}, step {at} (skipped: {skipped[-1:] == [1]}) committed: {said}; {detail} "
+           "(with the same NaN)")
+
+
 def disk_full(root, steps, record):
     work = root / "disk_full"
     done = run(train_cmd(work, steps), inject=("disk_full", 3))
@@ -227,6 +397,112 @@ def disk_full(root, steps, record):
     clean = "No space left on device" in done.stderr and "Traceback" not in done.stderr
     record("disk full at step 3's checkpoint", done.returncode == 2 and latest == 2 and clean,
            f"exit {done.returncode}, latest intact checkpoint {latest}, one message: {clean}")
+
+
+def second_launch(root, steps, reference, record):
+    """The same command again while the first launch trains (saving every step, asynchronously): refused naming
+    the first; the first ends bit-identical to the reference, every save of its own committed."""
+    work = root / "second_launch"
+    first = start(train_cmd(work, steps), root / "second_launch.log")
+    wait_for_step(first, work, 1)
+    second = run(train_cmd(work, steps))
+    was_running = first.poll() is None
+    wait_all([first], 900)
+    refused = second.returncode == 2 and f"is in use by another launch (pid {first.pid} on host" in second.stderr \
+        and one_error_line(second.stderr)
+    ok, detail = equal_to_reference(work, reference, steps) if first.returncode == 0 else \
+        (False, f"the first launch failed: exit {first.returncode}")
+    record("a second launch into a running workdir", refused and was_running and ok,
+           f"exit {second.returncode}, naming the first launch's pid: {refused}; the first, running throughout: "
+           f"{was_running}, exit {first.returncode}, {detail}")
+
+
+def export_into_the_run(root, ref_dir, record):
+    """``export --overwrite`` with ``--out`` the workdir, its checkpoints, a directory inside them, or a parent:
+    each refused in one line, nothing touched; an export elsewhere then succeeds."""
+    parent = root / "export"
+    work = parent / "run"
+    shutil.copytree(ref_dir, work)
+    before = tree(parent)
+    refusals = []
+    for out, what in ((work, "is the run's workdir"), (work / "checkpoints", "is the run's checkpoints"),
+                      (work / "checkpoints" / "hf", "lies inside the run's checkpoints"),
+                      (parent, "holds the run's workdir")):
+        done = run([f"--checkpoint={work}", f"--out={out}", "--overwrite"], module="rollverify_jax.export")
+        refusals.append(done.returncode == 2 and what in done.stderr and one_error_line(done.stderr))
+    untouched = tree(parent) == before
+    elsewhere = root / "export_elsewhere"
+    done = run([f"--checkpoint={work}", f"--out={elsewhere}"], module="rollverify_jax.export")
+    exported = done.returncode == 0 and (elsewhere / "config.json").exists()
+    record("export --overwrite into the run (--out: the workdir, checkpoints/, inside it, a parent)",
+           all(refusals) and untouched and exported,
+           f"refused in one line, exit 2: {refusals}; workdir untouched: {untouched}; an export elsewhere: exit "
+           f"{done.returncode}")
+
+
+def changed_data(root, record):
+    """The train data file rewritten in place with other prompts, same row count: the resume is refused naming
+    the data's hash, nothing trained."""
+    from rollverify_jax.data.datasets import load_synthetic
+
+    data, work = root / "changed_data.jsonl", root / "changed_data"
+
+    def write(seed):
+        records = load_synthetic(n=64, seed=seed, split="train", max_steps=6)
+        data.write_text("".join(json.dumps({"problem": r["prompt"], "answer": r["answer"]}) + "\n" for r in records))
+
+    extra = ("TrainConfig.train_dataset = 'aime_jsonl'",
+             f"TrainConfig.train_dataset_kwargs = {{'path': '{data}', 'apply_template': False}}")
+    write(0)
+    first = run(train_cmd(work, 1, extra))
+    if first.returncode:
+        raise RuntimeError(f"the run on {data} failed: {first.stderr[-500:]}")
+    before, lines = tree(work), len(data.read_text().splitlines())
+    write(1)
+    resumed = run(train_cmd(work, 2, extra))
+    named = re.search(r"data\.train_sha256: checkpoint '[0-9a-f]{64}', now '[0-9a-f]{64}'", resumed.stderr) is not None
+    same_rows = len(data.read_text().splitlines()) == lines
+    untouched = tree(work) == before
+    record("train data file edited in place (same row count), resume",
+           resumed.returncode == 2 and named and same_rows and untouched and one_error_line(resumed.stderr),
+           f"exit {resumed.returncode}, names data.train_sha256: {named}, nothing trained or written: {untouched}")
+
+
+def hosts(root, steps, record):
+    """Two processes of one run: SIGTERM to process 1 only stops both after the same step, both commit it and exit
+    143, and the two-process resume completes; process 1's time budget alone (1 s) ends both after one step."""
+    work = root / "hosts_sigterm"
+    procs = start_hosts([train_cmd(work, steps)] * 2, root / "hosts_sigterm_logs")
+    try:
+        wait_for_step(procs, work, 2)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    procs[1].send_signal(signal.SIGTERM)
+    codes = wait_all(procs, 900)
+    logs = [(root / "hosts_sigterm_logs" / f"process_{i}.log").read_text() for i in range(2)]
+    said = [re.findall(r"stopped by SIGTERM: checkpoint \S+/checkpoints/(\d+) committed", log) for log in logs]
+    saved = committed(work)
+    last = max(steps_logged(work), default=None)
+    same = all(s == [str(last)] for s in said) and saved[-1:] == [last]
+    procs = start_hosts([train_cmd(work, steps)] * 2, root / "hosts_resume_logs")
+    resumed = wait_all(procs, 900)
+    complete = resumed == [0, 0] and steps_logged(work) == list(range(steps + 1))
+    record("SIGTERM to one of two hosts, then a two-host resume", codes == [143, 143] and same and complete,
+           f"exit {codes}, both committed step {[s[0] if s else None for s in said]} (last row {last}, latest "
+           f"checkpoint {saved[-1:]}); resume: exit {resumed}, one row per step: {complete}")
+
+    work = root / "hosts_budget"
+    procs = start_hosts([train_cmd(work, steps), train_cmd(work, steps, ("TrainConfig.time_budget_s = 1.0",))],
+                        root / "hosts_budget_logs")
+    codes = wait_all(procs, 600)  # before the agreed budget, process 0 hung in the next step's collectives
+    logged = steps_logged(work)
+    ended = logged[-1:] == [1] and committed(work)[-1:] == [1] and "eval/accuracy" in rows(work)[-1]
+    record("the time budget passed on one of two hosts' clocks only (process 1: 1 s, process 0: none)",
+           codes == [0, 0] and ended,
+           f"exit {codes}, both ended after step {logged[-1] if logged else None} with its evaluation and "
+           f"checkpoint: {ended}")
 
 
 def grader_load(n: int) -> tuple[str, bool, str]:
@@ -253,8 +529,48 @@ def grader_load(n: int) -> tuple[str, bool, str]:
     ok = bool((got == want).all()) and metrics["reward/grader_timeouts"] == n // 20
     return (f"grader faults under load ({n} responses, 5% hang, 5% crash)", ok,
             f"{int((got == want).sum())}/{n} rewards right, {metrics['reward/grader_timeouts']:.0f} timeouts, "
-            f"{metrics['reward/grader_errors']:.0f} errors, {metrics['reward/grader_pool_restarts']:.0f} pool "
-            f"restarts, {elapsed:.0f} s")
+            f"{metrics['reward/grader_errors']:.0f} errors, {metrics['reward/grader_worker_restarts']:.0f} worker "
+            f"restarts, {metrics['reward/grader_pool_restarts']:.0f} pool restarts, {elapsed:.0f} s")
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def write_matrix(path: Path, rows: list[tuple[str, bool, str]], summary: str, how: str) -> None:
+    """Replaces the block between the two ``<!-- fault drill -->`` markers of ``path`` (appends one if none)."""
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    state = "a clean tree" if not dirty else f"uncommitted changes in {len(dirty.splitlines())} tracked files"
+    lines = [f"Measured at commit `{git('rev-parse', '--short', 'HEAD')}` ({state}) {how}.", "",
+             "| fault | result | detail |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {'pass' if ok else '**FAIL**'} | {detail} |" for name, ok, detail in rows]
+    lines += ["", summary]
+    text = path.read_text() if path.exists() else ""
+    marker = "<!-- fault drill -->"
+    block = marker + "\n" + "\n".join(lines) + "\n" + marker
+    if marker in text:
+        before, _, rest = text.partition(marker)
+        text = before + block + rest.partition(marker)[2]
+    else:
+        text += "\n" + block + "\n"
+    path.write_text(text)
+
+
+def fresh_clone(args) -> None:
+    """Clones HEAD into ``args.fresh_clone`` and runs the drill there (this interpreter, the clone's code)."""
+    clone = Path(args.fresh_clone).absolute()
+    shutil.rmtree(clone, ignore_errors=True)
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    cmd = [sys.executable, str(clone / "scripts" / "fault_drill.py"), f"--steps={args.steps}",
+           f"--kills={args.kills}", f"--grader_items={args.grader_items}", f"--seed={args.seed}",
+           f"--root={clone / 'runs' / 'fault_drill'}", *(["--only", *args.only] if args.only else [])]
+    if args.out:
+        cmd += [f"--out={Path(args.out).absolute()}",
+                f"--how=on a fresh clone (`python scripts/fault_drill.py --fresh_clone {args.fresh_clone} --out "
+                f"{args.out}`: `git clone` of HEAD, run by `{sys.executable}` on the clone's code)"]
+    env = {**os.environ, "PYTHONPATH": str(clone)}
+    print(f"fault drill in a fresh clone of {git('rev-parse', '--short', 'HEAD')}: {clone}", flush=True)
+    raise SystemExit(subprocess.run(cmd, cwd=clone, env=env).returncode)
 
 
 def main() -> None:
@@ -264,32 +580,26 @@ def main() -> None:
     ap.add_argument("--grader_items", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", default="runs/fault_drill")
-    ap.add_argument("--out", default=None, help="also write the matrix to this markdown file")
-    ap.add_argument("--only", nargs="*", default=[],
-                    help="run only these faults: kill9 sigterm damage nan disk_full grader (default: all)")
+    ap.add_argument("--out", default=None, help="also write the matrix into this markdown file (a marked block)")
+    ap.add_argument("--only", nargs="*", default=[], choices=CASES, metavar="CASE",
+                    help=f"run only these faults: {' '.join(CASES)} (default: all)")
+    ap.add_argument("--fresh_clone", default=None, metavar="DIR",
+                    help="clone HEAD into DIR (replacing it) and run the drill there")
+    ap.add_argument("--how", default=None, help=argparse.SUPPRESS)  # how the run was made, for --out
     args = ap.parse_args()
+    if args.steps < 4:
+        ap.error("--steps must be >= 4 (the kills land after step 0 .. steps - 3, SIGTERM after step 2)")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.fresh_clone:
+        fresh_clone(args)
     t0 = time.time()
     rows = drill(args)
     passed = sum(ok for _, ok, _ in rows)
     summary = f"fault drill: {passed} of {len(rows)} checks pass ({time.time() - t0:.0f} s)"
     print(summary)
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        lines = [f"Measured at commit `{commit}` with `python scripts/fault_drill.py --out {args.out}`.", "",
-                 "| fault | result | detail |", "| --- | --- | --- |"]
-        lines += [f"| {name} | {'pass' if ok else '**FAIL**'} | {detail} |" for name, ok, detail in rows]
-        lines += ["", summary]
-        text = Path(args.out).read_text() if Path(args.out).exists() else ""
-        marker = "<!-- fault drill -->"
-        block = marker + "\n" + "\n".join(lines) + "\n" + marker
-        if marker in text:
-            before, _, rest = text.partition(marker)
-            text = before + block + rest.partition(marker)[2]
-        else:
-            text += "\n" + block + "\n"
-        Path(args.out).write_text(text)
+        how = args.how or f"with `python scripts/fault_drill.py --out {args.out}`"
+        write_matrix(Path(args.out), rows, summary, how)
     raise SystemExit(0 if passed == len(rows) else 1)
 
 
