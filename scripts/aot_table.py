@@ -21,7 +21,13 @@ CONFIGS = ["configs/qwen3_4b_dapo.gin", "configs/qwen3_8b_dapo.gin", "configs/qw
 GiB = 2**30
 
 
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def compile_config(config: str, report: Path) -> dict | None:
+    commit = head_commit()
     cmd = [sys.executable, "-m", "rollverify_jax.aot", f"--gin_file={config}", f"--json={report}"]
     print("$ " + " ".join(cmd[1:]), flush=True)
     # No compilation cache: the table's compile times are compiles, not cache loads.
@@ -31,12 +37,14 @@ def compile_config(config: str, report: Path) -> dict | None:
     if not report.exists():
         print(done.stderr[-3000:], file=sys.stderr)
         return None
-    return json.loads(report.read_text())
+    r = {**json.loads(report.read_text()), "commit": commit}  # the code compiled, not HEAD when the table is written
+    report.write_text(json.dumps(r, indent=2) + "\n")
+    return r
 
 
 def table(rows: list[tuple[str, dict]]) -> str:
-    head = ("| config | params | context | topology | mesh | resident GiB/chip (state + KV) | peak GiB/chip "
-            "(program) | HBM GiB | fits | compile s (train / prefill / decode) | est. train step s |")
+    head = ("| config | params | context | topology | mesh | resident GiB/chip (state + KV + serving copy) | "
+            "peak GiB/chip (program) | HBM GiB | fits | compile s (train / prefill / decode) | est. train step s |")
     out = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for config, r in rows:
         res = r["resident"]
@@ -45,7 +53,8 @@ def table(rows: list[tuple[str, dict]]) -> str:
         out.append(
             f"| `{config}` | {r['params'] / 1e9:.1f}B | {r['context']:,} | {r['topology']} | {mesh} | "
             f"{r['resident_bytes_per_device'] / GiB:.1f} ({res['train_state'] / GiB:.1f} + "
-            f"{res['kv_pool'] / GiB:.1f}) | {r['peak_bytes_per_device'] / GiB:.1f} ({r['peak_program']}) | "
+            f"{res['kv_pool'] / GiB:.1f} + {res.get('serving_params', 0) / GiB:.1f}) | "
+            f"{r['peak_bytes_per_device'] / GiB:.1f} ({r['peak_program']}) | "
             f"{r['hbm_bytes_per_device'] / GiB:.0f} | {'yes' if r['fits'] else '**no**'} | "
             f"{p['train_step']['compile_s']:.0f} / {p['prefill']['compile_s']:.0f} / {p['decode']['compile_s']:.0f}"
             f" | {r['estimate']['train_step_s']:.0f} |")
@@ -95,8 +104,7 @@ def main() -> None:
         r = json.loads(path.read_text()) if args.skip_compile and path.exists() else compile_config(config, path)
         if r is not None:
             rows.append((config, r))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = ", ".join(sorted({r.get("commit", "unknown") for _, r in rows}))
     text = (ROOT / args.out).read_text() if (ROOT / args.out).exists() else ""
     marker = "<!-- aot table -->"
     generated = (f"{marker}\nMeasured at commit `{commit}` with `python scripts/aot_table.py` (libtpu 0.0.42.1, "
