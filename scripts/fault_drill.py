@@ -246,12 +246,12 @@ def drill(args) -> list[tuple[str, bool, str]]:
 
 
 def kill9(root, steps, reference, record, rng, kills):
-    """kill -9 at random points (mid-step, mid-commit, mid-write); the resume also takes over the dead launch's
-    lock with a warning."""
+    """kill -9 at points spread over the run (after step 0 .. steps - 3's metrics row, then a random delay:
+    mid-step, mid-commit, mid-write); the resume also takes over the dead launch's lock with a warning."""
     for k in range(kills):
         work = root / f"kill9_{k}"
         proc = start(train_cmd(work, steps), root / f"kill9_{k}.log")
-        after = rng.randint(0, steps - 3)
+        after = k * (steps - 3) // max(kills - 1, 1) if kills > 1 else rng.randint(0, steps - 3)
         delay = rng.uniform(0.0, 3.0)
         wait_for_step(proc, work, after)
         time.sleep(delay)
@@ -537,11 +537,12 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def write_matrix(path: Path, rows: list[tuple[str, bool, str]], summary: str, how: str) -> None:
+def write_matrix(path: Path, rows: list[tuple[str, bool, str]], summary: str, how: str, load: float) -> None:
     """Replaces the block between the two ``<!-- fault drill -->`` markers of ``path`` (appends one if none)."""
     dirty = git("status", "--porcelain", "--untracked-files=no")
     state = "a clean tree" if not dirty else f"uncommitted changes in {len(dirty.splitlines())} tracked files"
-    lines = [f"Measured at commit `{git('rev-parse', '--short', 'HEAD')}` ({state}) {how}.", "",
+    lines = [f"Measured at commit `{git('rev-parse', '--short', 'HEAD')}` ({state}) {how}, on {os.cpu_count()} CPU "
+             f"cores (load average {load:.1f} at the start).", "",
              "| fault | result | detail |", "| --- | --- | --- |"]
     lines += [f"| {name} | {'pass' if ok else '**FAIL**'} | {detail} |" for name, ok, detail in rows]
     lines += ["", summary]
@@ -592,14 +593,14 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.fresh_clone:
         fresh_clone(args)
-    t0 = time.time()
+    t0, load = time.time(), os.getloadavg()[0]
     rows = drill(args)
     passed = sum(ok for _, ok, _ in rows)
     summary = f"fault drill: {passed} of {len(rows)} checks pass ({time.time() - t0:.0f} s)"
     print(summary)
     if args.out:
         how = args.how or f"with `python scripts/fault_drill.py --out {args.out}`"
-        write_matrix(Path(args.out), rows, summary, how)
+        write_matrix(Path(args.out), rows, summary, how, load)
     raise SystemExit(0 if passed == len(rows) else 1)
 
 
