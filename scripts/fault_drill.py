@@ -72,14 +72,14 @@ if kind == "disk_full":
             atomicity.AtomicRenameTemporaryPath.finalize = no_space
         return real_save(self, step, *a, **kw)
     Checkpointer.save = save
-if kind == "restore_error":
-    from rollverify_jax.checkpoint import Checkpointer
-    real_restore = Checkpointer._restore_step
-    def restore_step(self, step, *a, **kw):
+if kind == "restore_error":  # raised where orbax reads the step's files, as a mount without read access would
+    import orbax.checkpoint as ocp
+    real_restore = ocp.CheckpointManager.restore
+    def restore(self, step, *a, **kw):
         if step == at:
-            raise PermissionError(errno.EACCES, "Permission denied", str(self.directory / str(step) / "state"))
+            raise PermissionError(errno.EACCES, "Permission denied", f"{self.directory}/{step}/state")
         return real_restore(self, step, *a, **kw)
-    Checkpointer._restore_step = restore_step
+    ocp.CheckpointManager.restore = restore
 train.main(sys.argv[3:])
 '''
 
