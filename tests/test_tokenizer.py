@@ -6,7 +6,7 @@ import string
 import gin
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -83,6 +83,9 @@ def test_char_round_trip_keeps_spaces_and_newlines(char_tok):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=ALPHABET, max_size=60))
 def test_char_round_trip_property(char_tok, text):
+    # A special token spelled out in the text ('<pad>' is in the alphabet) is parsed as that token, as HF
+    # tokenizers do, and decoding drops specials: such texts do not round-trip by design.
+    assume(not any(special in text for special in char_tok.special_tokens))
     assert char_tok.decode(char_tok.encode(text)) == text
 
 
