@@ -293,13 +293,20 @@ def section_decode_throughput(args, state: dict) -> dict:
     return out
 
 
+def _unfinished(run: dict) -> str | None:
+    """A run that raised or was skipped, in a few words (None: it has results)."""
+    if "error" in run:
+        return "ERROR " + run["error"].splitlines()[0][:160]
+    if "skipped" in run:
+        return "skipped (" + run["skipped"] + ")"
+    return None
+
+
 def decode_run_line(run: dict) -> str:
     head = (f"{run['paged_impl']:>10}{' ahead' if run.get('dispatch_ahead') else '      '} x {run['concurrent']:>4}"
             " concurrent: ")
-    if "error" in run:
-        return head + "ERROR " + run["error"].splitlines()[0][:160]
-    if "skipped" in run:
-        return head + "skipped (" + run["skipped"] + ")"
+    if unfinished := _unfinished(run):
+        return head + unfinished
     return head + (f"{run['tokens_per_s']:.0f} tok/s = {run['roofline_fraction']:.1%} of the roofline "
                    f"({run['roofline_tokens_per_s']:.0f}); decode {run['decode_s_per_step'] * 1e6:.0f} us/step vs "
                    f"{run['roofline_step_s'] * 1e6:.1f} at the roofline; host {run['host_share']:.1%}, prefill "
@@ -591,10 +598,8 @@ def section_train_step(args, state: dict) -> dict:
 
 def train_line(run: dict) -> str:
     head = f"{run['model']} ({run.get('attention_impl', '?')}): "
-    if "error" in run:
-        return head + "ERROR " + run["error"].splitlines()[0][:160]
-    if "skipped" in run:
-        return head + "skipped (" + run["skipped"] + ")"
+    if unfinished := _unfinished(run):
+        return head + unfinished
     return head + (f"step {run['step_s']:.3f} s, MFU {run['mfu']:.1%} ({run['real_tokens']:,} real tokens, "
                    f"{run.get('train/useful_token_fraction', float('nan')):.1%} of positions useful; compile + "
                    f"first {run['compile_and_first_step_s']:.1f} s), loss {run['loss']:.4g}")
