@@ -328,7 +328,8 @@ def run_settings(run: Run) -> dict:
         "advantage": run.cfg.advantage, "skip_uniform_groups": run.cfg.skip_uniform_groups,
         "sampling.temperature": sampling.temperature, "sampling.top_p": sampling.top_p,
         "sampling.top_k": sampling.top_k, "sampling.greedy": sampling.greedy,
-        "learner.temperature": lc.temperature, "policy_path": run.cfg.policy_path,
+        "learner.temperature": lc.temperature, "learner.ratio_against": lc.ratio_against,
+        "policy_path": run.cfg.policy_path,
         "param_dtype": run.cfg.param_dtype, "compute_dtype": run.cfg.compute_dtype,
         # The rollout's activation dtype (EngineConfig.compute_dtype, else the model's): it changes what is sampled.
         "engine.compute_dtype": run.engine.compute_dtype,

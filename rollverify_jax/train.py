@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -69,15 +70,21 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
     # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
     width = run.engine.config.max_seq_len if run.learner_cfg.pack_sequences else None
     batch = build_batch(scored.trajs, scored.advantages, max_len=width)
+    response = batch["loss_mask"] > 0
+    step_start_logp = functools.cache(lambda: distributed.fetch(learner_lib.compute_logprobs(
+        run.graphdef, run.train_state.params, batch["tokens"], batch["attention_mask"], run.learner_cfg.temperature)))
     inputs = FilterInputs(
         versions=[t.versions for t in scored.trajs], current_version=run.engine.version,
-        behavior_logp=batch["behavior_logp"], response_mask=batch["loss_mask"] > 0,
-        current_logp=lambda: np.asarray(learner_lib.compute_logprobs(
-            run.graphdef, run.train_state.params, batch["tokens"], batch["attention_mask"],
-            run.learner_cfg.temperature)))
+        behavior_logp=batch["behavior_logp"], response_mask=response, current_logp=step_start_logp)
     keep = apply_filter(run.filter_cfg, inputs)
     if run.cfg.skip_uniform_groups:
         keep &= ~scored.uniform
+    metrics = {}
+    if run.learner_cfg.ratio_against == "step_start":  # the ablation: the ratio against pi_old instead of mu
+        pi_old = np.asarray(step_start_logp(), np.float32)
+        # The train-time OPS against mu, which the learner's metric (now against pi_old) no longer measures.
+        metrics["ops/token_mean"] = float(np.abs(np.expm1(pi_old - batch["behavior_logp"]))[response].mean())
+        batch["behavior_logp"] = np.where(response, pi_old, batch["behavior_logp"])
     batch["loss_mask"] *= keep[:, None].astype(np.float32)
     if run.ref_params is not None:
         batch["ref_logp"] = distributed.fetch(learner_lib.compute_logprobs(
@@ -85,7 +92,8 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
     rollout = run.manager.config
     batch = pad_rows(batch, rollout.batch_groups * rollout.group_size)  # more than B groups: whole batches' shapes
     batch = learner_lib.pack_for_learner(batch, run.learner_cfg, run.mesh)
-    return batch, {"filter/kept_fraction": float(keep.mean()), **learner_lib.packing_stats(batch, run.learner_cfg)}
+    return batch, {**metrics, "filter/kept_fraction": float(keep.mean()),
+                   **learner_lib.packing_stats(batch, run.learner_cfg)}
 
 
 def learn(run: Run, batch: dict) -> dict:
@@ -107,6 +115,8 @@ def train_one_step(run: Run) -> dict:
                                             rollout=run.manager.state_dict)
     t1 = time.perf_counter()
     train_metrics = learn(run, batch)
+    if "ops/token_mean" in select_metrics:  # ratio against pi_old: the learner's OPS is this step's drift only
+        train_metrics["ops/token_mean_vs_step_start"] = train_metrics.pop("ops/token_mean")
     t2 = time.perf_counter()
     cycle_metrics = run.manager.end_cycle(run.step, phase.metrics)
     lengths = [t.num_tokens for t in scored.trajs]

@@ -199,6 +199,19 @@ def test_ops_filter_keeps_fresh_trajectories_and_drops_shifted_ones(policy, tmp_
     assert any(m["filter/kept_fraction"] < 1.0 for m in metrics)
 
 
+def test_ratio_against_the_step_start_policy_leaves_staleness_uncorrected(policy, tmp_path):
+    """The pi_old ablation with one update per step: the loss's ratio is 1 at every token (nothing is clipped,
+    stale or not), while the train-time OPS against mu still shows the stale batches' shift."""
+    metrics = _train(policy, tmp_path / "run", "partial", 4,
+                     (*LENGTH_REWARD, "LearnerConfig.ratio_against = 'step_start'"))[1:]
+    assert any(m["staleness/max"] > 0 for m in metrics)
+    for m in metrics:
+        assert m["ops/token_mean_vs_step_start"] < 1e-4 and m["policy/clip_fraction"] == 0.0, m["step"]
+        assert abs(m["policy/ratio_mean"] - 1.0) < 1e-4, m["step"]
+        if m["staleness/max"] > 0:  # a resumed trajectory's tokens came from an older policy
+            assert m["ops/token_mean"] > 1e-3, m["step"]
+
+
 def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
     gin.clear_config()
     try:
@@ -229,6 +242,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--gin_param=RolloutConfig.mode = 'sync'"], "Unknown rollout mode 'sync'; known modes"),
     (["--gin_param=LearnerConfig.loss_name = 'ppo2'"], "known"),
+    (["--gin_param=LearnerConfig.ratio_against = 'pi_old'"], "ratio_against='pi_old': use one of"),
     (["--gin_param=TrainConfig.train_dataset = 'nope'"], "known datasets"),
     (["--gin_param=TrainConfig.num_stepz = 3"], "num_stepz"),
     (["--gin_file=configs/missing.gin"], "gin file configs/missing.gin does not exist"),

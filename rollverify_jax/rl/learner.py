@@ -52,6 +52,7 @@ TrainStep = Callable[["TrainState", Batch], tuple["TrainState", Metrics]]
 
 SCHEDULES = ("constant", "cosine")
 REQUIRED_KEYS = ("tokens", "loss_mask", "behavior_logp", "advantages")
+RATIO_AGAINST = ("behavior", "step_start")  # LearnerConfig.ratio_against
 # Loss metrics that are masked means over live sequences rather than over tokens (see `_combine`).
 _SEQ_METRICS = frozenset({"vespo/phi_mean"})
 # Loss metrics reduced with the configured aggregation (their normaliser depends on it).
@@ -383,6 +384,12 @@ class LearnerConfig:
         temperature, which `for_sampler` fills in, so pi and mu are the same distribution at ratio 1 by
         construction; an explicit value that differs from the sampler's is refused there. Used alone, the
         learner takes 1.0.
+    ratio_against: the log-probs the loss's importance ratio divides by. 'behavior' (the method's): the recorded
+        mu of each token, however many versions old, so a stale token is clipped like any off-policy one.
+        'step_start': pi_old, the batch re-scored with the step's starting params before its first update (verl's
+        `old_log_prob`), so the ratio only measures this step's updates and staleness goes uncorrected; one extra
+        forward pass per step (`train.select`). An ablation: it asks whether the clip alone protects partial
+        rollout.
     """
 
     loss_name: str = "grpo"
@@ -396,10 +403,13 @@ class LearnerConfig:
     logits_chunk: int | None = None
     remat: str = "none"
     scan_layers: bool = False
+    ratio_against: str = "behavior"
 
     def __post_init__(self) -> None:
         """A bad name or count fails at construction, where the gin binding lands."""
         losses.get_loss_fn(self.loss_name)
+        if self.ratio_against not in RATIO_AGAINST:
+            raise ValueError(f"LearnerConfig.ratio_against={self.ratio_against!r}: use one of {list(RATIO_AGAINST)}.")
         if self.num_minibatches < 1 or self.ppo_epochs < 1:
             raise ValueError(
                 f"LearnerConfig.num_minibatches and ppo_epochs must be >= 1, got {self.num_minibatches}, "
