@@ -332,8 +332,9 @@ def _main(args: argparse.Namespace) -> None:
         _storage_error(e, workdir)
     evals = [m for m in metrics if "eval/accuracy" in m]
     if evals:
-        print(f"held-out accuracy: {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
-              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})")
+        first, last = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+        print(f"held-out accuracy: {first:.3f} (step {evals[0]['step']}) -> {last:.3f} (step {evals[-1]['step']}), "
+              f"{100 * (last - first):+.1f} points")
     for line in run_summary(metrics):
         print(line)
     print(f"metrics: {workdir / 'metrics.jsonl'}")
@@ -348,12 +349,13 @@ def run_summary(metrics: list[dict]) -> list[str]:
     partial = [m for m in steps if m.get("mode/on_policy") == 0]
     on_policy = [m for m in steps if m.get("mode/on_policy") == 1]
     switch = next((m["mode/switch_step"] for m in steps if m.get("mode/switch_step") is not None), None)
-    lines = [f"rollout mode: partial for {len(partial)} of {len(steps)} steps"
-             + (f" (switched to on-policy at step {switch})" if switch is not None else "")]
+    total = sum(m["time/step"] for m in steps)
+    partial_time = sum(m["time/step"] for m in partial)
+    lines = [f"rollout mode: partial for {len(partial)} of {len(steps)} steps ({partial_time / max(total, 1e-9):.0%} "
+             "of the step time)" + (f", switched to on-policy at step {switch}" if switch is not None else "")]
     util = [f"{name} {sum(m['rollout/slot_utilization'] for m in group) / len(group):.2f}"
             for name, group in (("partial", partial), ("on-policy", on_policy)) if group]
     lines.append("slot utilization: " + ", ".join(util))
-    total = sum(m["time/step"] for m in steps)
     split = {k: sum(m.get(f"time/{k}", 0.0) for m in steps) for k in ("rollout", "verify", "train")}
     lines.append(f"time: {total:.0f} s in steps: " + ", ".join(
         f"{k} {v:.0f} s ({v / max(total, 1e-9):.0%})" for k, v in split.items()))

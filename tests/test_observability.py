@@ -363,7 +363,7 @@ def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split(
     metrics = [{"step": 0, "eval/accuracy": 0.2}, step(1, 0, 0.9), step(2, 0, 0.8, acc=0.6),
                step(3, 0, 1.0, acc=0.2), {**step(4, 1, 0.5), "mode/switch_step": 3}]
     assert run_summary(metrics) == [
-        "rollout mode: partial for 3 of 4 steps (switched to on-policy at step 3)",
+        "rollout mode: partial for 3 of 4 steps (75% of the step time), switched to on-policy at step 3",
         "slot utilization: partial 0.90, on-policy 0.50",
         "time: 40 s in steps: rollout 24 s (60%), verify 4 s (10%), train 12 s (30%)",
         "verification: mean cycle acceptance 0.40 over 2 cycles"]
