@@ -258,6 +258,26 @@ def report(rows_wanted: list[str], steps: int, name: str, reference: str, claims
     return "\n".join(lines) + "\n"
 
 
+def probes_table(names: list[str]) -> str:
+    """One row per archived probe (seed 0): evaluations, train OPS and entropy in its first and last sixth."""
+    lines = ["| probe | commit | steps | held-out accuracy by step | train OPS, first → last 1/6 | "
+             "entropy, first → last 1/6 | acceptance | s / step |", "| --- " * 8 + "|"]
+    for name in names:
+        for meta, rows in load(f"probes/{name}"):
+            steps = max(r["step"] for r in rows)
+            q = max(steps // 6, 1)
+            acc = ", ".join(f"{a:.3f} ({s})" for s, _, a in evals(rows))
+            cycles = [r["verify/acceptance"] for r in rows if r.get("verify/num_verified")]
+            train = [r["time/step"] for r in rows if "time/step" in r]
+            ops = [window(rows, "ops/token_mean", lo, hi, True) for lo, hi in ((1, q), (steps - q + 1, steps))]
+            ent = [window(rows, "policy/entropy", lo, hi) for lo, hi in ((1, q), (steps - q + 1, steps))]
+            lines.append(f"| {name} | {meta['commit']} | {steps} | {acc} | " +
+                         (" → ".join(f"{x:.4f}" for x in ops) if np.isfinite(ops[0]) else "-") + " | " +
+                         " → ".join(f"{x:.3f}" for x in ent) + " | " +
+                         (f"{np.mean(cycles):.3f}" if cycles else "-") + f" | {np.mean(train):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -272,6 +292,8 @@ def main() -> None:
     a.add_argument("--steps", type=int, default=150)
     a.add_argument("--commit", required=True, help="the commit the run ran at")
     a.add_argument("--command", required=True, help="the command it ran with")
+    t = sub.add_parser("probes", help="print the table of archived probes (docs/results/phenomenon/probes/<name>)")
+    t.add_argument("names", nargs="+")
     p = sub.add_parser("report", help="tables and plots from the archive (writes docs/results/<name>.md)")
     p.add_argument("--rows", nargs="+", required=True)
     p.add_argument("--steps", type=int, default=150)
@@ -287,6 +309,8 @@ def main() -> None:
             with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
                 for msg in pool.map(lambda p: run_one(*p, args.steps), todo):
                     print(msg, flush=True)
+        elif args.cmd == "probes":
+            print(probes_table(args.names), end="")
         elif args.cmd == "archive":
             print(archive(Path(args.workdir), archive_path(args.row, args.seed),
                           {"row": args.row, "seed": args.seed, "steps": args.steps, "commit": args.commit,
