@@ -6,7 +6,7 @@ from its checkpoint (the same command in the same workdir), so the queue can be 
 Each finished run's metrics (the keys the report reads) go to docs/results/phenomenon/<row>/seed<k>.jsonl with the
 commit and command they ran at; commit them. `report` reads the archive only.
 
-Usage: python scripts/phenomenon.py run --rows onpolicy:5 partial:5 rollverify:5 --steps 150 --jobs 2
+Usage: python scripts/phenomenon.py run --rows onpolicy:5 partial:1-4 rollverify:5 --steps 150 --jobs 2
        python scripts/phenomenon.py report --steps 150 --name phenomenon_comparison --rows onpolicy partial ...
 """
 
@@ -82,14 +82,17 @@ def archive(workdir: Path, path: Path, meta: dict) -> str:
 
 
 def parse_rows(specs: list[str]) -> list[tuple[str, int]]:
-    """'row:seeds' -> [(row, seed)], seed-major so that every row sees the same share of a busy machine."""
-    counts = {}
+    """'row:N' (seeds 0..N-1) or 'row:A-B' (seeds A..B) -> [(row, seed)], seed-major so that every row sees the
+    same share of a busy machine."""
+    seeds = {}
     for spec in specs:
         row, _, n = spec.partition(":")
         if not (CONFIGS / f"{row}.gin").is_file():
             raise ValueError(f"no configs/phenomenon/{row}.gin (rows: {sorted(p.stem for p in CONFIGS.glob('*.gin'))})")
-        counts[row] = int(n or 1)
-    return [(row, s) for s in range(max(counts.values())) for row, n in counts.items() if s < n]
+        first, _, last = (n or "1").partition("-")
+        seeds[row] = range(int(first), int(last) + 1) if last else range(int(first))
+    return [(row, s) for s in range(max(max(r, default=0) for r in seeds.values()) + 1)
+            for row, r in seeds.items() if s in r]
 
 
 def load(row: str) -> list[tuple[dict, list[dict]]]:
