@@ -264,7 +264,8 @@ def report(rows_wanted: list[str], steps: int, name: str, reference: str, claims
 def probes_table(names: list[str]) -> str:
     """One row per archived probe (seed 0): evaluations, train OPS and entropy in its first and last sixth."""
     lines = ["| probe | commit | steps | held-out accuracy by step | train OPS, first → last 1/6 | "
-             "entropy, first → last 1/6 | acceptance | s / step |", "| --- " * 8 + "|"]
+             "entropy, first → last 1/6 | staleness mean (max) | clipped tokens | acceptance | s / step |",
+             "| --- " * 10 + "|"]
     for name in names:
         for meta, rows in load(f"probes/{name}"):
             steps = max(r["step"] for r in rows)
@@ -274,9 +275,12 @@ def probes_table(names: list[str]) -> str:
             train = [r["time/step"] for r in rows if "time/step" in r]
             ops = [window(rows, "ops/token_mean", lo, hi, True) for lo, hi in ((1, q), (steps - q + 1, steps))]
             ent = [window(rows, "policy/entropy", lo, hi) for lo, hi in ((1, q), (steps - q + 1, steps))]
+            stale = [r["staleness/max"] for r in rows if r.get("staleness/max") is not None]
             lines.append(f"| {name} | {meta['commit']} | {steps} | {acc} | " +
                          (" → ".join(f"{x:.4f}" for x in ops) if np.isfinite(ops[0]) else "-") + " | " +
                          " → ".join(f"{x:.3f}" for x in ent) + " | " +
+                         f"{window(rows, 'staleness/mean', 1, steps):.1f} ({max(stale, default=0):.0f}) | "
+                         f"{window(rows, 'policy/clip_fraction', 1, steps):.4f} | " +
                          (f"{np.mean(cycles):.3f}" if cycles else "-") + f" | {np.mean(train):.2f} |")
     return "\n".join(lines) + "\n"
 
