@@ -202,9 +202,10 @@ def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]
                 continue
             steps = sorted(set().union(*curves))
             m = np.array([np.nanmean([c.get(s, np.nan) for c in curves]) for s in steps])
-            if key != "eval/accuracy":  # a 10-step running mean of the per-step series
-                m = np.convolve(np.nan_to_num(m, nan=np.nanmean(m)), np.ones(10) / 10, mode="valid")
-                steps = steps[9:]
+            if key != "eval/accuracy":  # a running mean (10 steps) of the per-step series
+                w = min(10, len(m))
+                m = np.convolve(np.nan_to_num(m, nan=np.nanmean(m)), np.ones(w) / w, mode="valid")
+                steps = steps[w - 1:]
             ax.plot(steps, m, color=color, lw=1.4, marker="o" if key == "eval/accuracy" else None, ms=3,
                     label=label)
             ax.set_title(title)

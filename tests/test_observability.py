@@ -368,3 +368,44 @@ def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split(
         "time: 40 s in steps: rollout 24 s (60%), verify 4 s (10%), train 12 s (30%)",
         "verification: mean cycle acceptance 0.40 over 2 cycles"]
     assert run_summary([{"step": 0, "eval/accuracy": 0.2}]) == []
+
+
+def _study_rows(final_accuracy: float, steps: int = 6, on_policy: int = 0) -> list[dict]:
+    rows = [{"step": 0, "eval/accuracy": 0.2, "time/wall": 1.0}]
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "time/step": 2.0, "time/wall": 1.0 + 2.0 * s, "reward/mean": 0.3,
+                     "policy/entropy": 0.1 + 0.01 * s, "ops/token_mean": 1e-3 * s, "mode/on_policy": on_policy,
+                     "response/length_mean": 40.0, "staleness/max": 3, "staleness/mean": 1.5})
+    rows[3]["eval/accuracy"] = 0.2 + (final_accuracy - 0.2) / 2  # halfway at step 3
+    rows[-1]["eval/accuracy"] = final_accuracy
+    return rows
+
+
+def test_phenomenon_queue_archives_finished_runs_and_reports_welch_tests_from_the_archive(tmp_path, monkeypatch):
+    """The issue 28 study script: seed ranges run seed-major; a run short of its steps is not archived (the queue
+    resumes it later); the report reads only the archive, tests each row against the reference and finds the
+    wall-clock at which a run first reaches 90% of the reference's gain."""
+    ph = load_script("phenomenon")
+    monkeypatch.setattr(ph, "ARCHIVE", tmp_path / "docs" / "results" / "phenomenon")
+    monkeypatch.setattr(ph, "ROOT", tmp_path)
+    assert ph.parse_rows(["onpolicy:2", "partial:1-2"]) == [("onpolicy", 0), ("onpolicy", 1), ("partial", 1),
+                                                            ("partial", 2)]
+    with pytest.raises(ValueError, match="no configs/phenomenon/nope.gin"):
+        ph.parse_rows(["nope:2"])
+    short = _write_run(tmp_path / "runs" / "short", _study_rows(0.3, steps=4))
+    assert "not archived" in ph.archive(short, ph.archive_path("partial", 0), {"steps": 6, "commit": "abc"})
+    assert not ph.archive_path("partial", 0).exists()
+    finals = {"onpolicy": [0.40, 0.42, 0.41], "partial": [0.30, 0.31, 0.29]}
+    for row, accs in finals.items():
+        for seed, acc in enumerate(accs):
+            run = _write_run(tmp_path / "runs" / f"{row}_{seed}", _study_rows(acc, on_policy=row == "onpolicy"))
+            meta = {"row": row, "seed": seed, "steps": 6, "commit": "abc", "command": "test"}
+            assert ph.archive(run, ph.archive_path(row, seed), meta).startswith("archived")
+    (ph.ARCHIVE.parent).mkdir(parents=True, exist_ok=True)
+    report = ph.report(["onpolicy", "partial"], 6, "study", "onpolicy", [])
+    partial_line = next(line for line in report.splitlines() if line.startswith("| naive partial | -0.110"))
+    t = float(partial_line.split("t = ")[1].split(",")[0])
+    assert t < -10 and "p = " in partial_line  # three seeds 0.11 apart with spread 0.01: clearly significant
+    assert "| on-policy GRPO | - | 13 ± 0 | 3/3 |" in report  # reaches 0.2 + 0.9 * 0.21 at its last eval (wall 13)
+    assert "| naive partial | -0.110" in report and "| 0/3 |" in report  # never reaches it
+    assert (ph.ARCHIVE.parent / "study.png").is_file()
