@@ -35,7 +35,7 @@ KEPT_KEYS = ("step", "time/wall", "time/step", "time/rollout", "time/train", "ti
              "verify/num_verified", "verify/num_cut", "verify/tokens_removed", "mode/on_policy", "mode/switch_step",
              "response/length_mean", "staleness/mean", "staleness/max", "filter/kept_fraction",
              "rollout/slot_utilization", "policy/clip_fraction", "grad_norm")
-LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "rollverify": "RollVerify (paper defaults)",
+LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "rollverify": "RollVerify (ds 0.03)",
           "rollverify_verify_finished": "RollVerify, finished re-verified", "staleness": "partial + staleness filter",
           "opsfilter": "partial + OPS filter", "gspo": "partial + GSPO", "sapo": "partial + SAPO",
           "vespo": "partial + VESPO", "partial_pi_old": "naive partial, ratio vs pi_old"}
@@ -153,7 +153,7 @@ def cell(v: list[float], fmt: str) -> str:
     m, se, n = mean_se(v)
     if not n:
         return "-"
-    return f"{m:{fmt}} ± {se:{fmt}}" + (f" ({n}/{len(v)})" if n < len(v) else "")
+    return f"{m:{fmt}}" + (f" ± {se:{fmt}}" if n > 1 else "") + (f" ({n}/{len(v)})" if n < len(v) else "")
 
 
 def welch(a: list[float], b: list[float]) -> str:
@@ -187,7 +187,8 @@ def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]
     panels = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"),
               ("ops/token_mean", "train-time OPS vs mu"), ("verify/acceptance", "acceptance (cycles that verified)"),
               ("response/length_mean", "response length")]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.6 * (len(panels) + 1), 3.8))
+    fig, grid = plt.subplots(2, 3, figsize=(15, 7.6))
+    axes = grid.reshape(-1)  # five panels against steps, the last against wall-clock
     for i, (row, runs) in enumerate(data.items()):
         color, label = f"C{i}", f"{LABELS.get(row, row)} (n={len(runs)})"
         for ax, (key, title) in zip(axes, panels, strict=False):
@@ -236,9 +237,10 @@ def report(rows_wanted: list[str], steps: int, name: str, reference: str, claims
     commits = sorted({m["commit"] for runs in data.values() for m, _ in runs})
     lines = [f"Runs of {steps} steps, archived under `docs/results/phenomenon/` (commits {', '.join(commits)}; "
              "each archive's first line names its commit and command). Mean ± standard error over seeds.", "",
-             "| row | seeds | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "| --- " * (len(COLUMNS) + 2) + "|"]
+             "| row | runs (seeds) | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+             "| --- " * (len(COLUMNS) + 2) + "|"]
     for row, vals in stats.items():
-        seeds = ",".join(str(m["seed"]) for m, _ in data[row])
+        seeds = f"{len(data[row])} ({','.join(str(m['seed']) for m, _ in data[row])})"
         lines.append(f"| {LABELS.get(row, row)} | {seeds} | " +
                      " | ".join(cell([v[k] for v in vals], f) for k, _, f in COLUMNS) + " |")
     ref = stats[reference]
