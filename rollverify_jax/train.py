@@ -83,7 +83,8 @@ def select(run: Run, scored: Scored) -> tuple[dict, dict]:
     if run.learner_cfg.ratio_against == "step_start":  # the ablation: the ratio against pi_old instead of mu
         pi_old = np.asarray(step_start_logp(), np.float32)
         # The train-time OPS against mu, which the learner's metric (now against pi_old) no longer measures.
-        metrics["ops/token_mean"] = float(np.abs(np.expm1(pi_old - batch["behavior_logp"]))[response].mean())
+        log_ratio = np.clip(pi_old - batch["behavior_logp"], -20.0, 20.0)  # the loss's clip of the log-ratio
+        metrics["ops/token_mean"] = float(np.abs(np.expm1(log_ratio))[response].mean())
         batch["behavior_logp"] = np.where(response, pi_old, batch["behavior_logp"])
     batch["loss_mask"] *= keep[:, None].astype(np.float32)
     if run.ref_params is not None:
