@@ -25,6 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rollverify_jax import storage  # noqa: E402
 from rollverify_jax.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "phenomenon"
@@ -76,8 +77,7 @@ def archive(workdir: Path, path: Path, meta: dict) -> str:
     meta = {**meta, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     kept = [{k: r[k] for k in KEPT_KEYS if k in r} for r in rows]
     text = "\n".join(json.dumps(x) for x in [{"meta": meta}, *kept]) + "\n"
-    path.with_suffix(".tmp").write_text(text)
-    path.with_suffix(".tmp").replace(path)
+    storage.write_text_atomically(path, text)  # a complete archive or none
     return f"archived {path.relative_to(ROOT)}"
 
 
