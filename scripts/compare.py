@@ -24,7 +24,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+
+from seed_stats import cell  # noqa: E402
 
 from rollverify_jax.metrics import read_metrics  # noqa: E402
 
@@ -118,23 +121,6 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error over seeds (NaN entries, e.g. a run that never switched, are left out)."""
-    v = np.asarray([x for x in values if np.isfinite(x)], float)
-    if v.size == 0:
-        return float("nan"), float("nan")
-    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
-
-
-def cell(values: list[float], fmt: str) -> str:
-    m, se = mean_se(values)
-    if not np.isfinite(m):
-        return "-"
-    n = sum(np.isfinite(values))
-    text = f"{m:{fmt}}" + (f" ± {se:{fmt}}" if len(values) > 1 else "")
-    return text + (f" ({n}/{len(values)})" if n < len(values) else "")
-
-
 # (summary key, column header, format) of the report table
 COLUMNS = [("seeds", "seeds", ".0f"), ("steps", "steps", ".0f"), ("acc0", "held-out acc (start)", ".3f"),
            ("acc", "held-out acc (end)", ".3f"),
@@ -151,7 +137,8 @@ def table(summaries: dict[str, list[dict]], first: str) -> list[str]:
     """Markdown rows, one per label, each cell the mean ± standard error over that label's runs."""
     lines = [f"| {first} | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "| --- " * (len(COLUMNS) + 1) + "|"]
     for label, runs in summaries.items():
-        lines.append(f"| {label} | " + " | ".join(str(len(runs)) if k == "seeds" else cell([r[k] for r in runs], fmt)
+        lines.append(f"| {label} | " + " | ".join(str(len(runs)) if k == "seeds"
+                                                 else cell([r[k] for r in runs], fmt, se_of_one=True)
                                                  for k, _, fmt in COLUMNS) + " |")
     return lines
 

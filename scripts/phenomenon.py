@@ -23,7 +23,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+
+from seed_stats import cell, mean_se, welch  # noqa: E402
 
 from rollverify_jax import storage  # noqa: E402
 from rollverify_jax.metrics import read_metrics  # noqa: E402
@@ -140,29 +143,6 @@ def per_run(rows: list[dict], steps: int) -> dict[str, float]:
         "switch": switch[0] if switch else float("nan"),
         "s_per_step": float(np.mean([r["time/step"] for r in train])),
     }
-
-
-def mean_se(v: list[float]) -> tuple[float, float, int]:
-    a = np.asarray([x for x in v if np.isfinite(x)], float)
-    if not a.size:
-        return float("nan"), float("nan"), 0
-    return float(a.mean()), float(a.std(ddof=1) / np.sqrt(a.size)) if a.size > 1 else 0.0, int(a.size)
-
-
-def cell(v: list[float], fmt: str) -> str:
-    m, se, n = mean_se(v)
-    if not n:
-        return "-"
-    return f"{m:{fmt}}" + (f" ± {se:{fmt}}" if n > 1 else "") + (f" ({n}/{len(v)})" if n < len(v) else "")
-
-
-def welch(a: list[float], b: list[float]) -> str:
-    from scipy import stats
-
-    if len(a) < 2 or len(b) < 2:
-        return "- (needs 2+ seeds each)"
-    res = stats.ttest_ind(a, b, equal_var=False)
-    return f"{np.mean(a) - np.mean(b):+.3f} (t = {res.statistic:.2f}, p = {res.pvalue:.3g})"
 
 
 def time_to(rows: list[dict], target: float) -> float:
