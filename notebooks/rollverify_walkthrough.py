@@ -47,25 +47,26 @@ import gin
 import matplotlib.pyplot as plt
 import numpy as np
 
-from rollverify_jax import train
+from rollverify_jax import builder, train
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch
+from rollverify_jax.spec import RunSpec, parse_gin
 from rollverify_jax.verify import token_ops, two_stage_verify
 
 gin.clear_config()
-train.parse_gin(["configs/tiny_rollverify.gin"], [
+parse_gin(["configs/tiny_rollverify.gin"], [
     "TrainConfig.eval_size = 16", "TrainConfig.eval_samples = 2",
     "RolloutConfig.batch_groups = 4", "RolloutConfig.group_size = 4",
     "EngineConfig.num_slots = 32", "CheckpointConfig.async_save = False",
 ])
-cfg = train.TrainConfig()
+spec = RunSpec.from_gin()  # every setting of the run, read from gin once
 workdir = Path("runs/notebook_walkthrough")
 if workdir.exists():
     import shutil
 
     shutil.rmtree(workdir)
-run = train.build(cfg, workdir=workdir, for_training=True)
-print(f"policy: {run.model.cfg.num_params() / 1e6:.2f}M parameters, vocab {run.tokenizer.vocab_size}")
+run = builder.build_trainer(spec, workdir)
+print(f"policy: {run.policy.model.cfg.num_params() / 1e6:.2f}M parameters, vocab {run.policy.tokenizer.vocab_size}")
 
 # %% [markdown]
 # ## 1. A long-tailed rollout, paused when the batch is ready
@@ -74,12 +75,12 @@ print(f"policy: {run.model.cfg.num_params() / 1e6:.2f}M parameters, vocab {run.t
 # log-probs `log mu` and the policy version that sampled each token.
 
 # %%
-phase = run.manager.run_phase()
+phase = run.rollout()
 finished = [t for g in phase.groups for t in g.finished.values()]
 paused = [t for t in run.manager.cache.paused if t.num_tokens > 0]
 print(f"batch: {len(finished)} finished trajectories in {len(phase.groups)} groups; "
       f"paused: {len(paused)} unfinished; slot utilization {phase.metrics['rollout/slot_utilization']:.2f}")
-print("example:", repr(run.decode(finished[0].tokens)))
+print("example:", repr(run.policy.decode(finished[0].tokens)))
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.hist([t.num_tokens for t in finished], bins=20, alpha=0.7, label="finished (batch)")
 ax.hist([t.num_tokens for t in paused], bins=20, alpha=0.7, label="paused (long tail, so far)")
@@ -93,9 +94,9 @@ plt.show()
 # new policy their importance ratio `pi/mu` drifts from 1: that drift is the OPS, `|pi/mu - 1|` per token.
 
 # %%
-scored = train.score(run, phase.groups)  # rewards and group advantages
-batch, _ = train.select(run, scored)  # the filters (none in this config) and the learner's batch layout
-m = train.learn(run, batch)  # one update; the engine now samples with version 1
+scored = run.score(phase.groups)  # rewards and group advantages
+batch, _ = run.select(scored)  # the filters (none in this config) and the learner's batch layout
+m = run.learn(batch)  # one update; the engine now samples with version 1
 print(f"reward {scored.metrics['reward/mean']:.3f}, loss {m['loss']:.4f}, train-time OPS {m['ops/token_mean']:.4f}")
 
 cached = build_batch(paused, np.zeros(len(paused)))

@@ -43,15 +43,14 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from rollverify_jax import aot_decode, compile_cache, storage  # noqa: E402
 from rollverify_jax import mesh as mesh_lib  # noqa: E402
 from rollverify_jax.aot_config import CHIPS, AotConfig, GiB  # noqa: E402
+from rollverify_jax.builder import make_mesh  # noqa: E402
 from rollverify_jax.cli import run_cli  # noqa: E402
-from rollverify_jax.dry_run import architecture, mesh_shape  # noqa: E402
+from rollverify_jax.dry_run import architecture  # noqa: E402
 from rollverify_jax.models import Qwen3ForCausalLM  # noqa: E402
-from rollverify_jax.models.flash_attention import FlashConfig  # noqa: E402
 from rollverify_jax.rl import learner as learner_lib  # noqa: E402
 from rollverify_jax.rl import packing  # noqa: E402
-from rollverify_jax.rl.partial_rollout import RolloutConfig  # noqa: E402
 from rollverify_jax.rollout import engine as engine_lib  # noqa: E402
-from rollverify_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from rollverify_jax.spec import RunSpec, parse_gin  # noqa: E402
 
 
 def get_topology_devices(name: str) -> list:
@@ -159,27 +158,22 @@ def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
     return forward * (4 if remat == "full" else 3)
 
 
-def compile_run(topology: str | None = None) -> dict:
+def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
     """Compiles the run's three programs for ``topology`` (default: AotConfig.topology) -> the report."""
-    from rollverify_jax.setup import TrainConfig
-
-    aot = AotConfig()
+    aot = spec.aot
     topology = topology or aot.topology
     devices = get_topology_devices(topology)
     chip = CHIPS.get(devices[0].device_kind)
     if chip is None:
         raise ValueError(f"no HBM figure for {devices[0].device_kind!r}; known: {sorted(CHIPS)}.")
-    mesh = mesh_lib.make_mesh(mesh_shape(), devices=devices)
-    train_cfg, rollout, engine_cfg = TrainConfig(), RolloutConfig(), engine_lib.EngineConfig()
-    sampling = SamplingConfig()
-    learner_cfg = learner_lib.LearnerConfig().for_sampler(sampling.logp_temperature)
-    cfg = architecture(train_cfg)
-    flash = FlashConfig()
-    flash = dataclasses.replace(flash, impl=flash.resolved_impl("tpu"))
+    mesh = make_mesh(spec, devices=devices)
+    rollout, engine_cfg, sampling, learner_cfg = spec.rollout, spec.engine, spec.sampling, spec.learner
+    cfg = architecture(spec)
+    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
     print(f"{topology}: {len(devices)} x {devices[0].device_kind}, mesh {dict(mesh.shape)}, "
           f"{cfg.num_params() / 1e9:.2f}B parameters", flush=True)
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    optimizer = learner_lib.make_optimizer()
+    optimizer = learner_lib.make_optimizer(spec.optimizer)
     programs = {}
 
     # Train step
@@ -200,17 +194,19 @@ def compile_run(topology: str | None = None) -> dict:
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     model_param_bytes = sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
                             for v in jax.tree.leaves(params, is_leaf=is_var))
-    serving = engine_lib.serving_param_shardings(params, mesh, engine_cfg.serving_layout)  # as the engine holds them
-    train_layout = jax.tree.leaves(mesh_lib.param_shardings(params, mesh))
+    rules = cfg.rules()
+    serving = engine_lib.serving_param_shardings(params, mesh, engine_cfg.serving_layout, rules)  # as the engine
+    train_layout = jax.tree.leaves(mesh_lib.param_shardings(params, mesh, rules))
     copied = any(a != b for a, b in zip(jax.tree.leaves(serving), train_layout, strict=True))
     params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
                           serving, is_leaf=is_var)
-    static = engine_lib._Static(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash)
+    static = engine_lib.EngineStatic(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash,
+                                     tuple(sorted(spec.attention.items())))
     n = aot.prefill_rows or math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
     packed = engine_lib.PackedPrefill(*[_sds((n, width), jnp.int32, mesh)] * 5, *[_sds((n,), jnp.int32, mesh)] * 3)
-    programs["prefill"], _ = _compile("prefill", lambda: engine_lib._prefill_jit.lower(
-        static, params, decode_state, packed, True))
-    programs["decode"], decode_compiled = _compile("decode", lambda: engine_lib._generate_jit.lower(
+    programs["prefill"], _ = _compile("prefill", lambda: engine_lib.lower_prefill(
+        static, params, decode_state, packed))
+    programs["decode"], decode_compiled = _compile("decode", lambda: engine_lib.lower_decode(
         static, params, decode_state, engine_cfg.steps_per_dispatch))
 
     # Resident and peak bytes per device
@@ -228,7 +224,8 @@ def compile_run(topology: str | None = None) -> dict:
     train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot, _batch_devices(mesh))
     decode = aot_decode.decode_report(
         decode_compiled, programs["decode"], cfg=cfg, engine_cfg=engine_cfg, rollout=rollout, aot=aot, chip=chip,
-        layout=layout, mesh=mesh, device_kind=devices[0].device_kind, engine_param_bytes=_per_device_bytes(params),
+        layout=layout, mesh=mesh, attention=spec.attention, device_kind=devices[0].device_kind,
+        engine_param_bytes=_per_device_bytes(params),
         model_param_bytes=model_param_bytes, num_devices=len(devices))
     return {
         "topology": topology, "device_kind": devices[0].device_kind, "num_devices": len(devices),
@@ -290,11 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     def body():
         if args.json:  # before the compile, which takes minutes: a bad path used to fail only after it
             storage.check_writable(args.json, "--json")
-        from rollverify_jax.setup import parse_gin
-
         parse_gin(args.gin_file, args.gin_param)
-        cache = compile_cache.compilation_cache()
-        report = {**compile_run(args.topology), "compilation_cache": cache}
+        spec = RunSpec.from_gin()
+        cache = compile_cache.compilation_cache(**spec.compile_cache)
+        report = {**compile_run(spec, args.topology), "compilation_cache": cache}
         print(format_report(report))
         if args.json:
             storage.write_text_atomically(args.json, json.dumps(report, indent=2) + "\n")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import gin
-
 GiB = 2**30
 
 
@@ -28,7 +26,6 @@ CHIPS = {
 }
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class AotConfig:
     """topology: a TPU topology name (``v5p:2x2x1``, ``v5e:4x4``, ``v6e:4x8``, ...).

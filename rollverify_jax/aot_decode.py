@@ -19,7 +19,6 @@ as its queue drains, which is where inactive slots cost); ``full_slots`` is the 
 
 from __future__ import annotations
 
-import gin
 import jax.numpy as jnp
 
 from rollverify_jax import hlo_stats, roofline
@@ -38,7 +37,8 @@ def forward_flops_per_token(cfg) -> float:
     return 2.0 * (active + cfg.vocab_size * cfg.hidden_size)
 
 
-def decode_report(compiled, program: dict, *, cfg, engine_cfg, rollout, aot, chip, layout, mesh, device_kind: str,
+def decode_report(compiled, program: dict, *, cfg, engine_cfg, rollout, aot, chip, layout, mesh, attention,
+                  device_kind: str,
                   engine_param_bytes: int, model_param_bytes: int, num_devices: int) -> dict:
     """The decode section of the aot report (see the module docstring); ``program`` is ``aot._compile``'s entry."""
     hlo = compiled.as_text()
@@ -50,7 +50,7 @@ def decode_report(compiled, program: dict, *, cfg, engine_cfg, rollout, aot, chi
     share = 1.0 if both or not two_cores else aot.one_core_hbm_share
     heads = cfg.num_key_value_heads // (mesh.shape[layout.heads_axis] if layout.heads_axis else 1)
     kv_token = 2 * cfg.num_hidden_layers * heads * cfg.head_dim * jnp.dtype(engine_cfg.kv_dtype).itemsize
-    block = engine_cfg.page_size * gin.get_bindings("paged_attention").get("pages_per_compute_block", 4)
+    block = engine_cfg.page_size * attention.get("pages_per_compute_block", 4)  # paged_attention's knob
     ici = chip.ici_bandwidth * aot.collective_links / (2 * chip.ici_links)  # one way on each of the ring's links
     step = roofline.DecodeStep(
         weights=engine_param_bytes, weights_min=model_param_bytes / num_devices, kv_bytes_per_token=kv_token,

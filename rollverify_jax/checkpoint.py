@@ -61,7 +61,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +75,6 @@ _ARRAY_TAG = "__ndarray__"
 SET_ASIDE = ("corrupt", "uncommitted")  # <step>.<why> directories: kept, out of orbax's step list
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Gin-tunable checkpoint policy (`CheckpointConfig.save_interval_steps = 50`).
@@ -167,11 +165,11 @@ _RESTORED, _DAMAGED, _FAILED = 0, 1, 2
 class Checkpointer:
     """Saves and restores (state, extra) under ``<workdir>/checkpoints``; every host calls every method."""
 
-    def __init__(self, workdir: storage.PathLike, config: CheckpointConfig | None = None,
+    def __init__(self, workdir: storage.PathLike, config: CheckpointConfig = CheckpointConfig(),
                  model_fingerprint: Mapping[str, Any] | None = None, read_only: bool = False):
         """``read_only`` (evaluation, export): creates, removes and moves nothing on disk, so a reader never
         deletes the in-flight save of a run that is still training, nor makes a directory for a mistyped path."""
-        self.config = config if config is not None else CheckpointConfig()
+        self.config = config
         self.directory = storage.absolute(workdir) / "checkpoints"
         # Normalised through JSON (tuples -> lists) so it compares equal to what a restore reads back.
         self.model_fingerprint: dict[str, Any] = json.loads(json.dumps(encode_extra(dict(model_fingerprint or {}),

@@ -52,3 +52,26 @@ def run_cli(body: Callable[[], None], show_traceback: bool) -> None:
         if not show_traceback:
             print("(run again with --traceback for the full stack)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def add_process_flags(ap) -> None:
+    """The multi-process flags every entry point takes (train, evaluate, export)."""
+    ap.add_argument("--distributed", action="store_true",
+                    help="multi-host: join the other processes (every host runs the same command); without the "
+                         "three flags below JAX detects the cluster (TPU pod slice, SLURM)")
+    ap.add_argument("--coordinator_address", default=None, help="host:port of process 0 (implies --distributed)")
+    ap.add_argument("--num_processes", type=int, default=None, help="processes in the run (implies --distributed)")
+    ap.add_argument("--process_id", type=int, default=None, help="this process's index (implies --distributed)")
+
+
+_CLUSTER_FLAGS = ("coordinator_address", "num_processes", "process_id")
+
+
+def start_process(spec, args) -> None:
+    """What every entry point does first, once its ``RunSpec`` is read and before anything compiles or touches a
+    device: JAX's persistent compilation cache (``compilation_cache.*``), then joining the other processes when
+    the flags of ``add_process_flags`` ask for it (``initialize.*`` timeouts)."""
+    from rollverify_jax import compile_cache, distributed
+
+    compile_cache.compilation_cache(**spec.compile_cache)
+    distributed.initialize_from_flags(args, {k: v for k, v in spec.distributed.items() if k not in _CLUSTER_FLAGS})

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 
-import gin
 import jax
 
 ENV_VAR = "ROLLVERIFY_COMPILATION_CACHE"
@@ -35,7 +34,6 @@ def cache_dir(configured: str | None) -> str | None:
     return value if "://" in value else os.path.expanduser(value)
 
 
-@gin.configurable
 def compilation_cache(dir: str | None = DEFAULT_DIR, min_compile_time_s: float = 0.5,
                       min_entry_size_bytes: int = 0) -> str | None:
     """Turns JAX's persistent compilation cache on (call at CLI start, before anything compiles); returns the

@@ -11,13 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 
-import gin
 import jax
 import numpy as np
 
 
-@gin.configurable
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, heartbeat_timeout_s: int = 60,
                initialization_timeout_s: int = 300) -> None:
@@ -35,21 +34,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                initialization_timeout=initialization_timeout_s)
 
 
-def add_cli_flags(ap) -> None:
-    """The multi-process flags every entry point takes (train, evaluate, export)."""
-    ap.add_argument("--distributed", action="store_true",
-                    help="multi-host: join the other processes (every host runs the same command); without the "
-                         "three flags below JAX detects the cluster (TPU pod slice, SLURM)")
-    ap.add_argument("--coordinator_address", default=None, help="host:port of process 0 (implies --distributed)")
-    ap.add_argument("--num_processes", type=int, default=None, help="processes in the run (implies --distributed)")
-    ap.add_argument("--process_id", type=int, default=None, help="this process's index (implies --distributed)")
-
-
-def initialize_from_flags(args) -> None:
-    """Joins the other processes when the flags of ``add_cli_flags`` ask for it (after gin is parsed, so
-    ``initialize.heartbeat_timeout_s`` applies; before anything touches a device)."""
+def initialize_from_flags(args, timeouts: Mapping[str, int] | None = None) -> None:
+    """Joins the other processes when the flags of ``cli.add_process_flags`` ask for it (before anything touches a
+    device). ``timeouts``: ``initialize``'s heartbeat / initialization timeouts (the spec's ``distributed``)."""
     if args.distributed or args.coordinator_address or args.num_processes is not None or args.process_id is not None:
-        initialize(args.coordinator_address, args.num_processes, args.process_id)
+        initialize(args.coordinator_address, args.num_processes, args.process_id, **dict(timeouts or {}))
 
 
 def is_main_process() -> bool:

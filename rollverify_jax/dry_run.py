@@ -15,41 +15,33 @@ import json
 import math
 from pathlib import Path
 
-import gin
 import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.checkpoint import CheckpointConfig
+from rollverify_jax.builder import execution_config, prompt_lengths
 from rollverify_jax.data.datasets import get_dataset, length_summary
 from rollverify_jax.data.rewards import get_reward_spec
 from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer, model_config
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.rl import learner as learner_lib
-from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.losses import get_loss_fn
-from rollverify_jax.rl.partial_rollout import RolloutConfig
-from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.rollout.sampling import SamplingConfig
-from rollverify_jax.setup import cross_check_settings, max_prompt_len, prompt_lengths
-from rollverify_jax.verify import SwitchConfig, VerifyConfig
+from rollverify_jax.spec import RunSpec
 
 
-def dry_run(train_cfg, num_devices: int | None = None) -> dict:
-    """Checks the whole configuration without weights. ``num_devices``: the device count the mesh is laid on
-    (None: the mesh shape's own product, 8 when it holds a -1)."""
-    rollout, engine = RolloutConfig(), EngineConfig()
-    SamplingConfig(), SwitchConfig(), VerifyConfig(), CheckpointConfig()
-    learner_cfg = learner_lib.LearnerConfig().for_sampler(SamplingConfig().logp_temperature)
+def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
+    """Checks the whole configuration without weights (``RunSpec.from_gin`` built and cross-checked every part).
+    ``num_devices``: the device count the mesh is laid on (None: the mesh shape's own product, 8 when it holds
+    a -1)."""
+    train_cfg, rollout, engine, learner_cfg = spec.train, spec.rollout, spec.engine, spec.learner
     get_loss_fn(learner_cfg.loss_name)
-    learner_lib.make_optimizer()
-    reward_name = gin.query_parameter("RewardScorer.name") if gin_bound("RewardScorer.name") else "math"
-    get_reward_spec(reward_name)
-    policy, problems = check_policy(train_cfg)
-    cfg = architecture(train_cfg)
-    shape = mesh_lib.check_shape(mesh_shape())  # a 0 or a negative entry used to divide by zero below
+    learner_lib.make_optimizer(spec.optimizer)
+    get_reward_spec(spec.reward.get("name", "math"))
+    policy, problems = check_policy(spec)
+    cfg = architecture(spec)
+    shape = mesh_lib.check_shape(mesh_shape(spec))  # a 0 or a negative entry used to divide by zero below
     if num_devices is not None and num_devices < 1:
         raise ValueError(f"--dry_run_devices={num_devices} must be >= 1.")
     if num_devices is None:
@@ -63,19 +55,19 @@ def dry_run(train_cfg, num_devices: int | None = None) -> dict:
         raise ValueError(f"make_mesh.shape={shape} does not cover {num_devices} devices.")
     mesh = AbstractMesh(tuple(shape), mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    specs = nnx.to_flat_state(mesh_lib.param_specs(nnx.state(abstract), mesh))
+    specs = nnx.to_flat_state(mesh_lib.param_specs(nnx.state(abstract), mesh, cfg.rules()))
     params = dict(nnx.to_flat_state(nnx.state(abstract)))
     per_device = 0
-    for path, spec in specs:
+    for path, pspec in specs:
         v = params[path]
-        split = math.prod(mesh.shape[a] for s in spec if s for a in ((s,) if isinstance(s, str) else s))
+        split = math.prod(mesh.shape[a] for s in pspec if s for a in ((s,) if isinstance(s, str) else s))
         per_device += math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize // split
-    cross_check_settings(rollout, engine, learner_cfg, dict(mesh.shape), FilterConfig())
+    spec.check_mesh(dict(mesh.shape))
     rows = rollout.batch_groups * rollout.group_size
     kv_per_seq = kv_bytes_per_page(cfg, engine.page_size, engine.kv_dtype) * math.ceil(engine.max_seq_len /
                                                                                       engine.page_size)
     tokenizer = load_tokenizer(train_cfg, cfg.vocab_size, problems)
-    data = {role: check_dataset(role, train_cfg, tokenizer, max_prompt_len(rollout, engine), problems)
+    data = {role: check_dataset(role, spec, tokenizer, spec.max_prompt_len(), problems)
             for role in ("train", "eval")}
     if problems:
         raise ValueError(f"dry run found {len(problems)} problem(s): "
@@ -103,21 +95,19 @@ def message(e: Exception) -> str:
     return " ".join(line for line in str(e).splitlines() if not line.startswith("  In call to configurable"))
 
 
-def preset_name() -> str:
+def preset_name(spec: RunSpec) -> str:
     """The gin preset ``architecture`` falls back to (``model_config.preset``, else its default)."""
-    if gin_bound("model_config.preset"):
-        return gin.query_parameter("model_config.preset")
-    return inspect.signature(model_config).parameters["preset"].default
+    return spec.model.get("preset", inspect.signature(model_config).parameters["preset"].default)
 
 
-def check_policy(train_cfg) -> tuple[dict, list[str]]:
+def check_policy(spec: RunSpec) -> tuple[dict, list[str]]:
     """Where the architecture comes from, and whether the checkpoint a run loads is there.
 
     A missing directory is a note, not a failure (a dry run sizes a config on a machine without the weights),
     but it is said: the sizes then describe the preset. A directory lacking files is a problem: training
     would stop on it.
     """
-    preset = preset_name()
+    preset, train_cfg = preset_name(spec), spec.train
     if train_cfg.policy_path is None:
         note(f"TrainConfig.policy_path is None: a run starts from a random model_config() (preset {preset!r}).")
         return {"policy": "none", "architecture": f"preset {preset!r} (no policy_path)"}, []
@@ -155,9 +145,10 @@ def load_tokenizer(train_cfg, vocab_size: int, problems: list[str]) -> Tokenizer
         return None
 
 
-def check_dataset(role: str, train_cfg, tokenizer: Tokenizer | None, max_len: int, problems: list[str]) -> dict:
+def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len: int, problems: list[str]) -> dict:
     """Opens a dataset as training will (every row's schema checked) and measures its prompts."""
-    name, kwargs = getattr(train_cfg, f"{role}_dataset"), getattr(train_cfg, f"{role}_dataset_kwargs")
+    train_cfg = spec.train
+    name, kwargs = getattr(train_cfg, f"{role}_dataset"), spec.dataset_kwargs(role)
     label = f"{role} data {name!r}" + (f" ({kwargs['path']})" if "path" in kwargs else "")
     try:
         records = list(get_dataset(name, **kwargs))
@@ -189,25 +180,51 @@ def check_dataset(role: str, train_cfg, tokenizer: Tokenizer | None, max_len: in
     return part
 
 
-def architecture(train_cfg):
+def architecture(spec: RunSpec):
     """The policy's architecture without loading weights: the checkpoint's config.json when present, else the
-    gin-configured preset (the layout a run on a machine without the checkpoint is sized by)."""
+    gin-configured preset (the layout a run on a machine without the checkpoint is sized by), with the run's
+    execution settings (logical-axis rules, expert-parallel chunk)."""
+    train_cfg = spec.train
     hf_config = Path(train_cfg.policy_path or "", "config.json")
     if train_cfg.policy_path and hf_config.exists():
-        return config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
-    dtype = train_cfg.param_dtype or "float32"
-    return model_config(param_dtype=dtype, dtype=train_cfg.compute_dtype or dtype)
+        cfg = config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
+    else:
+        dtype = train_cfg.param_dtype or "float32"
+        cfg = model_config(**{**spec.model, "param_dtype": dtype, "dtype": train_cfg.compute_dtype or dtype})
+    return execution_config(cfg, spec)
 
 
-def mesh_shape() -> list[int]:
+def mesh_shape(spec: RunSpec) -> list[int]:
     """``make_mesh.shape`` as configured (its default when unbound)."""
-    return list(gin.query_parameter("make_mesh.shape")) if gin_bound("make_mesh.shape") else [1, -1, 1]
+    return list(spec.mesh.get("shape", (1, -1, 1)))
 
 
-def gin_bound(name: str) -> bool:
-    """Whether the parsed gin config binds ``name`` (e.g. 'AotConfig.topology')."""
-    try:
-        gin.query_parameter(name)
-        return True
-    except ValueError:
-        return False
+def dry_run_cli(spec: RunSpec, num_devices: int | None) -> None:
+    """``train --dry_run``: the checks, their report, and the deviceless compile when the config names a slice."""
+    report = dry_run(spec, num_devices)
+    print("dry run OK: " + json.dumps(report))
+    compile_for_topology(spec)
+
+
+def compile_for_topology(spec: RunSpec) -> None:
+    """A config that names its TPU slice (``AotConfig.topology``) is compiled for it when libtpu is installed:
+    the dry run then proves the run fits, not only that the settings parse."""
+    import importlib.util
+
+    if not spec.is_bound("AotConfig.topology"):
+        return
+    if spec.aot.topology is None:  # a GPU config: JAX has no deviceless GPU compile
+        print("dry run: AotConfig.topology = None (a GPU config): no deviceless compile proves a GPU fit, so this "
+              "dry run checked the settings only. The memory arithmetic is in docs/scale.md; on the GPUs, "
+              "`scripts/check_gpu.py --compile-config <this file>` compiles its programs at reduced layer count.")
+        return
+    if importlib.util.find_spec("libtpu") is None:
+        print("dry run: AotConfig.topology is set but libtpu is not installed (pip install -e '.[tpu]'); "
+              "skipping the compile for it.")
+        return
+    from rollverify_jax import aot
+
+    report = aot.compile_run(spec)
+    print(aot.format_report(report))
+    if not report["fits"]:
+        raise SystemExit(1)

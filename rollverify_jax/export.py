@@ -26,14 +26,13 @@ from pathlib import Path
 from etils import epath
 from flax import nnx
 
-from rollverify_jax import distributed, storage
-from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.cli import run_cli
+from rollverify_jax import cli, distributed, storage
+from rollverify_jax.builder import execution_config, make_mesh, resolve_checkpoint, restore_params
 from rollverify_jax.models import model_config, save_pretrained
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.qwen3 import Qwen3ForCausalLM
 from rollverify_jax.models.tokenizer import TOKENIZER_FILE
-from rollverify_jax.setup import TrainConfig, parse_gin, resolve_checkpoint, restore_params
+from rollverify_jax.spec import RunSpec, TrainConfig, parse_gin
 
 # What an HF policy directory may hold besides the weights: the tokenizer and its generation defaults.
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -72,17 +71,19 @@ def run_policy_path(root: epath.Path, cfg: TrainConfig) -> str | None:
     return json.loads(saved.read_text())["policy_path"] if saved.exists() else cfg.policy_path
 
 
-def abstract_policy(policy_path: str | None, cfg: TrainConfig) -> Qwen3ForCausalLM:
+def abstract_policy(policy_path: str | None, spec: RunSpec) -> Qwen3ForCausalLM:
     """The policy's architecture with shape-only params (``nnx.eval_shape``): the checkpoint's params replace
     them, so the initial weights are never read."""
+    cfg = spec.train
     if policy_path is None:
-        model_cfg = model_config()
+        model_cfg = model_config(**spec.model)
     else:
         cfg_file = storage.as_path(policy_path) / "config.json"
         if not cfg_file.exists():
             raise FileNotFoundError(f"No config.json in the run's policy directory {policy_path}.")
         model_cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=cfg.param_dtype,
                                    compute_dtype=cfg.compute_dtype)
+    model_cfg = execution_config(model_cfg, spec)
     return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0)))
 
 
@@ -158,7 +159,7 @@ def _swap(new: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool = False) -> int:
+def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool = False) -> int:
     """Writes the params of ``checkpoint`` (a workdir or a step directory) to ``out`` in HF layout with the
     run's tokenizer; returns the step exported. Every input is checked before anything is written."""
     check_out_kind(out)
@@ -167,7 +168,7 @@ def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool 
         raise ValueError(f"--checkpoint={checkpoint} is already in Hugging Face layout; export reads a training "
                          "workdir or one of its checkpoints/<step> directories.")
     root, _ = resolve_checkpoint(checkpoint)
-    cfg = TrainConfig()
+    cfg = spec.train
     policy_path = run_policy_path(root, cfg)
     tok_dir = tokenizer_dir(policy_path, cfg)
     check_out_not_in_use(out, {"the run's workdir": root, "the checkpoint": checkpoint,
@@ -175,8 +176,8 @@ def export(checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool 
                                "the run's tokenizer": tok_dir, "the working directory": Path.cwd()},
                         root / "checkpoints")
     check_out_empty(out, overwrite)
-    model = abstract_policy(policy_path, cfg)
-    step, params = restore_params(model, mesh_lib.make_mesh(), checkpoint)
+    model = abstract_policy(policy_path, spec)
+    step, params = restore_params(model, make_mesh(spec), checkpoint, spec)
     graphdef, _ = nnx.split(model)
     trained = nnx.merge(graphdef, params)
 
@@ -200,15 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gin_file", action="append", default=[], help="the run's gin config (repeatable)")
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.param_dtype=...")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of an input error")
-    distributed.add_cli_flags(ap)
+    cli.add_process_flags(ap)
     args = ap.parse_args(argv)
-    run_cli(lambda: _main(args), args.traceback)
+    cli.run_cli(lambda: _main(args), args.traceback)
 
 
 def _main(args: argparse.Namespace) -> None:
     parse_gin(args.gin_file, args.gin_param)
-    distributed.initialize_from_flags(args)
-    step = export(args.checkpoint, args.out, args.overwrite)
+    spec = RunSpec.from_gin()
+    cli.start_process(spec, args)
+    step = export(spec, args.checkpoint, args.out, args.overwrite)
     print(f"exported step {step} of {args.checkpoint} to {args.out}")
 
 

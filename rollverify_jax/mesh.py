@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import gin
 import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -32,7 +31,6 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
-@gin.configurable
 def make_mesh(shape: Sequence[int] = (1, -1, 1), axis_types: str = "auto",
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with axes ('data', 'fsdp', 'tensor'); one entry of ``shape`` may be -1 (the rest)."""
@@ -74,10 +72,9 @@ def resolve_shape(shape: Sequence[int], num_devices: int) -> list[int]:
     return shape
 
 
-@gin.configurable
 def logical_axis_rules(rules: Sequence[tuple[str, str | tuple[str, ...] | None]] = DEFAULT_RULES,
                        ) -> dict[str, tuple[str, ...]]:
-    """Logical name -> tuple of mesh axes (empty tuple: replicated). Override ``rules`` from gin."""
+    """Logical name -> tuple of mesh axes (empty tuple: replicated); gin: ``logical_axis_rules.rules``."""
     out = {}
     for name, axes in rules:
         if axes is None:

@@ -25,7 +25,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import gin
 import jax
 import numpy as np
 from etils import epath
@@ -54,7 +53,6 @@ def _wandb_installed() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
     """How a run reports besides ``metrics.jsonl`` and TensorBoard (``TrainConfig.metrics_tensorboard``).
@@ -373,7 +371,7 @@ def open_progress(config: MetricsConfig, total_steps: int | None = None, start_s
     return ProgressBar(total_steps=total_steps, start_step=start_step, disable=style == "none", force=style == "bar")
 
 
-def open_wandb(config: MetricsConfig, workdir: storage.PathLike, start_step: int = 0) -> Any:
+def open_wandb(config: MetricsConfig, workdir: storage.PathLike, start_step: int = 0, gin_text: str = "") -> Any:
     """A W&B run for ``MetricsWriter(wandb_run=...)``, or None when ``wandb_project`` is unset or off process 0.
     wandb is imported only here, so runs without it never need the package."""
     if config.wandb_project is None or not _is_primary():
@@ -388,19 +386,53 @@ def open_wandb(config: MetricsConfig, workdir: storage.PathLike, start_step: int
     return wandb.init(project=config.wandb_project, entity=config.wandb_entity,
                       name=config.wandb_run_name or where.name, dir=str(workdir) if storage.is_local(workdir) else None,
                       config={"workdir": str(where), "start_step": int(start_step),
-                              "gin": gin.config_str()})
+                              "gin": gin_text})
 
 
-def save_operative_config(workdir: storage.PathLike) -> tuple[epath.Path, epath.Path]:
+def save_operative_config(workdir: storage.PathLike, operative_text: str, gin_text: str
+                          ) -> tuple[epath.Path, epath.Path]:
     """Writes the gin config in effect so a run can be reproduced from its workdir alone.
 
-    ``operative_config.gin`` holds the parameters of configurables that were actually called (so call this after
-    the model, optimizer and data have been built); ``config.gin`` holds every binding that was parsed.
+    ``operative_config.gin`` holds every value of the run's spec, bound or default (``RunSpec.operative_text``);
+    ``config.gin`` holds every binding that was parsed (``RunSpec.gin_text``).
     """
     workdir = storage.as_path(workdir)
     operative, parsed = workdir / OPERATIVE_CONFIG_FILE, workdir / CONFIG_FILE
     if _is_primary():
         workdir.mkdir(parents=True, exist_ok=True)
-        operative.write_text(gin.operative_config_str())
-        parsed.write_text(gin.config_str())
+        operative.write_text(operative_text)
+        parsed.write_text(gin_text)
     return operative, parsed
+
+
+def run_summary(metrics: list[dict]) -> list[str]:
+    """What the run showed, the lines a person checks first after a run: the held-out accuracy from the first
+    evaluation to the last, the steps in partial mode (and the switch), slot utilization per mode, where the time
+    went and the acceptance."""
+    evals = [m for m in metrics if "eval/accuracy" in m]
+    lines = []
+    if evals:
+        first, last = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+        lines.append(f"held-out accuracy: {first:.3f} (step {evals[0]['step']}) -> {last:.3f} (step "
+                     f"{evals[-1]['step']}), {100 * (last - first):+.1f} points")
+    steps = [m for m in metrics if "time/step" in m]
+    if not steps:
+        return lines
+    partial = [m for m in steps if m.get("mode/on_policy") == 0]
+    on_policy = [m for m in steps if m.get("mode/on_policy") == 1]
+    switch = next((m["mode/switch_step"] for m in steps if m.get("mode/switch_step") is not None), None)
+    total = sum(m["time/step"] for m in steps)
+    partial_time = sum(m["time/step"] for m in partial)
+    lines += [f"rollout mode: partial for {len(partial)} of {len(steps)} steps ({partial_time / max(total, 1e-9):.0%} "
+             "of the step time)" + (f", switched to on-policy at step {switch}" if switch is not None else "")]
+    util = [f"{name} {sum(m['rollout/slot_utilization'] for m in group) / len(group):.2f}"
+            for name, group in (("partial", partial), ("on-policy", on_policy)) if group]
+    lines.append("slot utilization: " + ", ".join(util))
+    split = {k: sum(m.get(f"time/{k}", 0.0) for m in steps) for k in ("rollout", "verify", "train")}
+    lines.append(f"time: {total:.0f} s in steps: " + ", ".join(
+        f"{k} {v:.0f} s ({v / max(total, 1e-9):.0%})" for k, v in split.items()))
+    accepted = [m["verify/acceptance"] for m in partial if m.get("verify/num_verified")]
+    if accepted:
+        lines.append(f"verification: mean cycle acceptance {sum(accepted) / len(accepted):.2f} over "
+                     f"{len(accepted)} cycles")
+    return lines

@@ -23,73 +23,11 @@ import json
 import math
 from pathlib import Path
 
-import gin
-
 from rollverify_jax.cli import run_cli
 from rollverify_jax.sim import calibrate as cal
+from rollverify_jax.sim.config import SimConfig
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
-from rollverify_jax.sim.replay import MODES, CutModel, LengthModel, TrainLayout, Workload, simulate
-
-COST_SOURCES = ("costs", "roofline")
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class SimConfig:
-    """The simulator's own settings (the run's shape comes from the run's gin configurables).
-
-    costs: 'costs' (the ``CostModel`` bindings) or 'roofline' (``RooflineCosts`` bindings); ``--calibrate_from``
-    replaces either with rates fitted on the runs. Lengths: ``lengths`` (explicit, cycled) or a lognormal
-    (``length_median``, ``length_sigma``) capped at ``RolloutConfig.max_new_tokens``. Where verification cuts
-    (``CutModel``): ``segment_fail_prob = (p1, p2, ...)``, the probability that a cached segment of age 1, 2, ...
-    steps fails verification (the last value repeats), and a late ramp of that hazard from step
-    ``fail_ramp_start`` on (0: none), doubling every ``fail_ramp_doubling`` steps.
-    """
-
-    modes: tuple = MODES
-    num_steps: int | None = None  # None: TrainConfig.num_steps
-    num_devices: int | None = None  # None: the product of make_mesh.shape (-1 counts as 1)
-    prompt_len: int = 128
-    lengths: tuple | None = None
-    length_median: float = 64.0
-    length_sigma: float = 1.0
-    seed: int = 0
-    segment_fail_prob: tuple = (0.0,)
-    fail_ramp_start: int = 0
-    fail_ramp_doubling: float = 10.0
-    costs: str = "costs"
-    skip_steps: int = 1  # calibration: leading steps left out (they compile)
-    # calibration: 'by_mode' fits the rates on the --fit_from runs (default: the on-policy runs) and compares
-    # every run's steps after skip_steps; 'odd_even' fits each run's rates on its own odd steps and compares its
-    # even steps
-    fit_split: str = "by_mode"
-    # calibration: a decode slot-step costs (1 + live page-table width / decode_width_ref) times the fitted rate
-    # (0: width ignored). 240 tokens: bench_decode's live-pages ratio, 1.50x at 64 slots for a mean live width
-    # of ~133 tokens against the whole 320-token table (docs/benchmarks.md)
-    decode_width_ref: float = 240.0
-
-    def __post_init__(self):
-        for m in self.modes:
-            if m not in MODES:
-                raise ValueError(f"SimConfig.modes: unknown mode {m!r}; known: {list(MODES)}.")
-        if self.costs not in COST_SOURCES:
-            raise ValueError(f"SimConfig.costs={self.costs!r}; choose one of {list(COST_SOURCES)}.")
-        p = self.segment_fail_prob if isinstance(self.segment_fail_prob, list | tuple) else (self.segment_fail_prob,)
-        if not p or not all(isinstance(x, int | float) and 0.0 <= x <= 1.0 for x in p):
-            raise ValueError(f"SimConfig.segment_fail_prob={self.segment_fail_prob!r}: probabilities in [0, 1], "
-                             "one per segment age (1, 2, ...; the last repeats).")
-        if self.fail_ramp_start < 0 or self.fail_ramp_doubling <= 0:
-            raise ValueError("SimConfig.fail_ramp_start must be >= 0 (0: no ramp) and fail_ramp_doubling > 0.")
-        if self.num_steps is not None and self.num_steps < 1:
-            raise ValueError(f"SimConfig.num_steps={self.num_steps} must be >= 1.")
-        if self.num_devices is not None and self.num_devices < 1:
-            raise ValueError(f"SimConfig.num_devices={self.num_devices} must be >= 1.")
-        if self.fit_split not in ("by_mode", "odd_even"):
-            raise ValueError(f"SimConfig.fit_split={self.fit_split!r}; choose 'by_mode' or 'odd_even'.")
-        if self.decode_width_ref < 0:
-            raise ValueError(f"SimConfig.decode_width_ref={self.decode_width_ref} must be >= 0 (0: width ignored).")
-        if self.skip_steps < 0 or self.prompt_len < 0:
-            raise ValueError("SimConfig.skip_steps and SimConfig.prompt_len must be >= 0.")
+from rollverify_jax.sim.replay import CutModel, LengthModel, TrainLayout, Workload, simulate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,21 +76,12 @@ def pool_shards(mesh_shape: tuple, num_slots: int) -> int:
     return n if num_slots % n == 0 else 1
 
 
-def read_run_shape() -> RunShape:
-    """The run's settings from the parsed gin config (imports the training configurables, not a model)."""
-    from rollverify_jax.rl.learner import LearnerConfig
-    from rollverify_jax.rl.partial_rollout import RolloutConfig
-    from rollverify_jax.rollout.engine import EngineConfig
-    from rollverify_jax.setup import TrainConfig
-    from rollverify_jax.verify import SwitchConfig, VerifyConfig
-
-    r, e, s, v, lc = RolloutConfig(), EngineConfig(), SwitchConfig(), VerifyConfig(), LearnerConfig()
-    try:
-        mesh = tuple(gin.query_parameter("make_mesh.shape"))
-    except ValueError:
-        mesh = (1, -1, 1)
+def read_run_shape(spec) -> RunShape:
+    """The run's settings from its ``RunSpec`` (no model is built)."""
+    r, e, s, v, lc = spec.rollout, spec.engine, spec.switch, spec.verify, spec.learner
+    mesh = tuple(spec.mesh.get("shape", (1, -1, 1)))
     shards = pool_shards(mesh, e.num_slots)
-    pages = shard_pages(e, shards)
+    pages = shard_pages(spec, shards)
     # train.select packs into the engine's max_seq_len; pack_for_learner rounds rows up to the batch devices
     layout = TrainLayout(width=e.max_seq_len, num_minibatches=lc.num_minibatches, micro_batch_size=lc.micro_batch_size,
                          tail_row_width=lc.tail_row_width, pack_sequences=lc.pack_sequences, ppo_epochs=lc.ppo_epochs,
@@ -160,21 +89,21 @@ def read_run_shape() -> RunShape:
     return RunShape(mode=r.mode, batch_groups=r.batch_groups, group_size=r.group_size,
                     max_new_tokens=r.max_new_tokens, queue_groups=r.queue_groups, num_slots=e.num_slots,
                     steps_per_dispatch=e.steps_per_dispatch, switch_window=s.window, switch_threshold=s.threshold,
-                    switching=s.enabled, verify_finished=v.verify_finished, num_steps=TrainConfig().num_steps,
+                    switching=s.enabled, verify_finished=v.verify_finished, num_steps=spec.train.num_steps,
                     mesh_shape=mesh, live_slots=e.live_slots and pool_shards(mesh, e.num_slots) == 1,
                     min_prefill_len=e.min_prefill_len, max_seq_len=e.max_seq_len, page_size=e.page_size,
                     live_pages=e.live_pages, kv_pages_per_shard=pages, pool_shards=shards,
                     page_reservation=e.page_reservation, train_layout=layout)
 
 
-def shard_pages(e, shards: int) -> int:
+def shard_pages(spec, shards: int) -> int:
     """Pages one shard of the engine's KV pool hands out (``engine.pool_pages``, less the shard's scratch page):
     ``EngineConfig.kv_memory_bytes`` over the pages of the gin-configured model (``model_config``), or enough
     for every slot at ``max_seq_len`` when no budget is set."""
     from rollverify_jax.models import model_config
     from rollverify_jax.rollout.engine import pool_pages
 
-    return pool_pages(model_config(), e, shards) // shards - 1
+    return pool_pages(model_config(**spec.model), spec.engine, shards) // shards - 1
 
 
 @dataclasses.dataclass
@@ -206,9 +135,11 @@ def check_run_shapes(shape: RunShape, runs: list[cal.RunData]) -> None:
 
 
 def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
-                 fit_runs: list[cal.RunData] | None = None) -> Inputs:
+                 fit_runs: list[cal.RunData] | None = None, costs: CostModel | RooflineCosts | None = None) -> Inputs:
+    """``costs``: the spec's ``CostModel`` (or, with ``SimConfig.costs = 'roofline'``, its ``RooflineCosts``)."""
     devices = cfg.num_devices or math.prod(max(1, int(x)) for x in shape.mesh_shape)
-    costs = RooflineCosts().cost_model() if cfg.costs == "roofline" else CostModel()
+    costs = costs if costs is not None else (RooflineCosts() if cfg.costs == "roofline" else CostModel())
+    costs = costs.cost_model() if isinstance(costs, RooflineCosts) else costs
     prompt = cfg.prompt_len
     lengths = ({"lengths": list(cfg.lengths)} if cfg.lengths else
                {"median": cfg.length_median, "sigma": cfg.length_sigma, "seed": cfg.seed})
@@ -404,12 +335,13 @@ def _main(args: argparse.Namespace) -> None:
     fit_runs = [cal.read_run(p) for p in args.fit_from]
     if fit_runs and not runs:
         raise ValueError("--fit_from needs --calibrate_from (the runs to compare and to take lengths from).")
-    from rollverify_jax.setup import parse_gin
+    from rollverify_jax.spec import RunSpec, parse_gin
 
     parse_gin(args.gin_file, args.gin_param)
-    cfg, shape = SimConfig(), read_run_shape()
+    spec = RunSpec.from_gin()
+    cfg, shape = spec.sim, read_run_shape(spec)
     check_run_shapes(shape, runs + fit_runs)
-    inputs = build_inputs(cfg, shape, runs, fit_runs)
+    inputs = build_inputs(cfg, shape, runs, fit_runs, sim_costs(spec))
     steps = args.steps or cfg.num_steps or shape.num_steps
     rows = [{**run_mode(m, shape, inputs, steps).summary(inputs.num_devices)} for m in cfg.modes]
     print(f"{', '.join(args.gin_file)}: B={shape.batch_groups} G={shape.group_size} slots={shape.num_slots} "
@@ -431,6 +363,11 @@ def _main(args: argparse.Namespace) -> None:
         report["calibration"] = calib
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+
+
+def sim_costs(spec) -> CostModel | RooflineCosts:
+    """The cost source ``SimConfig.costs`` names, from the spec."""
+    return spec.roofline if spec.sim.costs == "roofline" else spec.cost_model
 
 
 def _json_default(x):

@@ -36,13 +36,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `import rollverify_jax` without an install
 
-import gin  # noqa: E402
 import jax  # noqa: E402
 
 from rollverify_jax.models import init_model, load_pretrained, model_config  # noqa: E402
-from rollverify_jax.models.flash_attention import FlashConfig  # noqa: E402
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory  # noqa: E402
 from rollverify_jax.verify.ops import token_ops  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_common import kernel_kwargs, use_kernels  # noqa: E402
 
 POLICY = ROOT / "assets" / "tiny_policy"
 DS = 0.01  # VerifyConfig.ds
@@ -121,32 +122,23 @@ def summarize(rows: list[np.ndarray]) -> dict:
 def measure(model, kv_dtype: str, slots: int = 32, new: int = 384, chunks=(None, 64), seed: int = 0,
             compute_dtype: str | None = None) -> dict:
     """Decode once, resume under each ``logits_chunk`` in ``chunks`` -> {chunk: summarize(...)} plus the
-    kernels used; ``compute_dtype``: ``EngineConfig.compute_dtype``. The platform's default kernels unless gin
-    binds others."""
+    kernels used; ``compute_dtype``: ``EngineConfig.compute_dtype``. The kernels ``gpu_common.use_kernels`` chose
+    (the platform's defaults unless told otherwise)."""
     vocab = model.cfg.vocab_size
     reqs = requests(slots, new, vocab, seed)
     longest = max(len(r.prompt) for r in reqs) + new
     cfg = EngineConfig(num_slots=slots, page_size=16, max_seq_len=-(-longest // 64) * 64, steps_per_dispatch=8,
                        kv_dtype=kv_dtype, compute_dtype=compute_dtype)
     sampling = SamplingConfig(temperature=1.0)
-    base = Engine(model, cfg, sampling, eos_ids=())
+    base = Engine(model, cfg, sampling, eos_ids=(), **kernel_kwargs())
     trajs = decode(base, reqs)
-    out: dict = {"prefill_impl": FlashConfig().resolved_impl(base.layout.platform),
-                 "paged_impl": gin.query_parameter("paged_attention.impl") if _bound("paged_attention.impl")
-                 else "auto"}
+    out: dict = {"prefill_impl": base.flash.resolved_impl(base.layout.platform),
+                 "paged_impl": dict(base.attention).get("impl", "auto")}
     for chunk in chunks:
         engine = base if chunk == cfg.logits_chunk else Engine(model, dataclasses.replace(cfg, logits_chunk=chunk),
-                                                               sampling, eos_ids=())
+                                                               sampling, eos_ids=(), **kernel_kwargs())
         out[chunk] = summarize(resume_ops(engine, trajs))
     return out
-
-
-def _bound(name: str) -> bool:
-    try:
-        gin.query_parameter(name)
-    except ValueError:
-        return False
-    return True
 
 
 def row(model: str, dtype: str, chunk, s: dict) -> str:
@@ -199,7 +191,7 @@ def main() -> None:
     ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--suffix", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    gin.bind_parameter("paged_attention.impl", args.paged_impl)
+    use_kernels("auto", args.paged_impl)
     rows, kernels = table(args, args.suffix)
     if args.rows_out:
         Path(args.rows_out).write_text(json.dumps(rows))

@@ -82,6 +82,7 @@ from flax import nnx  # noqa: E402
 from gpu_common import (  # noqa: E402
     elapsed,
     err_text,
+    kernel_kwargs,
     max_abs,
     max_mag,
     on_gpu,
@@ -355,7 +356,7 @@ def _greedy_case(args, compute_dtype: str, prefill: str, paged: str, matmul_prec
     res: dict = {"model": source, "compute_dtype": compute_dtype, "prefill_impl": prefill, "paged_impl": paged,
                  "matmul_precision": matmul_precision or "default", "tol": tol}
     with precision(matmul_precision):
-        engine = Engine(model, cfg, SamplingConfig(greedy=True), eos_ids=())
+        engine = Engine(model, cfg, SamplingConfig(greedy=True), eos_ids=(), **kernel_kwargs())
         res["prefill_kernel"] = engine._static().kernel()["impl"]
         t0 = time.perf_counter()
         trajs = run_engine(engine, reqs)

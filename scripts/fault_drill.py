@@ -175,11 +175,11 @@ def one_error_line(err: str) -> bool:
 def final_state(workdir: Path):
     import jax
 
-    from rollverify_jax import setup
+    from rollverify_jax import builder
     from rollverify_jax.checkpoint import Checkpointer
     from rollverify_jax.models import load_pretrained
 
-    fingerprint = setup.model_fingerprint(load_pretrained(ROOT / "assets" / "tiny_policy"))
+    fingerprint = builder.model_fingerprint(load_pretrained(ROOT / "assets" / "tiny_policy"))
     with Checkpointer(workdir, model_fingerprint=fingerprint) as ckpt:
         step, state, extra = ckpt.restore()
     leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x

@@ -7,10 +7,10 @@ import statistics
 import time
 import traceback
 
-import gin
 import jax
 import numpy as np
 
+from rollverify_jax.models.flash_attention import FlashConfig
 from rollverify_jax.rollout import Engine, Scheduler, Trajectory
 
 T0 = time.perf_counter()
@@ -71,25 +71,24 @@ def timed(fn, *a, iters: int = 10) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
-_PAGED = {"impl": "auto"}
+_KERNELS: dict = {"flash": FlashConfig(), "attention": {"impl": "auto"}}
 
 
 def use_kernels(prefill: str = "auto", paged: str = "auto") -> None:
-    """Binds the prefill (FlashConfig.impl, part of the engine's jit key) and paged-decode implementations for
-    the code built next. The paged impl is a gin default read at trace time, not part of the engine's jit key:
-    when it changes, compiled code is dropped. Off a GPU the Pallas GPU kernel runs in interpret mode."""
-    gin.clear_config()
-    gin.bind_parameter("FlashConfig.impl", prefill)
-    gin.bind_parameter("paged_attention.impl", paged)
-    gin.bind_parameter("paged_attention.interpret", paged == "pallas_gpu" and not on_gpu())
-    if paged != _PAGED["impl"]:
-        jax.clear_caches()
-        _PAGED["impl"] = paged
+    """The prefill (``FlashConfig.impl``) and paged-decode (``paged_attention.impl``) implementations of the
+    engines built next with ``kernel_kwargs()``; both are part of the engine's jit key. Off a GPU the Pallas GPU
+    kernel runs in interpret mode."""
+    _KERNELS["flash"] = FlashConfig(impl=prefill)
+    _KERNELS["attention"] = {"impl": paged, "interpret": paged == "pallas_gpu" and not on_gpu()}
+
+
+def kernel_kwargs() -> dict:
+    """``Engine(..., **kernel_kwargs())``: the kernels ``use_kernels`` chose."""
+    return {"flash": _KERNELS["flash"], "attention": dict(_KERNELS["attention"])}
 
 
 def reset_kernels() -> None:
     use_kernels("auto", "auto")
-    gin.clear_config()
 
 
 def precision(name: str | None):

@@ -28,6 +28,7 @@ from gpu_common import (
     bench_requests,
     chip,
     err_text,
+    kernel_kwargs,
     max_abs,
     max_mag,
     on_gpu,
@@ -162,7 +163,7 @@ def _long_engine(args) -> dict:
         try:
             ecfg = EngineConfig(num_slots=n, page_size=page, max_seq_len=context, steps_per_dispatch=8,
                                 kv_dtype="bfloat16", min_prefill_len=512)
-            engine = Engine(model, ecfg, SamplingConfig(greedy=True), eos_ids=())
+            engine = Engine(model, ecfg, SamplingConfig(greedy=True), eos_ids=(), **kernel_kwargs())
             t0 = time.perf_counter()
             run_engine(engine, [dataclasses.replace(t, tokens=[], logps=[], versions=[]) for t in reqs])
             run["compile_and_first_s"] = time.perf_counter() - t0
@@ -231,7 +232,7 @@ def _decode_run(args, model, n: int, max_len: int, prefill: str, ahead: bool) ->
     vocab = model.cfg.vocab_size
     ecfg = EngineConfig(num_slots=n, page_size=16, max_seq_len=max_len, steps_per_dispatch=8, kv_dtype="bfloat16",
                         dispatch_ahead=ahead)
-    engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=())
+    engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=(), **kernel_kwargs())
     run: dict = {"prefill_kernel": engine._static().kernel()["impl"]}
     t0 = time.perf_counter()
     engine.warmup()
@@ -398,7 +399,7 @@ def _active_engine(model, n: int, k: int, new: int) -> Engine:
     run dispatch after dispatch at one shape)."""
     ecfg = EngineConfig(num_slots=n, page_size=16, max_seq_len=-(-(40 + new) // 64) * 64, steps_per_dispatch=k,
                         kv_dtype="bfloat16", page_reservation="full")
-    engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=())
+    engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=(), **kernel_kwargs())
     sched = Scheduler(engine)
     sched.submit(bench_requests(n, new, 3, model.cfg.vocab_size))
     sched.step()  # admits every request (prefill, first token) and decodes once; generate() is driven by hand next
@@ -628,15 +629,14 @@ def compile_config(path: str, layers: int) -> dict:
     from rollverify_jax.aot import train_batch  # after the backend is up: aot defaults JAX_PLATFORMS to cpu
     from rollverify_jax.dry_run import architecture, mesh_shape
     from rollverify_jax.models import Qwen3ForCausalLM
-    from rollverify_jax.rl.partial_rollout import RolloutConfig
-    from rollverify_jax.setup import TrainConfig
+    from rollverify_jax.spec import RunSpec, parse_gin
 
     gin.clear_config()
-    gin.parse_config_files_and_bindings([path], [])
-    train_cfg, rollout, engine_cfg = TrainConfig(), RolloutConfig(), EngineConfig()
-    learner_cfg = learner.LearnerConfig().for_sampler(SamplingConfig().logp_temperature)
-    full = architecture(train_cfg)
-    shape = mesh_shape()
+    parse_gin([path], [])
+    spec = RunSpec.from_gin()
+    rollout, engine_cfg, learner_cfg = spec.rollout, spec.engine, spec.learner
+    full = architecture(spec)
+    shape = mesh_shape(spec)
     devices = jax.devices()
     cfg = dataclasses.replace(full, num_hidden_layers=layers)
     rows = rollout.batch_groups * rollout.group_size
@@ -661,10 +661,9 @@ def compile_config(path: str, layers: int) -> dict:
     if engine_cfg.kv_memory_bytes:
         engine_cfg = dataclasses.replace(engine_cfg, kv_memory_bytes=int(engine_cfg.kv_memory_bytes * kv_scale))
     platform = devices[0].platform
-    flash = fa.FlashConfig()
-    flash = dataclasses.replace(flash, impl=flash.resolved_impl(platform))
+    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl(platform))
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    optimizer = learner.make_optimizer()
+    optimizer = learner.make_optimizer(learner.OptimizerConfig())
     out: dict = {"config": path, "layers": layers, "full_layers": full.num_hidden_layers, "exact_mesh": exact,
                  "mesh": dict(mesh.shape), "config_mesh": list(shape), "num_slots": engine_cfg.num_slots,
                  "rows": rows, "micro_batch_size": learner_cfg.micro_batch_size, "programs": {}}
@@ -685,14 +684,15 @@ def compile_config(path: str, layers: int) -> dict:
     params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params, shard,
                           is_leaf=is_var)
     graphdef = engine_lib.rollout_graphdef(model, engine_cfg.compute_dtype)
-    static = engine_lib._Static(graphdef, SamplingConfig(), (-1,), layout, engine_cfg.logits_chunk, flash)
+    static = engine_lib.EngineStatic(graphdef, spec.sampling, (-1,), layout, engine_cfg.logits_chunk, flash,
+                                     tuple(sorted(spec.attention.items())))
     n = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
     sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(  # noqa: E731
         mesh, jax.sharding.PartitionSpec()))
     packed = engine_lib.PackedPrefill(*[sds((n, width), jnp.int32)] * 5, *[sds((n,), jnp.int32)] * 3)
-    out["programs"]["prefill"] = _compile(engine_lib._prefill_jit.lower(static, params, decode_state, packed, True))
-    out["programs"]["decode"] = _compile(engine_lib._generate_jit.lower(static, params, decode_state,
-                                                                        engine_cfg.steps_per_dispatch))
+    out["programs"]["prefill"] = _compile(engine_lib.lower_prefill(static, params, decode_state, packed))
+    out["programs"]["decode"] = _compile(engine_lib.lower_decode(static, params, decode_state,
+                                                                 engine_cfg.steps_per_dispatch))
     per_device = lambda tree: sum(math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize  # noqa: E731
                                   for a in jax.tree.leaves(tree))
     out["resident"] = {"train_state": per_device(state), "kv_pool": per_device(decode_state.pages)}

@@ -52,12 +52,13 @@ TERMS = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "over
 
 
 def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
-    from rollverify_jax.setup import parse_gin
+    from rollverify_jax.spec import RunSpec, parse_gin
 
     gin.clear_config()
     parse_gin(files, params)
-    cfg, shape = sim.SimConfig(), sim.read_run_shape()
-    inputs = sim.build_inputs(cfg, shape, [])
+    spec = RunSpec.from_gin()
+    cfg, shape = spec.sim, sim.read_run_shape(spec)
+    inputs = sim.build_inputs(cfg, shape, [], costs=sim.sim_costs(spec))
     n = steps or cfg.num_steps or shape.num_steps
     return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
                        inputs.costs.decode_per_step_s()) for m in modes]

@@ -56,11 +56,12 @@ def train_rate(run: cal.RunData, skip: int, prompt_tokens: int) -> float:
 
 def predict(runs: list[cal.RunData], pool: str, skips: list[int]) -> dict:
     """rows[skip][F][T]: the calibration row of run T under run F's rates (paths as str), and costs[skip][F]."""
-    from rollverify_jax.setup import parse_gin
+    from rollverify_jax.spec import RunSpec, parse_gin
 
     gin.clear_config()
     parse_gin([str(runs[0].path / "config.gin")], [])
-    base, shape = sim.SimConfig(), sim.read_run_shape()
+    spec = RunSpec.from_gin()
+    base, shape = spec.sim, sim.read_run_shape(spec)
     sim.check_run_shapes(shape, runs)
     rows, costs = {}, {}
     for k in skips:
@@ -73,7 +74,7 @@ def predict(runs: list[cal.RunData], pool: str, skips: list[int]) -> dict:
                 given = [r for r in runs if r is not t or r is f] if pool == "held_out" else runs
                 key = (str(f.path), tuple(str(r.path) for r in given))
                 if key not in cache:
-                    cache[key] = sim.build_inputs(cfg, shape, given, [f])
+                    cache[key] = sim.build_inputs(cfg, shape, given, [f], sim.sim_costs(spec))
                 inputs = cache[key]
                 if t is f:
                     costs[k][str(f.path)] = dataclasses.asdict(inputs.costs)
@@ -83,7 +84,7 @@ def predict(runs: list[cal.RunData], pool: str, skips: list[int]) -> dict:
     cfg = dataclasses.replace(base, skip_steps=skips[0])
     for t in runs:
         given = [r for r in runs if r is not t] if pool == "held_out" else runs
-        inputs = sim.build_inputs(cfg, shape, given, given[:1])
+        inputs = sim.build_inputs(cfg, shape, given, given[:1], sim.sim_costs(spec))
         counts[str(t.path)], = sim.calibration_rows(shape, inputs, [t], skips[0], cfg.fit_split, cfg.decode_width_ref)
     n = shape.batch_groups * shape.group_size
     return {"rows": rows, "costs": costs, "counts": counts, "prompt_tokens": cal.prompt_len(runs, n, skips[0]) * n}

@@ -11,9 +11,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # no persistent cache unless a test asks for one
 
+import gin  # noqa: E402
 import pytest  # noqa: E402  (after the environment above, which must precede JAX's import)
 
 from rollverify_jax.models import init_model, model_config  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+    """Every test starts and ends with no gin bindings, so one test's configuration never reaches another."""
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+@pytest.fixture
+def spec_of():
+    """``spec_of(*bindings)``: the ``RunSpec`` those gin bindings (lines of gin) give, the bindings cleared after."""
+    from rollverify_jax.spec import RunSpec
+
+    def build(*bindings: str) -> RunSpec:
+        gin.clear_config()
+        try:
+            gin.parse_config(list(bindings))
+            return RunSpec.from_gin()
+        finally:
+            gin.clear_config()
+    return build
 
 
 @pytest.fixture(scope="session")

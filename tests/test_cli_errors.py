@@ -8,7 +8,7 @@ from pathlib import Path
 import gin
 import pytest
 
-from rollverify_jax import aot, evaluate, setup, train
+from rollverify_jax import aot, builder, evaluate, train
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.sim import calibrate
 
@@ -37,7 +37,7 @@ def no_work(monkeypatch):
     """The evaluation and the compile fail the test if they start: the errors must come before them."""
     def started(*args, **kwargs):
         raise AssertionError("the work started before the bad argument was refused")
-    monkeypatch.setattr(evaluate, "build", started)
+    monkeypatch.setattr(evaluate, "build_policy", started)
     monkeypatch.setattr(aot, "compile_run", started)
 
 
@@ -45,7 +45,7 @@ def test_an_unreadable_input_is_not_reported_as_a_full_workdir(policy, tmp_path,
     """Any OSError while building a run used to read 'could not write to <workdir> ... free space'."""
     def unreadable(name, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", "/data/train.jsonl")
-    monkeypatch.setattr(setup, "get_dataset", unreadable)
+    monkeypatch.setattr(builder, "get_dataset", unreadable)
     params = [f"--gin_param={p}" for p in _params(policy, "on_policy", 1)]
     err = _one_line_exit_2(capsys, train.main, [f"--workdir={tmp_path / 'run'}", *params])
     assert "cannot use /data/train.jsonl: Permission denied" in err and "one of the run's inputs" in err, err
@@ -76,7 +76,7 @@ def test_aot_refuses_an_unwritable_json_before_it_compiles(tmp_path, capsys, no_
 
 
 def test_aot_writes_its_report_atomically(tmp_path, monkeypatch):
-    monkeypatch.setattr(aot, "compile_run", lambda topology: {"fits": True})
+    monkeypatch.setattr(aot, "compile_run", lambda spec, topology: {"fits": True})
     monkeypatch.setattr(aot, "format_report", lambda report: "report")
     written = []
     monkeypatch.setattr(aot.storage, "write_text_atomically", lambda path, text: written.append((str(path), text)))

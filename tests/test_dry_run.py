@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollverify_jax import setup, train
+from rollverify_jax import builder, train
 from rollverify_jax.models import Tokenizer, build_char_tokenizer
 from rollverify_jax.rollout.scheduler import validate_request
+from rollverify_jax.spec import RunSpec, parse_gin
 
 TINY = "configs/tiny_rollverify.gin"
 ROOM = 320 - 200  # tiny_base.gin: EngineConfig.max_seq_len - RolloutConfig.max_new_tokens
@@ -133,7 +134,7 @@ def test_prompt_lengths_are_those_run_encode_makes(tmp_path):
     records = [{"prompt": p, "answer": "0"} for p in (short(1), LONG, short(1), short(22))]
     for chat in (False, True):
         expected = [len(tok.encode_prompt(r["prompt"], chat=chat)) for r in records]
-        assert setup.prompt_lengths(tok, records, chat, chunk=2).tolist() == expected
+        assert builder.prompt_lengths(tok, records, chat, chunk=2).tolist() == expected
     assert expected[0] > len(short(1))  # the chat template's tokens are counted
 
 
@@ -141,33 +142,33 @@ def test_load_prompts_drops_over_long_prompts_once_with_a_warning(tmp_path, caps
     tok = Tokenizer.from_dir("assets/tiny_policy")
     path = write_dapo_jsonl(tmp_path / "train.jsonl", [short(0), LONG, short(2), LONG])
     kwargs = {"path": path, "apply_template": False}
-    kept = setup.load_prompts("train", "dapo_jsonl", kwargs, tok, False, ROOM)
+    kept = builder.load_prompts("train", "dapo_jsonl", kwargs, tok, False, ROOM)
     assert [r["answer"] for r in kept] == ["0", "2"]
     assert ("warning: train dataset 'dapo_jsonl': dropped 2 of 4 prompts longer than 120 tokens (the room "
             f"EngineConfig.max_seq_len - RolloutConfig.max_new_tokens leaves; the longest has {len(LONG)}); "
             "2 remain.") in capsys.readouterr().out
-    assert len(setup.load_prompts("train", "dapo_jsonl", kwargs, tok, False, len(LONG))) == 4
+    assert len(builder.load_prompts("train", "dapo_jsonl", kwargs, tok, False, len(LONG))) == 4
     assert capsys.readouterr().out == ""
     with pytest.raises(ValueError, match="Every prompt of the eval dataset 'dapo_jsonl' .* is longer than 10 tokens"):
-        setup.load_prompts("eval", "dapo_jsonl", kwargs, tok, False, 10)
+        builder.load_prompts("eval", "dapo_jsonl", kwargs, tok, False, 10)
 
 
 def test_a_run_starts_without_the_over_long_prompts(tmp_path, capsys):
-    """build() filters train and eval data, so every prompt the scheduler will see is admissible."""
+    """build_trainer filters train and eval data, so every prompt the scheduler will see is admissible."""
     train_path = write_dapo_jsonl(tmp_path / "train.jsonl", [short(i) for i in range(5)] + [LONG] * 3)
     eval_path = write_aime_parquet(tmp_path / "eval.parquet", [LONG, short(7), short(8)])
     gin.clear_config()
     try:
-        setup.parse_gin([TINY], data_params(train_path, eval_path) + ["TrainConfig.eval_size = 5"])
-        run = setup.build(setup.TrainConfig(), workdir=tmp_path / "run", for_training=True)
+        parse_gin([TINY], data_params(train_path, eval_path) + ["TrainConfig.eval_size = 5"])
+        run = builder.build_trainer(RunSpec.from_gin(), tmp_path / "run")
     finally:
         gin.clear_config()
     try:
         out = capsys.readouterr().out
         assert "warning: train dataset 'dapo_jsonl': dropped 3 of 8 prompts" in out
         assert "warning: eval dataset 'aime_parquet': dropped 1 of 3 prompts" in out
-        assert run.iterator.num_records == 5 and [r["answer"] for r in run.eval_records] == ["1", "2"]
-        for record in [run.iterator.next_batch()[0] for _ in range(5)] + run.eval_records:
-            validate_request(np.asarray(run.encode(record)), 200, 320)  # what the scheduler checks on admission
+        assert run.iterator.num_records == 5 and [r["answer"] for r in run.policy.eval_records] == ["1", "2"]
+        for record in [run.iterator.next_batch()[0] for _ in range(5)] + run.policy.eval_records:
+            validate_request(np.asarray(run.policy.encode(record)), 200, 320)  # what the scheduler checks on admission
     finally:
         run.close()

@@ -3,7 +3,6 @@ token instead of their stale KV, and the engine's serving copy of the weights.""
 
 import dataclasses
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +61,7 @@ def test_megacore_follows_the_device_kind():
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "chunked"])
-def test_inactive_slots_attend_over_one_token_and_active_ones_are_unchanged(impl, monkeypatch):
+def test_inactive_slots_attend_over_one_token_and_active_ones_are_unchanged(impl, monkeypatch, spec_of):
     """Decode attention for 4 slots, two inactive with long stale lengths: the kernel gets length 1 for those
     (at most one page read; 0 would give NaN), the active slots' outputs equal attention over their own
     lengths + 1, and no output is NaN."""
@@ -80,22 +79,20 @@ def test_inactive_slots_attend_over_one_token_and_active_ones_are_unchanged(impl
     real = engine_lib.paged_attention
 
     def spy(q, k_pages, v_pages, lengths, table, **kw):
+        assert kw["impl"] == impl and kw["pages_per_compute_block"] == 2  # the spec's knobs reach the kernel
         jax.debug.callback(lambda x: seen.append(np.asarray(x)), lengths)
         return real(q, k_pages, v_pages, lengths, table, **kw)
     monkeypatch.setattr(engine_lib, "paged_attention", spy)
-    with gin.config_scope(None):
-        gin.bind_parameter("paged_attention.impl", impl)
-        gin.bind_parameter("paged_attention.interpret", True)
-        gin.bind_parameter("paged_attention.pages_per_compute_block", 2)
-        try:
-            def run(q, k, v, kp, vp):
-                attn = engine_lib._DecodeAttention(paged_cache.KVPages(k=[kp], v=[vp]), table, lengths, active,
-                                                   layout)
-                return attn(0, q, k, v), attn.k[0], attn.v[0]
-            out, kp, vp = jax.jit(run)(q, k, v, k_pages, v_pages)
-            jax.effects_barrier()
-        finally:
-            gin.clear_config()
+    # The kernel knobs as a run hands them over: gin bindings -> RunSpec.attention -> the decode attention.
+    knobs = spec_of(f"paged_attention.impl = '{impl}'", "paged_attention.interpret = True",
+                    "paged_attention.pages_per_compute_block = 2").attention
+
+    def run(q, k, v, kp, vp):
+        attn = engine_lib._DecodeAttention(paged_cache.KVPages(k=[kp], v=[vp]), table, lengths, active, layout,
+                                           tuple(sorted(knobs.items())))
+        return attn(0, q, k, v), attn.k[0], attn.v[0]
+    out, kp, vp = jax.jit(run)(q, k, v, k_pages, v_pages)
+    jax.effects_barrier()
     np.testing.assert_array_equal(seen[0], [10, 1, 18, 1])
     want = attention_lib.paged_attention_reference(q[:, 0] * d ** -0.5, kp, vp, lengths + 1, table)
     np.testing.assert_allclose(np.asarray(out[:, 0])[[0, 2]], np.asarray(want)[[0, 2]], atol=2e-5)

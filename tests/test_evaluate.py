@@ -1,5 +1,6 @@
 """Held-out evaluation: its own sampling settings, params-only restore, clear errors, logged generations."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -11,13 +12,14 @@ import numpy as np
 import optax
 import pytest
 
-from rollverify_jax import evaluate, setup, train
+from rollverify_jax import builder, evaluate, evaluation, train
 from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.metrics import read_metrics
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rollout.sampling import SamplingConfig
+from rollverify_jax.spec import RunSpec, parse_gin
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 TASK = {"n": 12, "split": "test", "max_steps": 2, "length_median": 1.0, "length_sigma": 0.5, "max_value": 99,
@@ -34,11 +36,12 @@ def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.0
     """A run's checkpoint of the tiny policy with its params moved away from the policy's (so a test that
     reads the initial weights instead fails); returns those params."""
     model = load_pretrained(POLICY)
-    state = learner_lib.init_train_state(model, optimizer or learner_lib.make_optimizer(), mesh_lib.make_mesh())
+    optimizer = optimizer or learner_lib.make_optimizer(learner_lib.OptimizerConfig())
+    state = learner_lib.init_train_state(model, optimizer, mesh_lib.make_mesh())
     rng = np.random.default_rng(step)
     params = jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(x.dtype), state.params)
     with Checkpointer(workdir, CheckpointConfig(async_save=False),
-                      model_fingerprint=setup.model_fingerprint(model)) as ckpt:
+                      model_fingerprint=builder.model_fingerprint(model)) as ckpt:
         ckpt.save(step, state.replace(params=params), {"settings": {"policy_path": str(POLICY)}}, force=True)
     (workdir / "policy.txt").write_text(json.dumps({"policy_path": str(POLICY)}) + "\n")
     return params
@@ -46,7 +49,7 @@ def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.0
 
 def _gin(extra=()):
     gin.clear_config()
-    train.parse_gin([], [*BINDINGS, *extra])
+    parse_gin([], [*BINDINGS, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def eval_run(tmp_path_factory):
     make_checkpoint(workdir, 3)
     _gin()
     try:
-        run = setup.build(setup.TrainConfig(), checkpoint=workdir)
+        run = builder.build_policy(RunSpec.from_gin(), checkpoint=workdir)
     finally:
         gin.clear_config()
     yield run
@@ -66,24 +69,29 @@ def eval_run(tmp_path_factory):
 def _evaluate(run, tmp_path, extra=()):
     _gin(extra)
     try:
-        metrics = evaluate.evaluate_run(run, tmp_path / "samples.jsonl")
+        metrics = evaluation.evaluate_run(_respec(run), samples_path=tmp_path / "samples.jsonl")
     finally:
         gin.clear_config()
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     return metrics, rows
 
 
+def _respec(policy):
+    """The built policy under the spec of the bindings parsed now (EvalConfig changes between evaluations)."""
+    return dataclasses.replace(policy, spec=RunSpec.from_gin())
+
+
 def test_eval_config_defaults_keep_the_training_sampler():
     train_sampler = SamplingConfig(temperature=0.7, top_p=0.95, top_k=5)
-    assert evaluate.EvalConfig().sampling(train_sampler) is train_sampler
-    assert evaluate.EvalConfig(temperature=0.0).sampling(train_sampler) == SamplingConfig(0.7, 0.95, 5, greedy=True)
-    assert evaluate.EvalConfig(temperature=0.3, top_p=0.5).sampling(SamplingConfig(greedy=True)) == \
+    assert evaluation.EvalConfig().sampling(train_sampler) is train_sampler
+    assert evaluation.EvalConfig(temperature=0.0).sampling(train_sampler) == SamplingConfig(0.7, 0.95, 5, greedy=True)
+    assert evaluation.EvalConfig(temperature=0.3, top_p=0.5).sampling(SamplingConfig(greedy=True)) == \
         SamplingConfig(0.3, 0.5, 0, greedy=False)
-    assert evaluate.EvalConfig(top_p=0.5).sampling(train_sampler) == SamplingConfig(0.7, 0.5, 5)
+    assert evaluation.EvalConfig(top_p=0.5).sampling(train_sampler) == SamplingConfig(0.7, 0.5, 5)
     for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"samples_per_problem": 0}, {"max_new_tokens": 0},
                 {"num_samples_logged": -1}):
         with pytest.raises(ValueError, match="EvalConfig"):
-            evaluate.EvalConfig(**bad)
+            evaluation.EvalConfig(**bad)
 
 
 def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_run, tmp_path):
@@ -120,7 +128,7 @@ def test_eval_config_sets_k_temperature_and_length_apart_from_training(eval_run,
     _gin([f"EvalConfig.max_new_tokens = {64 - longest + 1}"])
     try:
         with pytest.raises(ValueError, match=f"EvalConfig.max_new_tokens=.*longest eval prompt .{longest} tokens"):
-            evaluate.evaluate_run(eval_run)
+            evaluation.evaluate_run(_respec(eval_run))
     finally:
         gin.clear_config()
 
@@ -140,7 +148,7 @@ def test_evaluate_reads_only_the_params(tmp_path, capsys):
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "2" / "extra")
     _gin()
     try:
-        run = setup.build(setup.TrainConfig(), checkpoint=tmp_path / "run" / "checkpoints" / "2")
+        run = builder.build_policy(RunSpec.from_gin(), checkpoint=tmp_path / "run" / "checkpoints" / "2")
     finally:
         gin.clear_config()
     run.close()

@@ -117,7 +117,7 @@ def test_bad_input_is_one_error_and_writes_nothing(run_dir, tmp_path, capsys, ch
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch):
+def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch, spec_of):
     workdir, _ = run_dir
 
     def broken(src, dst):
@@ -125,12 +125,12 @@ def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(export, "copy_tokenizer", broken)
     gin.clear_config()
     with pytest.raises(OSError, match="disk full"):
-        export.export(workdir, tmp_path / "hf")
+        export.export(spec_of(), workdir, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "keep.txt").write_text("mine")
     with pytest.raises(OSError, match="disk full"):  # an export that would replace a directory keeps it
-        export.export(workdir, tmp_path / "old", overwrite=True)
+        export.export(spec_of(), workdir, tmp_path / "old", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (tmp_path / "old" / "keep.txt").read_text() == "mine"
 
 

@@ -45,7 +45,7 @@ def test_splash_gradients_equal_the_reference(qkv):
     q, k, v, segments, _ = qkv
     weights = (segments > 0)[..., None, None].astype(jnp.float32)
 
-    def loss(q, k, v, impl, cfg=None):
+    def loss(q, k, v, impl, cfg=fa.DEFAULT_FLASH):
         return jnp.sum(weights * fa.causal_attention(q, k, v, segments, impl, cfg) ** 2)
 
     want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "reference")

@@ -13,10 +13,8 @@ import pytest
 
 from rollverify_jax import train
 from rollverify_jax.dry_run import architecture, mesh_shape
-from rollverify_jax.rl.learner import LearnerConfig
-from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.setup import TrainConfig
+from rollverify_jax.spec import RunSpec, parse_gin
 
 CONFIG = "configs/qwen3_8b_dapo_8xh200.gin"
 GiB = 2**30
@@ -25,11 +23,11 @@ GiB = 2**30
 def test_config_holds_the_settings_its_memory_arithmetic_assumes():
     gin.clear_config()
     try:
-        train.parse_gin([CONFIG], [])
-        shape, engine, learner = mesh_shape(), EngineConfig(), LearnerConfig()
-        cfg = architecture(TrainConfig())
-        topology = gin.query_parameter("AotConfig.topology")
-        flash = gin.query_parameter("FlashConfig.impl")
+        parse_gin([CONFIG], [])
+        spec = RunSpec.from_gin()
+        shape, engine, learner = mesh_shape(spec), spec.engine, spec.learner
+        cfg = architecture(spec)
+        topology, flash = spec.aot.topology, spec.flash.impl
     finally:
         gin.clear_config()
     assert shape == [1, 2, 4] and topology is None and flash == "cudnn"

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import init_model, model_config, token_logprobs
 from rollverify_jax.rl import learner
 from rollverify_jax.rl.losses import LossConfig
@@ -55,7 +55,7 @@ def batch_and_noise(model):
     return batch, noise
 
 
-def _step_fn(model, mesh, cfg: learner.LearnerConfig, flash: FlashConfig | None = None):
+def _step_fn(model, mesh, cfg: learner.LearnerConfig, flash: FlashConfig = DEFAULT_FLASH):
     """One compiled train step per (mesh, config), shared across tests to keep compiles few."""
     key = (tuple(mesh.devices.shape), cfg, flash)
     if key not in _STEPS:
@@ -64,7 +64,7 @@ def _step_fn(model, mesh, cfg: learner.LearnerConfig, flash: FlashConfig | None 
     return _STEPS[key]
 
 
-def _train(model, mesh, cfg, batch, steps=1, flash=None):
+def _train(model, mesh, cfg, batch, steps=1, flash=DEFAULT_FLASH):
     step = _step_fn(model, mesh, cfg, flash)
     state = learner.init_train_state(model, OPT, mesh, seed=0)
     history = []

@@ -3,7 +3,6 @@
 import dataclasses
 import math
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -483,20 +482,13 @@ def test_config_accepts_every_aggregation(aggregation):
     assert L.LossConfig(aggregation=aggregation).aggregation == aggregation
 
 
-def test_config_is_gin_configurable_and_hashable():
-    # Scoped bindings leave the global gin config (other tests' bindings) untouched.
-    gin.parse_config(
-        [
-            "test_losses/LossConfig.eps_high = 0.3",
-            "test_losses/LossConfig.aggregation = 'seq-mean-token-mean'",
-            "test_losses_bad/LossConfig.dual_clip_c = 0.5",
-        ]
-    )
-    with gin.config_scope("test_losses"):
-        cfg = L.LossConfig()
+def test_config_is_gin_configurable_and_hashable(spec_of):
+    spec = spec_of("LossConfig.eps_high = 0.3", "LossConfig.aggregation = 'seq-mean-token-mean'")
+    cfg = spec.loss
     assert cfg.eps_high == 0.3 and cfg.aggregation == "seq-mean-token-mean" and cfg.eps_low == 0.2
-    with pytest.raises(ValueError, match="dual_clip_c"), gin.config_scope("test_losses_bad"):
-        L.LossConfig()
+    assert spec.learner.loss == cfg  # the learner's loss is the spec's
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        spec_of("LossConfig.dual_clip_c = 0.5")
     assert L.LossConfig().eps_high == 0.28
     assert hash(L.LossConfig()) == hash(L.LossConfig())
     with pytest.raises(dataclasses.FrozenInstanceError):

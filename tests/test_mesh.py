@@ -1,6 +1,5 @@
 """Mesh construction, logical-axis rules, and sharded-vs-unsharded equality on 8 fake CPU devices."""
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,16 +63,12 @@ def test_param_specs_match_golden_table(mesh222):
             assert spec == specs[ref], path
 
 
-def test_rules_overridable_from_gin(mesh222):
-    gin.clear_config()
-    try:
-        gin.parse_config("logical_axis_rules.rules = [('embed', None), ('mlp', ('fsdp', 'tensor'))]")
-        rules = mesh_lib.logical_axis_rules()
-        assert mesh_lib.logical_to_spec(("embed", "mlp"), (128, 384), mesh222, rules) == P(None, ("fsdp", "tensor"))
-        with pytest.raises(ValueError, match="No logical-axis rule for 'vocab'"):
-            mesh_lib.logical_to_spec(("vocab",), (64,), mesh222, rules)
-    finally:
-        gin.clear_config()
+def test_rules_overridable_from_gin(mesh222, spec_of):
+    spec = spec_of("logical_axis_rules.rules = [('embed', None), ('mlp', ('fsdp', 'tensor'))]")
+    rules = spec.axis_rules_dict()
+    assert mesh_lib.logical_to_spec(("embed", "mlp"), (128, 384), mesh222, rules) == P(None, ("fsdp", "tensor"))
+    with pytest.raises(ValueError, match="No logical-axis rule for 'vocab'"):
+        mesh_lib.logical_to_spec(("vocab",), (64,), mesh222, rules)
 
 
 def test_uneven_dimension_is_replicated(mesh222):

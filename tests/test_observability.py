@@ -11,7 +11,6 @@ import sys
 import types
 from pathlib import Path
 
-import gin
 import jax.numpy as jnp
 import pytest
 from conftest import load_script
@@ -96,16 +95,11 @@ def test_lines_print_one_flushed_line_per_step(monkeypatch):
     assert stdout.getvalue().count("\n") == 2
 
 
-def test_gin_forces_either_style(monkeypatch, capsys):
+def test_gin_forces_either_style(monkeypatch, capsys, spec_of):
     _tty(monkeypatch, True, True)
-    gin.clear_config()
-    try:
-        gin.parse_config("MetricsConfig.progress = 'lines'")
-        with open_progress(MetricsConfig(), total_steps=3) as progress:  # lines on a terminal
-            progress.update(1, {"reward/mean": 0.5})
-        assert capsys.readouterr().out == "step=1/3 reward=0.500\n"
-    finally:
-        gin.clear_config()
+    with open_progress(spec_of("MetricsConfig.progress = 'lines'").metrics, total_steps=3) as progress:
+        progress.update(1, {"reward/mean": 0.5})  # lines on a terminal
+    assert capsys.readouterr().out == "step=1/3 reward=0.500\n"
     _tty(monkeypatch, False, False)
     bar = open_progress(MetricsConfig(progress="bar"), total_steps=3)  # a bar in a log file, when asked
     assert isinstance(bar, ProgressBar) and not bar.disabled
@@ -159,18 +153,14 @@ def test_wandb_off_by_default(fake_wandb, tmp_path):
     assert fake_wandb == []
 
 
-def test_wandb_gets_every_record(fake_wandb, tmp_path):
-    gin.clear_config()
-    try:
-        gin.parse_config(["MetricsConfig.wandb_project = 'rollverify'", "MetricsConfig.wandb_entity = 'lab'"])
-        cfg = MetricsConfig()
-        workdir = tmp_path / "my_run"
-        with MetricsWriter(workdir, use_tensorboard=False, wandb_run=open_wandb(cfg, workdir, start_step=4)) as w:
-            record = w.write(5, STEP)
-            w.write(6, {"reward/mean": 0.5, "verify/regen_equal_rate": float("nan")})
-            assert fake_wandb[-1][0] == "log"  # sent as it is written, not at close
-    finally:
-        gin.clear_config()
+def test_wandb_gets_every_record(fake_wandb, tmp_path, spec_of):
+    spec = spec_of("MetricsConfig.wandb_project = 'rollverify'", "MetricsConfig.wandb_entity = 'lab'")
+    workdir = tmp_path / "my_run"
+    wandb_run = open_wandb(spec.metrics, workdir, start_step=4, gin_text=spec.gin_text)
+    with MetricsWriter(workdir, use_tensorboard=False, wandb_run=wandb_run) as w:
+        record = w.write(5, STEP)
+        w.write(6, {"reward/mean": 0.5, "verify/regen_equal_rate": float("nan")})
+        assert fake_wandb[-1][0] == "log"  # sent as it is written, not at close
     (kind, init), *logs, finish = fake_wandb
     assert kind == "init" and finish == ("finish",)
     assert {k: init[k] for k in ("project", "entity", "name", "dir")} == {
@@ -351,7 +341,7 @@ def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
 
 
 def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split():
-    from rollverify_jax.train import run_summary
+    from rollverify_jax.metrics import run_summary
 
     def step(i, on_policy, util, acc=None):
         m = {"step": i, "time/step": 10.0, "time/rollout": 6.0, "time/verify": 1.0, "time/train": 3.0,
@@ -363,11 +353,13 @@ def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split(
     metrics = [{"step": 0, "eval/accuracy": 0.2}, step(1, 0, 0.9), step(2, 0, 0.8, acc=0.6),
                step(3, 0, 1.0, acc=0.2), {**step(4, 1, 0.5), "mode/switch_step": 3}]
     assert run_summary(metrics) == [
+        "held-out accuracy: 0.200 (step 0) -> 0.200 (step 0), +0.0 points",
         "rollout mode: partial for 3 of 4 steps (75% of the step time), switched to on-policy at step 3",
         "slot utilization: partial 0.90, on-policy 0.50",
         "time: 40 s in steps: rollout 24 s (60%), verify 4 s (10%), train 12 s (30%)",
         "verification: mean cycle acceptance 0.40 over 2 cycles"]
-    assert run_summary([{"step": 0, "eval/accuracy": 0.2}]) == []
+    assert run_summary([{"step": 0, "eval/accuracy": 0.2}, {"step": 5, "eval/accuracy": 0.35}]) == [
+        "held-out accuracy: 0.200 (step 0) -> 0.350 (step 5), +15.0 points"]  # no step rows: that line only
 
 
 def _study_rows(final_accuracy: float, steps: int = 6, on_policy: int = 0) -> list[dict]:

@@ -26,7 +26,7 @@ def _manager(engine, **kw):
     verify = VerifyConfig(**{k: kw.pop(k) for k in ("ds", "dt", "verify_finished") if k in kw})
     cfg = RolloutConfig(**{"batch_groups": 2, "group_size": 2, "max_new_tokens": 40, **kw})
     return RolloutManager(cfg, Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
-                          lambda rec: rng.integers(4, 60, size=5), seed=1, verify=verify)
+                          lambda rec: rng.integers(4, 60, size=5), seed=1, switch=SwitchConfig(), verify=verify)
 
 
 def test_on_policy_phase_waits_for_exactly_b_groups(engine):
@@ -42,7 +42,7 @@ def test_on_policy_phase_waits_for_exactly_b_groups(engine):
 
 def test_default_seed_is_zero(engine):
     mgr = RolloutManager(RolloutConfig(group_size=2), Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
-                         lambda rec: np.arange(4, 9))
+                         lambda rec: np.arange(4, 9), switch=SwitchConfig(), verify=VerifyConfig())
     assert [t.seed for t in mgr._new_group()] == [0, 1]  # (seed * 1_000_003 + uid) mod (2^31 - 1)
 
 
@@ -145,11 +145,13 @@ def test_new_groups_get_their_own_ids_uids_and_distinct_seeds(engine):
     assert first[0].prompt.dtype == np.int32  # the encoder here returns int64 tokens
     records = iter([{"prompt": "ab"}, {"prompt": "xyz"}])
     by_record = RolloutManager(mgr.config, mgr.scheduler, lambda: next(records),
-                               lambda rec: np.asarray([ord(c) for c in rec["prompt"]]), seed=1)
+                               lambda rec: np.asarray([ord(c) for c in rec["prompt"]]), seed=1,
+                               switch=mgr.switch_cfg, verify=mgr.verify_cfg)
     assert by_record._new_group()[0].prompt.tolist() == [97, 98]
     assert by_record._new_group()[0].prompt.tolist() == [120, 121, 122]
     assert by_record.cache.groups[1].record == {"prompt": "xyz"}
-    other = RolloutManager(mgr.config, mgr.scheduler, mgr.next_record, mgr.encode_prompt, seed=2)
+    other = RolloutManager(mgr.config, mgr.scheduler, mgr.next_record, mgr.encode_prompt, seed=2,
+                           switch=mgr.switch_cfg, verify=mgr.verify_cfg)
     assert {t.seed for t in other._new_group()}.isdisjoint({t.seed for t in first})
     assert all(0 <= t.seed < 2**31 - 1 for t in first + second)
 
@@ -491,6 +493,6 @@ def test_end_cycle_pushes_verifying_cycles_only_and_switches_for_good(engine):
 
 def test_trajectory_seeds_stay_in_int31_for_any_run_seed(engine):
     mgr = RolloutManager(RolloutConfig(group_size=3), Scheduler(engine), lambda: {"prompt": "x"},
-                         lambda rec: np.ones(2, np.int32), seed=10**6)
+                         lambda rec: np.ones(2, np.int32), seed=10**6, switch=SwitchConfig(), verify=VerifyConfig())
     seeds = [t.seed for t in mgr._new_group()]
     assert seeds == [(10**6 * 1_000_003 + uid) % (2**31 - 1) for uid in range(3)]

@@ -1,14 +1,14 @@
 """Model-level properties that parity tests do not pin down: causality, presets, dtypes, attention swap."""
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from rollverify_jax.builder import execution_config
 from rollverify_jax.models import init_model, model_config
-from rollverify_jax.models.qwen3 import CausalAttention, Qwen3Config
+from rollverify_jax.models.qwen3 import CausalAttention, Qwen3Config, Qwen3ForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +42,11 @@ def test_bfloat16_params_and_compute():
     assert m(jnp.zeros((1, 4), jnp.int32)).dtype == jnp.float32
 
 
-def test_unknown_preset_lists_known():
+def test_unknown_preset_lists_known(spec_of):
     with pytest.raises(ValueError, match=r"Unknown model preset 'qwen9'.*'tiny'"):
         model_config("qwen9")
-    gin.clear_config()
-    try:
-        gin.parse_config("model_config.preset = 'nope'")
-        with pytest.raises(ValueError, match="known presets"):
-            model_config()
-    finally:
-        gin.clear_config()
+    with pytest.raises(ValueError, match="known presets"):
+        model_config(**spec_of("model_config.preset = 'nope'").model)
 
 
 def test_config_validation():
@@ -108,7 +103,7 @@ def _assert_grads_close(got, want) -> None:
     (("fsdp", "tensor"), 5),    # both at once, one expert per device, a padded last chunk
     (("data", "fsdp"), 9),      # over both row axes, with the inner dimension over 'tensor'
 ])
-def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk):
+def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk, spec_of):
     """Expert parallelism on 8 devices (experts sharded by the logical-axis rules, each device holding only its
     own) gives the values, router logits and gradients of the model computed on one device."""
     from rollverify_jax import mesh as mesh_lib
@@ -124,16 +119,15 @@ def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk):
         return jnp.sum(h ** 2) + sum(jnp.sum(r ** 2) for r in router), (h, router)
 
     (want, (h0, r0)), g0 = jax.value_and_grad(loss, has_aux=True)(params, None)
-    gin.clear_config()
-    try:
-        gin.bind_parameter("logical_axis_rules.rules", rules)
-        gin.bind_parameter("expert_parallel_chunk.tokens", chunk)
-        placed = nnx.state(mesh_lib.shard_model(nnx.merge(graphdef, params), mesh))
-        gate = placed["layers"][1]["mlp"]["gate_proj"][...]
-        assert gate.addressable_shards[0].data.shape[0] < gate.shape[0]  # each device holds only its experts
-        (got, (h1, r1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(placed, mesh)
-    finally:
-        gin.clear_config()
+    # The rules and the chunk as a run gets them: from gin, through the spec, into the model's config.
+    spec = spec_of(f"logical_axis_rules.rules = {rules!r}", f"expert_parallel_chunk.tokens = {chunk}")
+    assert execution_config(model.cfg, spec).expert_parallel_chunk == chunk
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Qwen3ForCausalLM(execution_config(model.cfg, spec),
+                                                                    rngs=nnx.Rngs(0))))
+    placed = nnx.state(mesh_lib.shard_model(nnx.merge(graphdef, params), mesh, spec.axis_rules_dict()))
+    gate = placed["layers"][1]["mlp"]["gate_proj"][...]
+    assert gate.addressable_shards[0].data.shape[0] < gate.shape[0]  # each device holds only its experts
+    (got, (h1, r1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(placed, mesh)
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
     for a, b in zip(r1, r0, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)

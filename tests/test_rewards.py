@@ -5,7 +5,6 @@ import signal
 import subprocess
 import time
 
-import gin
 import numpy as np
 import pytest
 
@@ -280,13 +279,12 @@ def test_scorer_recovers_after_faults(faulty):
     assert faulty.totals["timeouts"] == before + 1  # totals accumulate over calls
 
 
-def test_gin_configurable():
-    gin.parse_config(
-        ["rewards_test/RewardScorer.name = 'exact'", "rewards_test/RewardScorer.timeout_s = 3.0"]
-    )
-    with gin.config_scope("rewards_test"):
-        s = RewardScorer()
-    assert s.name == "exact" and s.timeout_s == 3.0
+def test_gin_configurable(spec_of):
+    s = RewardScorer(**spec_of("RewardScorer.name = 'exact'", "RewardScorer.timeout_s = 3.0").reward)
+    try:
+        assert s.name == "exact" and s.timeout_s == 3.0
+    finally:
+        s.close()
     with pytest.raises(ValueError, match="unknown reward"):
         RewardScorer("bogus")
 

@@ -17,6 +17,7 @@ from rollverify_jax.rl import partial_rollout
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig
 from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.sim import CostModel, CutModel, LengthModel, Workload, simulate
+from rollverify_jax.sim import config as sim_config
 from rollverify_jax.verify import SwitchConfig, update_switch_state
 
 
@@ -36,7 +37,7 @@ def _workload(cfg: EngineConfig, live_slots: bool) -> Workload:
 
 
 def test_modes_are_one_tuple():
-    assert partial_rollout.MODES is schedule_rules.MODES and sim_cli.MODES is schedule_rules.MODES
+    assert partial_rollout.MODES is schedule_rules.MODES and sim_config.MODES is schedule_rules.MODES
 
 
 def test_pow2_bucket_is_the_engine_bucket():

@@ -256,7 +256,8 @@ def test_run_stops_at_the_dispatch_limit_and_the_condition(engine):
 
 def test_request_that_does_not_fit_yet_waits(model):
     small = Engine(model, EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3,
-                                       kv_memory_bytes=7 * PAGE_BYTES, page_reservation="full"))  # scratch + 6
+                                       kv_memory_bytes=7 * PAGE_BYTES, page_reservation="full"),
+                   SamplingConfig(temperature=1.0))  # scratch + 6 pages
     sched = _submit(small, [Trajectory(uid=i, group_id=i, prompt=np.arange(4, 12, dtype=np.int32), seed=i,
                                        max_new_tokens=16) for i in range(3)])  # 3 pages each
     sched.step()

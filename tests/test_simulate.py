@@ -365,20 +365,19 @@ def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
     # The simulator's train step at a real config (its LearnerConfig read from the config itself) costs what
     # `aot.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model.
     from rollverify_jax import aot
-    from rollverify_jax.aot_config import AotConfig
     from rollverify_jax.dry_run import architecture
-    from rollverify_jax.rl.learner import LearnerConfig
-    from rollverify_jax.setup import TrainConfig, parse_gin
+    from rollverify_jax.spec import RunSpec, parse_gin
 
     parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
-    shape, learner, a, roof = sim_cli.read_run_shape(), LearnerConfig(), AotConfig(), RooflineCosts()
+    spec = RunSpec.from_gin()
+    shape, learner, a, roof = sim_cli.read_run_shape(spec), spec.learner, spec.aot, spec.roofline
     layout = shape.train_layout
     assert (layout.num_minibatches, layout.micro_batch_size, layout.tail_row_width, layout.width) == (
         learner.num_minibatches, learner.micro_batch_size, learner.tail_row_width, gin.query_parameter(
             "EngineConfig.max_seq_len"))
     assert roof.train_mfu == a.train_mfu and roof.train_passes == 3.0
     rows = shape.batch_groups * shape.group_size
-    est = aot.packed_train_estimate(architecture(TrainConfig()), learner, rows, layout.width, shape.max_new_tokens,
+    est = aot.packed_train_estimate(architecture(spec), learner, rows, layout.width, shape.max_new_tokens,
                                     a, layout.row_multiple, batches=2)
     rng = np.random.default_rng(0)  # the estimate's own draws
     batches = [aot.sample_lengths(rng, rows, layout.width, shape.max_new_tokens, a) for _ in range(2)]
@@ -432,11 +431,12 @@ def test_real_scale_decode_step_equals_the_aot_estimate(config, sim_config):
     # decode the aot length model's sequences in lockstep, and the mean step is compared. The bindings are
     # aot's assumptions and the real config's shape.
     from rollverify_jax import roofline
-    from rollverify_jax.aot_config import CHIPS, AotConfig
-    from rollverify_jax.setup import parse_gin
+    from rollverify_jax.aot_config import CHIPS
+    from rollverify_jax.spec import RunSpec, parse_gin
 
     parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
-    shape, a, roof, cfg = sim_cli.read_run_shape(), AotConfig(), RooflineCosts(), sim_cli.SimConfig()
+    spec = RunSpec.from_gin()
+    shape, a, roof, cfg = sim_cli.read_run_shape(spec), spec.aot, spec.roofline, spec.sim
     chip = CHIPS["TPU v5"]
     assert (roof.peak_flops, roof.hbm_bandwidth) == (chip.peak_flops, chip.hbm_bandwidth)
     assert roof.ici_bandwidth == chip.ici_bandwidth * a.collective_links / (2 * chip.ici_links)

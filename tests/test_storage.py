@@ -16,8 +16,9 @@ from etils.epath import testing as epath_testing
 from rollverify_jax import checkpoint as checkpoint_lib
 from rollverify_jax import compile_cache, storage
 from rollverify_jax.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer
-from rollverify_jax.evaluate import write_samples
+from rollverify_jax.evaluation import write_samples
 from rollverify_jax.metrics import MetricsWriter, read_metrics, save_operative_config
+from rollverify_jax.spec import RunSpec
 
 TINY_GIN = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_rollverify.gin")
 
@@ -171,10 +172,12 @@ def test_metrics_config_and_samples_are_written_to_a_bucket(bucket):
 
     gin.parse_config("compilation_cache.dir = None")
     try:
-        save_operative_config(workdir)
+        spec = RunSpec.from_gin()
     finally:
         gin.clear_config()
+    save_operative_config(workdir, spec.operative_text(), spec.gin_text)
     assert "compilation_cache.dir = None" in (mirror / "runs/x/config.gin").read_text()
+    assert "compilation_cache.dir = None" in (mirror / "runs/x/operative_config.gin").read_text()
 
     write_samples(f"{workdir}/samples/step_3.jsonl", [{"problem": 0, "response": "4"}], step=3)
     assert json.loads((mirror / "runs/x/samples/step_3.jsonl").read_text()) == {"step": 3, "problem": 0,
@@ -196,9 +199,12 @@ def test_a_local_metrics_file_is_still_appended_to(tmp_path, monkeypatch):
 
 def test_workdir_of_a_config_can_be_a_bucket():
     from rollverify_jax.export import check_out_dir
-    from rollverify_jax.train import TrainConfig, workdir_for
-
-    workdir = workdir_for(TrainConfig(runs_root="gs://bucket/runs"), [TINY_GIN])
+    gin.clear_config()
+    try:
+        gin.parse_config("TrainConfig.runs_root = 'gs://bucket/runs'")
+        workdir = RunSpec.from_gin().workdir([TINY_GIN])
+    finally:
+        gin.clear_config()
     assert str(workdir) == "gs://bucket/runs/tiny_rollverify"
     with pytest.raises(ValueError, match="not a local path"):
         check_out_dir("gs://bucket/exports/x", overwrite=False)
@@ -274,7 +280,7 @@ def test_the_cache_setting_applies_jax_config(tmp_path, jax_cache_config):
 def test_none_leaves_the_cache_off(jax_cache_config):
     gin.parse_config("compilation_cache.dir = None")
     try:
-        assert compile_cache.compilation_cache() is None
+        assert compile_cache.compilation_cache(**RunSpec.from_gin().compile_cache) is None
     finally:
         gin.clear_config()
     assert jax.config.jax_compilation_cache_dir is None
@@ -313,7 +319,7 @@ def test_every_cli_turns_the_cache_on_before_it_compiles(cli, tmp_path, monkeypa
 
     module = importlib.import_module(f"rollverify_jax.{cli}")
     monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "xla"))
-    nxt = {"train": "TrainConfig", "evaluate": "resolve_checkpoint", "aot": "compile_run"}[cli]
+    nxt = {"train": "train", "evaluate": "resolve_checkpoint", "aot": "compile_run"}[cli]
     monkeypatch.setattr(module, nxt, lambda *a, **k: (_ for _ in ()).throw(_Stop()))
     args = {"evaluate": ["--checkpoint", str(tmp_path / "run")]}.get(cli, [])
     try:

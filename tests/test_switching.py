@@ -3,7 +3,6 @@
 import dataclasses
 import json
 
-import gin
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,20 +147,14 @@ def test_from_dict_missing_key_raises():
         SwitchState.from_dict(d)
 
 
-def test_switch_config_gin_binding():
-    with gin.unlock_config():
-        gin.clear_config()
-        gin.parse_config("SwitchConfig.window = 3\nSwitchConfig.threshold = 0.8")
-    try:
-        config = SwitchConfig()
-        assert (config.window, config.threshold, config.enabled) == (3, 0.8, True)
-        state = config.init()
-        assert state.window == 3
-        for step in range(3):
-            state = config.update(state, 0.75, step)
-        assert state.on_policy and state.switch_step == 2
-    finally:
-        gin.clear_config()
+def test_switch_config_gin_binding(spec_of):
+    config = spec_of("SwitchConfig.window = 3", "SwitchConfig.threshold = 0.8").switch
+    assert (config.window, config.threshold, config.enabled) == (3, 0.8, True)
+    state = config.init()
+    assert state.window == 3
+    for step in range(3):
+        state = config.update(state, 0.75, step)
+    assert state.on_policy and state.switch_step == 2
 
 
 def test_switch_config_disabled_never_switches():

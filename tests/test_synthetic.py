@@ -2,7 +2,6 @@
 
 import re
 
-import gin
 import numpy as np
 import pytest
 
@@ -92,11 +91,11 @@ def test_train_and_test_splits_are_disjoint():
     assert 0.05 < held_out < 0.15
 
 
-def test_gin_binding():
-    gin.parse_config("synthetic_test/SyntheticTask.max_steps = 2")
-    with gin.config_scope("synthetic_test"):
-        assert SyntheticTask().max_steps == 2
-    assert SyntheticTask().max_steps == 32
+def test_gin_binding_reaches_the_synthetic_datasets(spec_of):
+    spec = spec_of("SyntheticTask.max_steps = 2", "TrainConfig.train_dataset_kwargs = {'n': 4}")
+    assert spec.dataset_kwargs("train") == {"max_steps": 2, "n": 4}
+    assert spec.dataset_kwargs("eval") == {"max_steps": 2, "split": "test"}
+    assert SyntheticTask().max_steps == 32  # the class itself reads nothing
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 import json
 import string
 
-import gin
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -368,14 +367,11 @@ def test_chat_template_errors_name_the_problem(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
-# gin factory --------------------------------------------------------------------------------------
+# factory ------------------------------------------------------------------------------------------
 
 
-def test_load_tokenizer_via_gin(char_dir, char_tok):
-    gin.clear_config()
-    try:
-        gin.parse_config(f"load_tokenizer.path = '{char_dir}'\nload_tokenizer.model_vocab_size = 1000")
-        tok = load_tokenizer()
-        assert tok.vocab_size == char_tok.vocab_size and tok.eos_ids == char_tok.eos_ids
-    finally:
-        gin.clear_config()
+def test_load_tokenizer(char_dir, char_tok):
+    tok = load_tokenizer(char_dir, model_vocab_size=1000)
+    assert tok.vocab_size == char_tok.vocab_size and tok.eos_ids == char_tok.eos_ids
+    with pytest.raises(ValueError):
+        load_tokenizer(char_dir, model_vocab_size=2)

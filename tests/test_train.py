@@ -8,11 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from rollverify_jax import evaluate, setup, train
+from rollverify_jax import builder, evaluate, train
 from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.data.synthetic import char_vocabulary
 from rollverify_jax.metrics import read_metrics
 from rollverify_jax.models import build_char_tokenizer, init_model, load_pretrained, model_config, save_pretrained
+from rollverify_jax.spec import RunSpec, parse_gin
+from rollverify_jax.trainer import Trainer
 
 DESIGN_KEYS = {"step", "time/wall", "time/rollout", "time/verify", "time/train", "rollout/tokens_per_s",
                "rollout/slot_utilization", "reward/mean", "policy/entropy", "ops/token_mean", "verify/acceptance",
@@ -113,7 +115,7 @@ ASYNC = ("CheckpointConfig.async_save = True",)  # the default, which _params tu
 
 
 def _final_state(workdir, policy):
-    fingerprint = setup.model_fingerprint(load_pretrained(policy))
+    fingerprint = builder.model_fingerprint(load_pretrained(policy))
     with Checkpointer(workdir, CheckpointConfig(async_save=False), model_fingerprint=fingerprint) as ckpt:
         step, state, extra = ckpt.restore()
     return step, jax.tree.leaves(state), extra
@@ -215,17 +217,17 @@ def test_ratio_against_the_step_start_policy_leaves_staleness_uncorrected(policy
 def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
     gin.clear_config()
     try:
-        train.parse_gin([], _params(policy, "rollverify", 3))
-        cfg = train.TrainConfig()
-        run = train.build(cfg, workdir=tmp_path, for_training=True)
+        parse_gin([], _params(policy, "rollverify", 3))
+        spec = RunSpec.from_gin()
+        run = builder.build_trainer(spec, tmp_path)
         for _ in range(2):
             train.train_one_step(run)
         cache = run.manager.cache
         assert len(cache.paused) > 0 and any(t.num_tokens for t in cache.paused)
-        run.checkpointer.save(run.step, run.train_state, setup.run_state(run, 1.0), force=True)
+        run.checkpointer.save(run.step, run.train_state, run.state_dict(1.0), force=True)
         run.close()
-        back = train.build(cfg, workdir=tmp_path, for_training=True)
-        assert back.step == 2 and back.engine.version == 2
+        back = builder.build_trainer(spec, tmp_path)
+        assert back.step == 2 and back.policy.engine.version == 2
         before = {t.uid: t for t in cache.paused}
         after = {t.uid: t for t in back.manager.cache.paused}
         assert sorted(before) == sorted(after)
@@ -308,13 +310,11 @@ def test_evaluate_cli_reports_a_missing_checkpoint(policy, tmp_path, capsys):
 def test_shipped_tiny_configs_run_the_mode_their_name_says(name, mode, loss):
     """The loss-reweighting baselines (GSPO / SAPO / VESPO) run on naive partial rollout, as the method compares
     them; RollVerify is only ever the config that says so."""
-    from rollverify_jax.rl.learner import LearnerConfig
-    from rollverify_jax.rl.partial_rollout import RolloutConfig
-
     gin.clear_config()
     try:
-        train.parse_gin([f"configs/tiny_{name}.gin"], [])
-        assert (RolloutConfig().mode, LearnerConfig().loss_name) == (mode, loss)
+        parse_gin([f"configs/tiny_{name}.gin"], [])
+        spec = RunSpec.from_gin()
+        assert (spec.rollout.mode, spec.learner.loss_name) == (mode, loss)
     finally:
         gin.clear_config()
 
@@ -365,7 +365,7 @@ def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path, m
     import os
     import signal
 
-    real_learn = train.learn
+    real_learn = Trainer.learn
 
     def signalled(run, batch):
         out = real_learn(run, batch)
@@ -373,7 +373,7 @@ def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path, m
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(train, "learn", signalled)
+    monkeypatch.setattr(Trainer, "learn", signalled)
     workdir = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         _train(policy, workdir, "rollverify", 200, ("CheckpointConfig.save_interval_steps = 1000",))
@@ -382,7 +382,7 @@ def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path, m
     assert [m["step"] for m in read_metrics(workdir / "metrics.jsonl")] == [0, 1, 2]
     assert f"stopped by SIGTERM: checkpoint {workdir.absolute() / 'checkpoints' / '2'} committed" in err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handler is gone with the run
-    monkeypatch.setattr(train, "learn", real_learn)
+    monkeypatch.setattr(Trainer, "learn", real_learn)
     resumed = _train(policy, workdir, "rollverify", 3, ("CheckpointConfig.save_interval_steps = 1000",))
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
 
@@ -425,7 +425,7 @@ def test_a_signal_on_one_host_stops_every_host(monkeypatch):
 
 def _poisoned_from(step):
     """train.learn with NaN advantages from ``step`` on: every update of those steps is skipped."""
-    real_learn = train.learn
+    real_learn = Trainer.learn
 
     def learn(run, batch):
         if run.step + 1 >= step:
@@ -453,7 +453,7 @@ def test_a_stop_on_a_skipped_step_commits_the_last_good_state(policy, tmp_path, 
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(train, "learn", learn)
+    monkeypatch.setattr(Trainer, "learn", learn)
     monkeypatch.setattr(Checkpointer, "reached_preemption", lambda self, step: notice != "SIGTERM" and step == 2)
     workdir = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
@@ -471,16 +471,16 @@ def test_another_hosts_clock_past_the_budget_stops_every_host_and_commits_a_skip
     """Within the budget on this host's clock, past it on the other's (after step 2): both end after step 2
     (with the final evaluation), where before each host compared its own clock and this one went on alone. Step
     2's update is skipped (NaN): as the last step, its state is committed anyway."""
-    monkeypatch.setattr(train, "learn", _poisoned_from(2))
+    monkeypatch.setattr(Trainer, "learn", _poisoned_from(2))
     budget_spent = [0, 0, 0, 0]
 
-    def learn_then_budget(run, batch, learn=train.learn):
+    def learn_then_budget(run, batch, learn=Trainer.learn):
         out = learn(run, batch)
         if run.step == 2:
             budget_spent[2] = 1  # the other host's clock passes the budget now
         return out
 
-    monkeypatch.setattr(train, "learn", learn_then_budget)
+    monkeypatch.setattr(Trainer, "learn", learn_then_budget)
     _other_host(monkeypatch, lambda: budget_spent)
     workdir = tmp_path / "run"
     metrics = _train(policy, workdir, "on_policy", 5, (*QUICK, "TrainConfig.time_budget_s = 1e9"))
@@ -495,7 +495,7 @@ def test_nonfinite_updates_are_skipped_and_a_run_of_them_stops_with_the_good_che
     """From step 2 on every batch carries NaN advantages (injected): the updates are skipped and reported, the
     steps are not checkpointed at their interval, and the second such step in a row stops the run with exit
     status 3 after committing its state (the skipped updates changed nothing: it holds step 1's params)."""
-    monkeypatch.setattr(train, "learn", _poisoned_from(2))
+    monkeypatch.setattr(Trainer, "learn", _poisoned_from(2))
     with pytest.raises(SystemExit) as e:
         _train(policy, tmp_path / "run", "on_policy", 6, ("TrainConfig.max_skipped_steps = 2",))
     assert e.value.code == 3
@@ -504,7 +504,7 @@ def test_nonfinite_updates_are_skipped_and_a_run_of_them_stops_with_the_good_che
     assert "error: steps [2, 3] in a row had non-finite loss" in err and "checkpoint step 3 is committed" in err
     metrics = read_metrics(tmp_path / "run")
     assert [m["train/skipped_updates"] for m in metrics[1:]] == [0, 1, 1]
-    fingerprint = setup.model_fingerprint(load_pretrained(policy))
+    fingerprint = builder.model_fingerprint(load_pretrained(policy))
     with Checkpointer(tmp_path / "run", CheckpointConfig(), model_fingerprint=fingerprint) as ckpt:
         assert ckpt.all_steps() == [1, 3]
         params_1 = ckpt.restore(1)[1]["params"]

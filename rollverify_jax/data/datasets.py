@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import gin
 import grain
 import numpy as np
 import pyarrow as pa
@@ -189,7 +188,6 @@ def _load_aime(rows: Iterator[tuple[str, dict]], path: str, apply_template: bool
     return records
 
 
-@gin.configurable
 def load_dapo_jsonl(
     path: str, apply_template: bool = True, deduplicate: bool = False, max_rows: int | None = None
 ) -> list[Record]:
@@ -198,7 +196,6 @@ def load_dapo_jsonl(
     return _finish(_load_dapo(_iter_jsonl(path), path, apply_template), path, max_rows, deduplicate)
 
 
-@gin.configurable
 def load_dapo_parquet(
     path: str, apply_template: bool = True, deduplicate: bool = False, max_rows: int | None = None
 ) -> list[Record]:
@@ -208,7 +205,6 @@ def load_dapo_parquet(
     return _finish(_load_dapo(rows, path, apply_template), path, max_rows, deduplicate)
 
 
-@gin.configurable
 def load_aime_jsonl(
     path: str, apply_template: bool = True, deduplicate: bool = False, max_rows: int | None = None
 ) -> list[Record]:
@@ -217,7 +213,6 @@ def load_aime_jsonl(
     return _finish(_load_aime(_iter_jsonl(path), path, apply_template), path, max_rows, deduplicate)
 
 
-@gin.configurable
 def load_aime_parquet(
     path: str, apply_template: bool = True, deduplicate: bool = False, max_rows: int | None = None
 ) -> list[Record]:
@@ -227,7 +222,6 @@ def load_aime_parquet(
     return _finish(_load_aime(rows, path, apply_template), path, max_rows, deduplicate)
 
 
-@gin.configurable
 def load_synthetic(n: int = 4096, seed: int = 0, split: str = "train", **task_kwargs) -> list[Record]:
     """Prompt/answer records of the synthetic task (no template: the tiny model has its own format)."""
     if n < 1:
@@ -320,7 +314,6 @@ def _decode(example: dict[str, Any]) -> Record:
     }
 
 
-@gin.configurable
 def load_tfds(
     data_dir: str,
     config_name: str = "default",
@@ -353,7 +346,6 @@ DATASETS: dict[str, Callable[..., Sequence[Record]]] = {
 }
 
 
-@gin.configurable
 def get_dataset(name: str, **kwargs) -> Sequence[Record]:
     """The dataset registered under ``name``, built with ``kwargs`` (e.g. ``path=...``)."""
     if name not in DATASETS:
@@ -410,7 +402,6 @@ def records_fingerprint(records: Sequence[Record]) -> dict[str, int | str]:
 # Deterministic, resumable batches of prompts.
 
 
-@gin.configurable
 class PromptIterator:
     """Endless batches of ``batch_size`` records, epoch after epoch, each epoch shuffled by (seed, epoch).
 

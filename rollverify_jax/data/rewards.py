@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 
-import gin
 import numpy as np
 import pebble
 
@@ -345,7 +344,6 @@ def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float,
 _COUNT_KEYS = ("timeouts", "errors", "nonfinite", "worker_restarts", "pool_restarts")
 
 
-@gin.configurable
 class RewardScorer:
     """Scores a batch of responses; isolated rewards run in a pool of limited worker processes.
 

@@ -22,7 +22,6 @@ import dataclasses
 import math
 import zlib
 
-import gin
 import numpy as np
 
 PROMPT_PREFIX = "Start "
@@ -73,7 +72,6 @@ def stable_hash(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SyntheticTask:
     """Generator of arithmetic-chain problems; example ``i`` depends only on the fields and ``i``.

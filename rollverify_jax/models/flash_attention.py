@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import math
 
-import gin
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
@@ -29,7 +28,6 @@ IMPLS = ("auto", "reference", "splash", "cudnn")
 _BATCH_AXES = ("data", "fsdp")  # the mesh's batch axes (rollverify_jax.mesh.BATCH_AXES; models/ must not import it)
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
     """impl: 'auto' picks 'splash' on TPU, 'cudnn' on GPU and 'reference' elsewhere.
@@ -157,10 +155,12 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Arra
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
+DEFAULT_FLASH = FlashConfig()  # the defaults, for callers given no spec (tests, benchmarks)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, impl: str,
-                     cfg: FlashConfig | None = None, mesh: Mesh | None = None) -> jax.Array:
+                     cfg: FlashConfig = DEFAULT_FLASH, mesh: Mesh | None = None) -> jax.Array:
     """Causal (and per-segment) attention by ``impl`` ('reference' | 'splash' | 'cudnn'); same result."""
-    cfg = cfg or FlashConfig()
     if impl == "reference":
         return block_causal_reference(q, k, v, segments, cfg.reference_block)
     if impl == "splash":

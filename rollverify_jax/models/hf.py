@@ -255,17 +255,20 @@ def _check_shapes(ckpt: _SafetensorsDir, tmap: dict[tuple, HFTensor], shapes: di
 
 
 def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_dtype: str | None = None,
-                    mesh: Mesh | None = None, rules=None) -> Qwen3ForCausalLM:
+                    mesh: Mesh | None = None, axis_rules: tuple = (),
+                    expert_parallel_chunk: int = 4096) -> Qwen3ForCausalLM:
     """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory into a (sharded) NNX model.
 
     ``dtype``: parameter dtype (default: the checkpoint's); ``compute_dtype`` defaults to ``dtype``.
-    With ``mesh``, each parameter lands directly on its logical-axis sharding.
+    With ``mesh``, each parameter lands directly on its logical-axis sharding (``axis_rules``: the
+    ``logical_axis_rules`` pairs; empty: the defaults). ``expert_parallel_chunk``: ``Qwen3Config``'s.
     """
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"No config.json in {path}; expected an HF-layout checkpoint directory.")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=dtype, compute_dtype=compute_dtype)
+    cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=dtype, compute_dtype=compute_dtype).replace(
+        axis_rules=tuple(axis_rules), expert_parallel_chunk=expert_parallel_chunk)
     ckpt = _SafetensorsDir(path)
     abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract_model)
@@ -277,7 +280,7 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_d
     _check_shapes(ckpt, tmap, {p: v.shape for p, v in flat.items()})
     if mesh is None:
         mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    specs = dict(nnx.to_flat_state(mesh_lib.param_specs(abs_state, mesh, rules)))
+    specs = dict(nnx.to_flat_state(mesh_lib.param_specs(abs_state, mesh, cfg.rules())))
     target = resolve_dtype(cfg.param_dtype)
     get = _unfuse_experts(ckpt, cfg) if ckpt.fused_experts else ckpt.get
     for p, var in flat.items():

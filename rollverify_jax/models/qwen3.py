@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import gin
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -59,6 +58,15 @@ class Qwen3Config:
     # Numerics.
     param_dtype: str = "float32"
     dtype: str = "float32"
+    # Execution (not architecture; the builder sets them from the run spec): the logical-axis rules the weights
+    # are laid out by (``mesh.logical_axis_rules``' pairs; empty: its defaults), and the tokens per device of one
+    # expert-parallel exchange (``expert_parallel_chunk``).
+    axis_rules: tuple = ()
+    expert_parallel_chunk: int = 4096
+
+    def rules(self) -> dict[str, tuple[str, ...]]:
+        """The logical-axis rules as ``mesh.logical_to_spec`` takes them."""
+        return mesh_lib.logical_axis_rules(self.axis_rules) if self.axis_rules else mesh_lib.logical_axis_rules()
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -135,7 +143,6 @@ PRESETS: dict[str, Qwen3Config] = {
 }
 
 
-@gin.configurable
 def model_config(preset: str = "tiny", param_dtype: str = "float32", dtype: str = "float32",
                  **overrides) -> Qwen3Config:
     """A preset architecture by name, with dtype and field overrides (all bindable from gin)."""
@@ -213,7 +220,7 @@ class CausalAttention:
     valid: Array | None = None
     segments: Array | None = None
     impl: str = "reference"
-    flash: flash_attention.FlashConfig | None = None
+    flash: flash_attention.FlashConfig = flash_attention.DEFAULT_FLASH
     mesh: Any = None
 
     def __call__(self, layer_idx: int, q: Array, k: Array, v: Array) -> Array:
@@ -273,10 +280,10 @@ class MLP(nnx.Module):
         return h @ self.down_proj[...].astype(dt)
 
 
-@gin.configurable
 def expert_parallel_chunk(tokens: int = 4096) -> int:
-    """Tokens per device per expert-parallel exchange (bind from gin). Each exchange all-gathers ``tokens`` x the
-    expert-parallel size rows and sorts them x top-k: the chunk bounds that buffer at any sequence length."""
+    """Tokens per device per expert-parallel exchange (gin: ``expert_parallel_chunk.tokens``). Each exchange
+    all-gathers ``tokens`` x the expert-parallel size rows and sorts them x top-k: the chunk bounds that buffer at
+    any sequence length."""
     if tokens < 1:
         raise ValueError(f"expert_parallel_chunk.tokens must be >= 1, got {tokens}.")
     return tokens
@@ -323,12 +330,12 @@ class SparseMoE(nnx.Module):
             out = _expert_mlps(flat, top_e, top_w, *weights[1:], first_expert=0)
             return out.reshape(x.shape), logits.reshape(*x.shape[:2], -1)
         gate_spec = mesh_lib.logical_to_spec(self.gate_proj.get_metadata()["logical_axes"],
-                                             self.gate_proj.shape, mesh)
+                                             self.gate_proj.shape, mesh, self.cfg.rules())
         ep, inner = _as_axes(gate_spec[0]), _as_axes(gate_spec[2])
         rows = _axes_dividing(mesh, mesh_lib.BATCH_AXES, x.shape[0]) or ()
         gathered = tuple(a for a in ep if a in rows)  # tokens split here: all-gather, then reduce-scatter
         summed = tuple(a for a in ep if a not in rows) + inner  # tokens already whole here: sum the outputs
-        chunk = expert_parallel_chunk()
+        chunk = expert_parallel_chunk(self.cfg.expert_parallel_chunk)
 
         def local(x, router, gate, up, down):
             b, t, h = x.shape

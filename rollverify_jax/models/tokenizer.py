@@ -25,7 +25,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import gin
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -353,8 +352,7 @@ def _pad_id(
     return eos_ids[0] if eos_ids else None
 
 
-@gin.configurable
-def load_tokenizer(path: str = gin.REQUIRED, model_vocab_size: int | None = None) -> Tokenizer:
+def load_tokenizer(path: str, model_vocab_size: int | None = None) -> Tokenizer:
     """Gin entry point: ``load_tokenizer.path`` is the tokenizer (or checkpoint) directory.
 
     Args:

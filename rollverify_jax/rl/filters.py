@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import gin
 import numpy as np
 
 from rollverify_jax.verify.ops import sequence_ops, token_ops, trajectory_staleness
@@ -64,7 +63,6 @@ def check_filter(name: str, s_max: int, ops_threshold: float) -> None:
         raise ValueError(f"OPS filter needs a threshold > 0, got {ops_threshold}.")
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class FilterConfig:
     """The partial-rollout baselines' filter. name: none | staleness | ops; s_max: the staleness filter's bound;

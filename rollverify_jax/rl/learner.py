@@ -32,7 +32,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import distributed
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, chunked_scores, score_tokens
 from rollverify_jax.rl import losses, packing
 
@@ -64,7 +63,6 @@ _AGG_METRICS = frozenset({"loss", "policy/pg_loss"})
 # ---------------------------------------------------------------------------------------------------------
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with global-norm clipping and a warmup + constant/cosine learning-rate schedule.
@@ -125,11 +123,9 @@ def _decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-@gin.configurable
-def make_optimizer(cfg: OptimizerConfig | None = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """`chain(clip_by_global_norm, adamw)`; hyper-parameters live in the optimizer state (inject_hyperparams)
     so the train step can report the learning rate it used and checkpoints carry the schedule position."""
-    cfg = cfg if cfg is not None else OptimizerConfig()  # built at call time, so gin bindings apply
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
         learning_rate=make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
         mask=_decay_mask,
@@ -177,12 +173,12 @@ def _init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State) 
     return optimizer.init(jax.tree.map(f32, params))
 
 
-def _state_sharding(tree: Any, mesh: Mesh) -> Any:
+def _state_sharding(tree: Any, mesh: Mesh, rules: dict[str, tuple[str, ...]]) -> Any:
     """NamedSharding per leaf: Variables by their logical axes, every other leaf (counts, scalars) replicated."""
     def one(x):
         if isinstance(x, nnx.Variable):
             axes = x.get_metadata().get("logical_axes")
-            spec = PartitionSpec() if axes is None else mesh_lib.logical_to_spec(axes, x.shape, mesh)
+            spec = PartitionSpec() if axes is None else mesh_lib.logical_to_spec(axes, x.shape, mesh, rules)
             return NamedSharding(mesh, spec)
         return mesh_lib.replicated(mesh)
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -197,7 +193,8 @@ def train_state_shardings(model: nnx.Module, optimizer: optax.GradientTransforma
     params = nnx.state(model, nnx.Param)
     abstract_opt = jax.eval_shape(lambda p: _init_opt_state(optimizer, p), params)
     rep = mesh_lib.replicated(mesh)
-    return TrainState(params=_state_sharding(params, mesh), opt_state=_state_sharding(abstract_opt, mesh),
+    rules = model.cfg.rules()
+    return TrainState(params=_state_sharding(params, mesh, rules), opt_state=_state_sharding(abstract_opt, mesh, rules),
                       step=rep, rng=rep)
 
 
@@ -351,7 +348,6 @@ def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Arra
 # ---------------------------------------------------------------------------------------------------------
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     """How one rollout batch becomes optimizer updates.
@@ -508,7 +504,7 @@ def _learning_rate(opt_state: Any) -> jax.Array:
 
 
 def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimizer: optax.GradientTransformation,
-                    mesh: Mesh, state_shardings: TrainState, flash: FlashConfig | None = None) -> TrainStep:
+                    mesh: Mesh, state_shardings: TrainState, flash: FlashConfig = DEFAULT_FLASH) -> TrainStep:
     """`train_step(state, batch) -> (state, metrics)`, jitted on `mesh` with the state donated.
 
     Metrics (replicated float32 scalars): `loss`, `policy/*` and `grad_norm` averaged over the updates;
@@ -522,7 +518,6 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     cfg = learner_cfg
     loss_fn = losses.get_loss_fn(cfg.loss_name)
     agg = cfg.loss.aggregation
-    flash = flash or FlashConfig()  # built here, so gin bindings apply
     kernel = {"impl": flash.resolved_impl(mesh.devices.flat[0].platform), "flash": flash, "mesh": mesh}
 
     def micro_loss(params, mb: Batch, weight: jax.Array):

@@ -22,7 +22,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -34,7 +33,6 @@ Metrics = dict[str, jax.Array]
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Hyper-parameters shared by all losses; each loss reads the fields it needs.

@@ -13,7 +13,6 @@ import math
 import time
 from collections.abc import Callable
 
-import gin
 import numpy as np
 
 from rollverify_jax import schedule_rules
@@ -34,7 +33,6 @@ from rollverify_jax.verify import (
 MODES = schedule_rules.MODES
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """What a rollout phase produces. mode: on_policy | partial | rollverify (verification settings:
@@ -71,11 +69,11 @@ class RolloutManager:
     cycle, the acceptance window that switches RollVerify to on-policy rollout."""
 
     def __init__(self, config: RolloutConfig, scheduler: Scheduler, next_record: Callable[[], dict],
-                 encode_prompt: Callable[[dict], np.ndarray], seed: int = 0, switch: SwitchConfig | None = None,
-                 verify: VerifyConfig | None = None):
+                 encode_prompt: Callable[[dict], np.ndarray], *, seed: int = 0, switch: SwitchConfig,
+                 verify: VerifyConfig):
         self.config = config
-        self.verify_cfg = verify or VerifyConfig()
-        self.switch_cfg = switch or SwitchConfig()
+        self.verify_cfg = verify
+        self.switch_cfg = switch
         self.switch_state: SwitchState = self.switch_cfg.init()
         self.scheduler = scheduler
         self.next_record = next_record

@@ -8,7 +8,6 @@ a block of pages per sequence.
 
 from __future__ import annotations
 
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -144,7 +143,6 @@ def resolve_impl(impl: str, platform: str, head_dim: int, page_size: int, table_
     return "reference"
 
 
-@gin.configurable
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_table: jax.Array, impl: str = "auto", pages_per_compute_block: int = 4,
                     interpret: bool = False, platform: str | None = None, megacore: bool = False,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import distributed, schedule_rules
 from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
 from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
@@ -31,7 +32,6 @@ SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
 MEGACORE_KINDS = ("TPU v4", "TPU v5", "TPU v5p")  # device kinds with two TensorCores per JAX device
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """num_slots: concurrent sequences; max_seq_len: prompt + response context per slot;
@@ -216,7 +216,9 @@ class _DecodeAttention:
     over the slots and pages it holds. An inactive slot (finished, preempted, free) attends over its first
     token only: its output is discarded, and its stale length would have the kernel read its old KV."""
 
-    def __init__(self, pages: paged_cache.KVPages, page_table, lengths, active, layout: PoolLayout):
+    def __init__(self, pages: paged_cache.KVPages, page_table, lengths, active, layout: PoolLayout,
+                 knobs: tuple[tuple[str, Any], ...] = ()):
+        self.knobs = knobs  # paged_attention's kernel knobs (impl, pages_per_compute_block, ...)
         self.k, self.v = list(pages.k), list(pages.v)
         self.page_table, self.lengths, self.active, self.layout = page_table, lengths, active, layout
 
@@ -233,7 +235,8 @@ class _DecodeAttention:
             seen = jnp.where(active, jnp.minimum(lengths + 1, table.shape[1] * kp.shape[2]), 1)
             # Scaled in float32: the prefill scales its float32 scores, and a bf16 q * scale rounds q again.
             qs = q[:, 0].astype(jnp.float32) * scale
-            out = paged_attention(qs, kp, vp, seen, table - offset, platform=lay.platform, megacore=lay.megacore)
+            out = paged_attention(qs, kp, vp, seen, table - offset, platform=lay.platform, megacore=lay.megacore,
+                                  **dict(self.knobs))
             return out[:, None].astype(q.dtype), kp, vp
 
         rows = lay.heads_spec(slots=True)
@@ -245,20 +248,20 @@ class _DecodeAttention:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the compiled functions specialise on. Engines with equal ``_Static`` share compiled code."""
+class EngineStatic:
+    """Everything the compiled functions specialise on. Engines with equal ``EngineStatic`` share compiled code."""
 
     graphdef: nnx.GraphDef
     sampling: SamplingConfig
     eos_ids: tuple[int, ...]
     layout: PoolLayout
     logits_chunk: int | None = None
-    flash: FlashConfig | None = None
+    flash: FlashConfig = DEFAULT_FLASH
+    attention: tuple[tuple[str, Any], ...] = ()  # paged_attention's kernel knobs, sorted (name, value) pairs
 
     def kernel(self) -> dict:
         """CausalAttention's implementation for prefill (splash on TPU, cuDNN on GPU, the reference on CPU)."""
-        flash = self.flash or FlashConfig()
-        return {"impl": flash.resolved_impl(self.layout.platform), "flash": flash, "mesh": self.layout.mesh}
+        return {"impl": self.flash.resolved_impl(self.layout.platform), "flash": self.flash, "mesh": self.layout.mesh}
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -266,7 +269,7 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return schedule_rules.pow2_bucket(n, lo, hi)
 
 
-def _prefill_fn(static: _Static, params, state: DecodeState, packed: PackedPrefill, with_logp: bool):
+def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: bool):
     model = nnx.merge(static.graphdef, params)
     tokens = packed.tokens
     attn = _PrefillAttention(state.pages, packed, static.kernel(), static.layout)
@@ -289,7 +292,7 @@ def _prefill_fn(static: _Static, params, state: DecodeState, packed: PackedPrefi
     return state, Prefix(hidden, response_logp, packed.row, packed.start)
 
 
-def _insert_fn(static: _Static, params, state: DecodeState, prefix: Prefix, rows, slots, sample_pos, gen_index,
+def _insert_fn(static: EngineStatic, params, state: DecodeState, prefix: Prefix, rows, slots, sample_pos, gen_index,
                seeds, max_new, page_rows, row_valid):
     model = nnx.merge(static.graphdef, params)
     h = prefix.hidden[prefix.row[rows], prefix.start[rows] + sample_pos]  # [n, H]
@@ -307,7 +310,7 @@ def _insert_fn(static: _Static, params, state: DecodeState, prefix: Prefix, rows
     return state, (tok, logp)
 
 
-def _prefill_insert_fn(static: _Static, params, state: DecodeState, packed: PackedPrefill, copy_src, copy_dst,
+def _prefill_insert_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, copy_src, copy_dst,
                        rows, sample_pos, slots, gen_index, seeds, max_new, page_rows, row_valid):
     """Prefill and insert in one call, for admissions that verify nothing (one dispatch and one host sync per
     admission instead of two). A sequence whose prompt another one of the call carries (a group's members) is
@@ -326,7 +329,7 @@ def _prefill_insert_fn(static: _Static, params, state: DecodeState, packed: Pack
 _SLOT_FIELDS = ("page_table", "tokens", "lengths", "generated", "max_new", "seeds", "active")
 
 
-def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int, live_pages: int | None = None,
+def _generate_fn(static: EngineStatic, params, state: DecodeState, num_steps: int, live_pages: int | None = None,
                  live_slots: int | None = None):
     """``num_steps`` decode steps. ``live_pages``: no slot holds more pages than this during the dispatch, so
     attention reads only those columns of the page table (a bucket; None: all of them). ``live_slots``: every
@@ -339,7 +342,7 @@ def _generate_fn(static: _Static, params, state: DecodeState, num_steps: int, li
     table = state.page_table if live_pages is None else state.page_table[:, :live_pages]
 
     def step(state: DecodeState, _):
-        attn = _DecodeAttention(state.pages, table, state.lengths, state.active, static.layout)
+        attn = _DecodeAttention(state.pages, table, state.lengths, state.active, static.layout, static.attention)
         hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None], attention=attn,
                                         mesh=static.layout.mesh)
         logits = model.logits_from_hidden(hidden[:, 0])
@@ -380,6 +383,16 @@ _prefill_insert_jit = jax.jit(_prefill_insert_fn, static_argnums=(0,), donate_ar
 _generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,), compiler_options=_EXACT)
 
 
+def lower_prefill(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: bool = True):
+    """The resume prefill lowered for these (abstract) arguments: what the deviceless compile sizes (``aot``)."""
+    return _prefill_jit.lower(static, params, state, packed, with_logp)
+
+
+def lower_decode(static: EngineStatic, params, state: DecodeState, steps: int):
+    """One decode dispatch of ``steps`` tokens per slot, lowered for these (abstract) arguments (``aot``)."""
+    return _generate_jit.lower(static, params, state, steps)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_page_table_fn(state: DecodeState, table: jax.Array) -> DecodeState:
     return dataclasses.replace(state, page_table=table)
@@ -408,11 +421,13 @@ def rollout_graphdef(model: Qwen3ForCausalLM, compute_dtype: str | None = None) 
     return nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))[0]
 
 
-def serving_param_shardings(params: nnx.State, mesh: Mesh, serving_layout: str = "train") -> nnx.State:
-    """The shardings the engine holds its weights in (``EngineConfig.serving_layout``)."""
+def serving_param_shardings(params: nnx.State, mesh: Mesh, serving_layout: str = "train",
+                            rules: dict[str, tuple[str, ...]] | None = None) -> nnx.State:
+    """The shardings the engine holds its weights in (``EngineConfig.serving_layout``; ``rules``: the model's
+    logical-axis rules, ``Qwen3Config.rules()``)."""
     if serving_layout == "tensor":
-        return mesh_lib.serving_shardings(params, mesh)
-    return mesh_lib.param_shardings(params, mesh)
+        return mesh_lib.serving_shardings(params, mesh, rules)
+    return mesh_lib.param_shardings(params, mesh, rules)
 
 
 def pool_pages(model_cfg, config: EngineConfig, num_shards: int = 1) -> int:
@@ -465,11 +480,15 @@ class PendingDecode:
 class Engine:
     """Owns the compiled prefill/insert/generate functions and the decode state of ``num_slots`` slots."""
 
-    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig | None = None,
-                 sampling: SamplingConfig | None = None, eos_ids: tuple[int, ...] = (),
-                 mesh: Mesh | None = None):
-        self.config = config = config or EngineConfig()
-        self.sampling = sampling or SamplingConfig()
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, sampling: SamplingConfig,
+                 eos_ids: tuple[int, ...] = (), mesh: Mesh | None = None, flash: FlashConfig = DEFAULT_FLASH,
+                 attention: Mapping[str, Any] | None = None):
+        """``flash``: the prefill's attention kernel; ``attention``: ``paged_attention``'s knobs for decode (both
+        part of what the compiled functions are cached on)."""
+        self.config = config
+        self.sampling = sampling
+        self.flash = flash
+        self.attention = tuple(sorted(dict(attention or {}).items()))
         self.model_config = model.cfg
         self.graphdef = rollout_graphdef(model, config.compute_dtype)
         params = nnx.state(model)
@@ -490,7 +509,8 @@ class Engine:
     # Placement
 
     def _place_params(self, params):
-        return jax.device_put(params, serving_param_shardings(params, self.mesh, self.config.serving_layout))
+        return jax.device_put(params, serving_param_shardings(params, self.mesh, self.config.serving_layout,
+                                                              self.model_config.rules()))
 
     def update_params(self, params: nnx.State, version: int) -> None:
         """New policy weights (e.g. after a train step) and their version number. A serving copy replaces the
@@ -508,8 +528,9 @@ class Engine:
         """The activation dtype the engine runs (``EngineConfig.compute_dtype`` or the model's own)."""
         return self.config.compute_dtype or self.model_config.dtype
 
-    def _static(self) -> _Static:
-        return _Static(self.graphdef, self.sampling, self.eos_ids, self.layout, self.config.logits_chunk, FlashConfig())
+    def _static(self) -> EngineStatic:
+        return EngineStatic(self.graphdef, self.sampling, self.eos_ids, self.layout, self.config.logits_chunk,
+                            self.flash, self.attention)
 
     @property
     def version(self) -> int:

@@ -11,7 +11,6 @@ import collections
 import dataclasses
 import math
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +42,6 @@ def kv_bytes_per_page(cfg: Qwen3Config, page_size: int, dtype) -> int:
         jnp.dtype(resolve_dtype(dtype)).itemsize
 
 
-@gin.configurable
 def num_pages_for_budget(cfg: Qwen3Config, page_size: int, memory_bytes: int = 64 * 2**20,
                          dtype: str = "float32") -> int:
     """How many pages (scratch page included) a KV memory budget of ``memory_bytes`` holds."""

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import gin
 import jax
 import jax.numpy as jnp
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """temperature T > 0 (ignored when greedy); 0 < top_p <= 1; top_k >= 0 (0: off)."""

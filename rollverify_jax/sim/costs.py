@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import gin
 import numpy as np
 
 from rollverify_jax import roofline
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Seconds per unit of work (all default 0: a model with nothing bound costs nothing)."""
@@ -199,7 +197,6 @@ class KernelCostModel(CostModel):
         return {**out, **self.decode_kernel.per_step_s()} if self.decode_kernel is not None else out
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RooflineCosts:
     """A cost model from the compiled programs of a real config (``python -m rollverify_jax.aot``, recorded in

@@ -13,7 +13,6 @@ import dataclasses
 import math
 import numbers
 
-import gin
 import numpy as np
 
 from rollverify_jax import schedule_rules
@@ -146,7 +145,6 @@ def update_switch_state(
     return pushed
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SwitchConfig:
     """Gin-tunable switching settings (`SwitchConfig.window = 8`, `SwitchConfig.threshold = 0.5`).

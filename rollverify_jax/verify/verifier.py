@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import numbers
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +26,6 @@ DEFAULT_DS = 0.01  # segment-stage threshold on mean OPS
 DEFAULT_DT = 2.0  # token-stage threshold on OPS
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
     """RollVerify's verification settings. ds: segment threshold on mean OPS; dt: token threshold on OPS;

@@ -1,0 +1,393 @@
+"""A run's whole configuration as one frozen value, ``RunSpec``, read from gin once: the only module that reads gin.
+
+Every configurable lives in its own module as a plain frozen dataclass or function and reads nothing: here it
+is registered under the name the gin files use (``RolloutConfig.mode``, ``paged_attention.impl``,
+``make_mesh.shape``), and ``RunSpec.from_gin()`` builds each part from its bindings. Components receive their
+part as an argument, so a setting cannot reach one component and not another, kernel knobs are part of the
+values the compiled functions are cached on, and the resume fingerprint (``RunSpec.settings``) is derived from
+the spec: a new setting is compared on resume without anyone remembering to list it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import gin
+
+from rollverify_jax import compile_cache, distributed, storage
+from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.aot_config import AotConfig
+from rollverify_jax.checkpoint import CheckpointConfig
+from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.data.synthetic import SyntheticTask
+from rollverify_jax.evaluation import EvalConfig
+from rollverify_jax.metrics import MetricsConfig
+from rollverify_jax.models import qwen3
+from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.rl import advantages as adv_lib
+from rollverify_jax.rl.filters import FilterConfig
+from rollverify_jax.rl.learner import LearnerConfig, OptimizerConfig
+from rollverify_jax.rl.losses import LossConfig
+from rollverify_jax.rl.partial_rollout import RolloutConfig
+from rollverify_jax.rollout.attention import paged_attention
+from rollverify_jax.rollout.engine import EngineConfig
+from rollverify_jax.rollout.sampling import SamplingConfig
+from rollverify_jax.sim.config import SimConfig
+from rollverify_jax.sim.costs import CostModel, RooflineCosts
+from rollverify_jax.verify import SwitchConfig, VerifyConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What a run is: its policy, data, length and bookkeeping. Component settings have their own gin
+    configurables (RolloutConfig, EngineConfig, SamplingConfig, LearnerConfig, LossConfig, OptimizerConfig,
+    SwitchConfig, CheckpointConfig, RewardScorer, make_mesh)."""
+
+    run_name: str | None = None  # workdir = runs_root/run_name (default: the first gin file's stem)
+    runs_root: str = "runs"
+    policy_path: str | None = "assets/tiny_policy"  # HF-layout dir with tokenizer; None: random model_config()
+    tokenizer_path: str | None = None  # defaults to policy_path
+    param_dtype: str | None = None
+    compute_dtype: str | None = None
+    num_steps: int = 40
+    seed: int = 0
+    advantage: str = "grpo"
+    # DAPO's group filter (without re-sampling): groups whose rewards are all equal have zero advantage, so
+    # they leave the loss and its normaliser, and the packed train step skips their forward pass.
+    skip_uniform_groups: bool = False
+    train_dataset: str = "synthetic"
+    train_dataset_kwargs: dict = dataclasses.field(default_factory=dict)
+    eval_dataset: str = "synthetic"
+    eval_dataset_kwargs: dict = dataclasses.field(default_factory=lambda: {"split": "test"})
+    eval_size: int = 64
+    eval_samples: int = 4
+    eval_every: int = 10  # 0: never (besides the start and the end)
+    time_budget_s: float = 0.0  # > 0: stop after the first step that ends past this wall-clock (for comparisons)
+    chat_template: bool = False
+    metrics_tensorboard: bool = True
+    # A resume refuses settings that differ from the checkpoint's run (mode, thresholds, loss, B, G, ...);
+    # True (or --allow_changed_settings) continues with the new ones, listing each difference.
+    allow_changed_settings: bool = False
+    # Steps in a row whose updates were skipped for a NaN/Inf loss or gradient before the run stops (exit 3).
+    max_skipped_steps: int = 3
+    # A workdir with metric rows or set-aside checkpoints but no checkpoint to restore is refused; True (or
+    # --restart_from_scratch) starts it at step 0 anyway (rollverify_jax/fresh_start.py).
+    restart_from_scratch: bool = False
+
+    def __post_init__(self):
+        if self.num_steps < 0:
+            raise ValueError(f"TrainConfig.num_steps={self.num_steps} must be >= 0.")
+        if self.max_skipped_steps < 1:
+            raise ValueError(f"TrainConfig.max_skipped_steps={self.max_skipped_steps} must be >= 1.")
+        if self.eval_size < 1:  # a negative size would slice problems off the end in silence
+            raise ValueError(f"TrainConfig.eval_size={self.eval_size} must be >= 1.")
+        adv_lib.get_advantage_fn(self.advantage)
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (gin's tuples and lists alike) as tuples, so bound arguments can key a jit cache."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return Bindings.of(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Bindings(Mapping):
+    """A configurable function's bound arguments: a frozen, hashable mapping (``fn(**bindings)``)."""
+
+    items_: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> Bindings:
+        return cls(tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self.items_:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(k for k, _ in self.items_)
+
+    def __len__(self) -> int:
+        return len(self.items_)
+
+
+# RunSpec field -> (the name gin files bind it by, what the bindings build). A class is built from its bindings;
+# a function's bindings are kept as ``Bindings`` and handed to the code that calls it.
+PARTS: dict[str, tuple[str, Any]] = {
+    "train": ("TrainConfig", TrainConfig),
+    "rollout": ("RolloutConfig", RolloutConfig),
+    "verify": ("VerifyConfig", VerifyConfig),
+    "switch": ("SwitchConfig", SwitchConfig),
+    "filter": ("FilterConfig", FilterConfig),
+    "engine": ("EngineConfig", EngineConfig),
+    "sampling": ("SamplingConfig", SamplingConfig),
+    "flash": ("FlashConfig", FlashConfig),
+    "attention": ("paged_attention", paged_attention),
+    "loss": ("LossConfig", LossConfig),
+    "learner": ("LearnerConfig", LearnerConfig),
+    "optimizer": ("OptimizerConfig", OptimizerConfig),
+    "checkpoint": ("CheckpointConfig", CheckpointConfig),
+    "eval": ("EvalConfig", EvalConfig),
+    "metrics": ("MetricsConfig", MetricsConfig),
+    "aot": ("AotConfig", AotConfig),
+    "reward": ("RewardScorer", RewardScorer),
+    "mesh": ("make_mesh", mesh_lib.make_mesh),
+    "axis_rules": ("logical_axis_rules", mesh_lib.logical_axis_rules),
+    "model": ("model_config", qwen3.model_config),
+    "moe": ("expert_parallel_chunk", qwen3.expert_parallel_chunk),
+    "synthetic_task": ("SyntheticTask", SyntheticTask),
+    "compile_cache": ("compilation_cache", compile_cache.compilation_cache),
+    "distributed": ("initialize", distributed.initialize),
+    "sim": ("SimConfig", SimConfig),
+    "cost_model": ("CostModel", CostModel),
+    "roofline": ("RooflineCosts", RooflineCosts),
+}
+# Arguments the code passes at each call (the devices, the platform, the cluster flags), never bound in gin.
+_PER_CALL = {"mesh": {"devices"}, "attention": {"platform", "megacore"},
+             "distributed": {"coordinator_address", "num_processes", "process_id"}}
+_AS_BINDINGS = {"reward", "synthetic_task"}  # classes built later from these bindings (a grader pool; per split)
+
+# How a run reports, saves and is compiled for, not what it trains: changing these never refuses a resume.
+NOT_RUN_DEFINING_PARTS = frozenset({"checkpoint", "eval", "metrics", "aot", "compile_cache", "distributed", "sim",
+                                    "cost_model", "roofline"})
+NOT_RUN_DEFINING = frozenset({
+    "train.run_name", "train.runs_root", "train.num_steps", "train.time_budget_s", "train.eval_size",
+    "train.eval_samples", "train.eval_every", "train.eval_dataset", "train.eval_dataset_kwargs",
+    "train.metrics_tensorboard", "train.allow_changed_settings", "train.max_skipped_steps",
+    "train.restart_from_scratch", "train.tokenizer_path",  # the tokenizer itself is compared by its hash
+    "train.train_dataset", "train.train_dataset_kwargs",  # compared with the records' hash (Trainer.inputs)
+})
+SETTINGS_FORMAT = 2  # checkpoints without "settings.format" hold the hand-kept list of earlier versions
+# Earlier versions' keys -> this version's (checkpoints written before the fingerprint was derived).
+LEGACY_SETTINGS = {"loss.name": "learner.loss_name", "advantage": "train.advantage",
+                   "skip_uniform_groups": "train.skip_uniform_groups", "policy_path": "train.policy_path",
+                   "param_dtype": "train.param_dtype", "compute_dtype": "train.compute_dtype",
+                   "engine.compute_dtype": "inputs.rollout_dtype"}
+
+
+def _register() -> None:
+    for name, target in PARTS.values():
+        if name not in _registered():
+            gin.external_configurable(target, name=name)
+
+
+def _registered() -> set[str]:
+    from gin import config as gin_config
+
+    return {k.name for k in gin_config._REGISTRY} if hasattr(gin_config._REGISTRY, "__iter__") else set()
+
+
+_register()
+
+
+def parse_gin(files: list[str], params: list[str]) -> None:
+    """Parses gin files (their includes resolve from the repository root too) and bindings."""
+    for f in files:
+        if not Path(f).exists():
+            raise FileNotFoundError(f"gin file {f} does not exist.")
+        for root in (Path(f).resolve().parent, Path(f).resolve().parent.parent):
+            gin.add_config_file_search_path(str(root))
+    gin.parse_config_files_and_bindings(files, params)
+
+
+def _bindings(name: str) -> dict:
+    return dict(gin.get_bindings(name))
+
+
+def _build(field: str) -> Any:
+    name, target = PARTS[field]
+    kwargs = _bindings(name)
+    per_call = sorted(_PER_CALL.get(field, set()) & set(kwargs))
+    if per_call:
+        raise ValueError(f"{name}.{per_call[0]} is set by the code at each call, not in gin: remove the binding.")
+    if not isinstance(target, type) or field in _AS_BINDINGS:
+        return Bindings.of(kwargs)
+    try:
+        return target(**kwargs)
+    except TypeError as e:  # e.g. a string bound to a step count: the user's input, said as such
+        raise ValueError(f"a value bound to {name} has the wrong type ({e}): check the bindings of {name}.") from e
+
+
+def _defaults(field: str) -> dict:
+    """The keyword defaults of the configurable function (or class) whose bindings a spec part holds: a value
+    bound to its default and one left unbound are the same setting."""
+    params = inspect.signature(PARTS[field][1]).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _PER_CALL.get(field, ())}
+
+
+def _plain(value: Any) -> Any:
+    """A part as it is written in the resume fingerprint and the operative config (JSON-able)."""
+    if isinstance(value, Bindings):
+        return {k: _plain(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Every part of a run's configuration; components take the part they need (``spec.rollout``, ...)."""
+
+    train: TrainConfig
+    rollout: RolloutConfig
+    verify: VerifyConfig
+    switch: SwitchConfig
+    filter: FilterConfig
+    engine: EngineConfig
+    sampling: SamplingConfig
+    flash: FlashConfig
+    attention: Bindings  # paged_attention's kernel knobs (impl, pages_per_compute_block, ...)
+    loss: LossConfig
+    learner: LearnerConfig  # scoring at the sampler's temperature; its ``loss`` is ``loss``
+    optimizer: OptimizerConfig
+    checkpoint: CheckpointConfig
+    eval: EvalConfig
+    metrics: MetricsConfig
+    aot: AotConfig
+    reward: Bindings  # RewardScorer's arguments (its grader pool is started by the builder)
+    mesh: Bindings  # make_mesh's shape and axis types
+    axis_rules: Bindings  # logical_axis_rules' rules
+    model: Bindings  # model_config's preset, dtypes and overrides (the random-init policy)
+    moe: Bindings  # expert_parallel_chunk's tokens
+    synthetic_task: Bindings  # SyntheticTask's bindings, merged into the synthetic datasets' arguments
+    compile_cache: Bindings
+    distributed: Bindings
+    sim: SimConfig
+    cost_model: CostModel
+    roofline: RooflineCosts
+    gin_text: str = ""  # the parsed gin configuration as the user wrote it (config_str)
+    bound: frozenset[str] = frozenset()  # "Name.param" of every binding the user made
+
+    @classmethod
+    def from_gin(cls) -> RunSpec:
+        """The spec of the parsed gin configuration (``parse_gin``), cross-checked (``check``)."""
+        parts = {field: _build(field) for field in PARTS}
+        loss = parts["loss"]
+        parts["learner"] = dataclasses.replace(parts["learner"], loss=loss)
+        parts["learner"] = parts["learner"].for_sampler(parts["sampling"].logp_temperature)
+        bound = frozenset(f"{name}.{param}" for name, _ in PARTS.values() for param in _bindings(name))
+        spec = cls(**parts, gin_text=gin.config_str(), bound=bound)
+        spec = spec.with_response_cap()
+        spec.check()
+        return spec
+
+    def is_bound(self, name: str) -> bool:
+        return name in self.bound
+
+    def with_response_cap(self) -> RunSpec:
+        """The response cap bound once (``RolloutConfig.max_new_tokens``) and derived for the reward's overlong
+        penalty and Dr. GRPO's divisor; a different value bound there is refused."""
+        cap = self.rollout.max_new_tokens
+        for name, value in (("RewardScorer.max_response_length", self.reward.get("max_response_length")),
+                            ("LossConfig.max_response_length", self.loss.max_response_length)):
+            if value is not None and value != cap:
+                raise ValueError(f"{name}={value} differs from RolloutConfig.max_new_tokens={cap}: the response "
+                                 f"cap is bound once; remove the {name} binding.")
+        loss = dataclasses.replace(self.loss, max_response_length=cap)
+        return dataclasses.replace(self, loss=loss, learner=dataclasses.replace(self.learner, loss=loss),
+                                   reward=Bindings.of({**self.reward, "max_response_length": cap}))
+
+    def check(self) -> None:
+        """Cross-checks of settings that live in different parts (the mesh's own check needs its devices)."""
+        if self.filter.name != "none" and self.rollout.mode == "on_policy":
+            raise ValueError(f"FilterConfig.name={self.filter.name!r} needs partial rollout: set RolloutConfig.mode "
+                             "= 'partial' (or 'rollverify'), or FilterConfig.name = 'none'.")
+        self.max_prompt_len()
+        rows = self.rollout.batch_groups * self.rollout.group_size
+        if rows % self.learner.num_minibatches:
+            raise ValueError(f"{rows} rows do not split into LearnerConfig.num_minibatches="
+                             f"{self.learner.num_minibatches}.")
+
+    def check_mesh(self, mesh_shape: Mapping[str, int]) -> None:
+        rows = self.rollout.batch_groups * self.rollout.group_size
+        batch_devices = mesh_shape["data"] * mesh_shape["fsdp"]
+        if rows % batch_devices:
+            raise ValueError(f"batch_groups x group_size = {rows} rows do not divide over data x fsdp = "
+                             f"{batch_devices}.")
+
+    def max_prompt_len(self) -> int:
+        """The longest prompt the scheduler admits: the context must still hold ``max_new_tokens`` after it."""
+        room = self.engine.max_seq_len - self.rollout.max_new_tokens
+        if room < 1:
+            raise ValueError(f"RolloutConfig.max_new_tokens={self.rollout.max_new_tokens} leaves no room for a "
+                             f"prompt in EngineConfig.max_seq_len={self.engine.max_seq_len}.")
+        return room
+
+    def dataset_kwargs(self, role: str) -> dict:
+        """A dataset's arguments; the synthetic task's own bindings (``SyntheticTask.*``) join the synthetic one's."""
+        name = getattr(self.train, f"{role}_dataset")
+        kwargs = dict(getattr(self.train, f"{role}_dataset_kwargs"))
+        if name == "synthetic":
+            kwargs = {**self.synthetic_task, **kwargs}
+        return kwargs
+
+    def axis_rules_dict(self) -> dict[str, tuple[str, ...]]:
+        return mesh_lib.logical_axis_rules(**self.axis_rules)
+
+    def settings(self) -> dict:
+        """The resume fingerprint: every setting of the run-defining parts, less the bookkeeping ones
+        (``NOT_RUN_DEFINING``); what the run reads (data, tokenizer) is added by the trainer."""
+        out: dict[str, Any] = {"settings.format": SETTINGS_FORMAT}
+        for field in PARTS:
+            if field in NOT_RUN_DEFINING_PARTS:
+                continue
+            value = self._part(field)
+            if field == "learner":
+                value = {k: v for k, v in value.items() if k != "loss"}  # the loss is its own part
+            for key, v in value.items():
+                name = f"{field}.{key}"
+                if name not in NOT_RUN_DEFINING:
+                    out[name] = v
+        return out
+
+    def operative_text(self) -> str:
+        """Every value the run used, bound or default, in gin syntax (the workdir's ``operative_config.gin``)."""
+        lines = []
+        for field, (name, _) in PARTS.items():
+            for key, v in self._part(field).items():
+                if field == "learner" and key == "loss":
+                    continue
+                lines.append(f"{name}.{key} = {v!r}")
+        return "\n".join(lines) + "\n"
+
+    def _part(self, field: str) -> dict:
+        """A part's every setting as plain values; a function's unbound arguments at their defaults."""
+        value = getattr(self, field)
+        if isinstance(value, Bindings):
+            return _plain(Bindings.of({**_defaults(field), **value}))
+        return _plain(value)
+
+    def workdir(self, gin_files: list[str]) -> Any:
+        name = self.train.run_name or (Path(gin_files[0]).stem if gin_files else "default")
+        return storage.as_path(self.train.runs_root) / name
+
+
+def check_resume_settings(saved: dict, current: dict, allow: bool) -> None:
+    """Refuses a resume whose run-defining settings differ from the checkpoint's, naming every difference."""
+    if "settings.format" not in saved:
+        saved = {LEGACY_SETTINGS.get(k, k): v for k, v in saved.items()}
+    diffs = [f"  {k}: checkpoint {saved[k]!r}, now {current.get(k)!r}" for k in sorted(saved)
+             if json.dumps(saved[k]) != json.dumps(current.get(k))]
+    if not diffs:
+        return
+    listing = "\n".join(diffs)
+    if not allow:
+        raise ValueError(f"This workdir's checkpoint was trained with other settings:\n{listing}\nResume with the "
+                         "checkpoint's settings, use a new workdir, or pass --allow_changed_settings to continue "
+                         "with the new ones.")
+    print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)

@@ -1,0 +1,127 @@
+"""RunSpec: the only reader of gin, its cross-checks, the derived resume fingerprint, and the step's scoring."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import gin
+import numpy as np
+import pytest
+
+from rollverify_jax import spec as spec_lib
+from rollverify_jax.rl.buffer import Group
+from rollverify_jax.rl.step import score
+from rollverify_jax.rollout.trajectory import Trajectory
+from rollverify_jax.spec import RunSpec, check_resume_settings
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rollverify_jax"
+
+
+def test_no_module_but_the_spec_reads_gin():
+    """gin is imported by rollverify_jax/spec.py alone: every other module gets its settings handed in, so no
+    component can read a binding the spec (and the resume fingerprint) does not hold."""
+    readers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if re.search(r"^\s*(import gin|from gin\b)", p.read_text(), re.MULTILINE))
+    assert readers == ["spec.py"]
+
+
+def test_a_bound_value_reaches_its_part_and_the_classes_themselves_read_nothing(spec_of):
+    from rollverify_jax.rl.partial_rollout import RolloutConfig
+
+    spec = spec_of("RolloutConfig.mode = 'rollverify'", "paged_attention.impl = 'chunked'",
+                   "make_mesh.shape = (2, 2, 2)", "model_config.num_hidden_layers = 3",
+                   "SamplingConfig.temperature = 0.7")
+    assert spec.rollout.mode == "rollverify" and spec.attention["impl"] == "chunked"
+    assert spec.mesh["shape"] == (2, 2, 2) and spec.model["num_hidden_layers"] == 3
+    assert spec.learner.temperature == 0.7  # the learner scores at the sampler's temperature, derived once
+    gin.parse_config("RolloutConfig.mode = 'partial'")
+    assert RolloutConfig().mode == "on_policy"  # a plain dataclass: gin reaches it only through the spec
+    assert spec.is_bound("RolloutConfig.mode") and not spec.is_bound("RolloutConfig.group_size")
+
+
+def test_the_fingerprint_is_every_run_defining_setting(spec_of):
+    """Every field of every run-defining part is compared on resume unless listed as bookkeeping: a setting added
+    to a config class is checked without anyone adding it to a list."""
+    spec = spec_of()
+    settings = spec.settings()
+    for field in spec_lib.PARTS:
+        part = getattr(spec, field)
+        keys = list(part) if isinstance(part, spec_lib.Bindings) else [f.name for f in dataclasses.fields(part)]
+        for key in keys:
+            full = f"{field}.{key}"
+            expected = (field not in spec_lib.NOT_RUN_DEFINING_PARTS and full not in spec_lib.NOT_RUN_DEFINING
+                        and full != "learner.loss")
+            assert (full in settings) == expected, full
+    assert settings["verify.ds"] == spec.verify.ds and settings["learner.ratio_against"] == "behavior"
+    assert settings["flash.impl"] == spec.flash.impl  # kernel knobs too
+    bound = spec_of("paged_attention.pages_per_compute_block = 2").settings()
+    assert bound["attention.pages_per_compute_block"] == 2
+    assert {k for k in bound if bound[k] != settings.get(k)} == {"attention.pages_per_compute_block"}
+
+
+def test_a_checkpoint_of_the_hand_kept_list_resumes_against_the_derived_one(spec_of, capsys):
+    spec = spec_of()
+    current = {**spec.settings(), "inputs.rollout_dtype": "float32"}
+    legacy = {"rollout.mode": "on_policy", "loss.name": "grpo", "advantage": "grpo", "policy_path":
+              spec.train.policy_path, "engine.compute_dtype": "float32", "verify.ds": spec.verify.ds}
+    check_resume_settings(legacy, current, allow=False)
+    with pytest.raises(ValueError, match=r"(?s)learner\.loss_name: checkpoint 'gspo', now 'grpo'.*verify\.ds"):
+        check_resume_settings({**legacy, "loss.name": "gspo", "verify.ds": 0.5}, current, allow=False)
+
+
+def test_the_response_cap_is_bound_once(spec_of):
+    spec = spec_of("RolloutConfig.max_new_tokens = 96", "RewardScorer.overlong_buffer = 16")
+    assert spec.reward["max_response_length"] == 96 and spec.loss.max_response_length == 96
+    assert spec.learner.loss.max_response_length == 96
+    assert spec_of("RolloutConfig.max_new_tokens = 96", "LossConfig.max_response_length = 96").loss \
+        .max_response_length == 96
+    with pytest.raises(ValueError, match="RewardScorer.max_response_length=64 differs from RolloutConfig"):
+        spec_of("RolloutConfig.max_new_tokens = 96", "RewardScorer.max_response_length = 64")
+
+
+def test_cross_checks_and_wrong_types_are_one_clear_error(spec_of):
+    with pytest.raises(ValueError, match="needs partial rollout"):
+        spec_of("FilterConfig.name = 'staleness'")
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        spec_of("RolloutConfig.max_new_tokens = 600", "EngineConfig.max_seq_len = 512")
+    with pytest.raises(ValueError, match="do not split into LearnerConfig.num_minibatches=3"):
+        spec_of("LearnerConfig.num_minibatches = 3")
+    with pytest.raises(ValueError, match="a value bound to RolloutConfig has the wrong type"):
+        spec_of("RolloutConfig.group_size = 'eight'")
+
+
+class _ExactScorer:
+    """Grades text == answer, so a reward graded against another trajectory's record shows."""
+
+    def score(self, texts, answers, lengths):
+        return [float(t == a) for t, a in zip(texts, answers, strict=True)], {}
+
+
+def _group(gid: int, answer: str, responses: dict[int, str]) -> Group:
+    group = Group(group_id=gid, size=len(responses), record={"prompt": f"p{gid}", "answer": answer})
+    for uid, text in responses.items():  # inserted out of uid order
+        t = Trajectory(uid=uid, group_id=gid, prompt=np.zeros(2, np.int32), seed=uid, max_new_tokens=8)
+        t.tokens = [ord(c) for c in text]
+        group.finished[uid] = t
+    return group
+
+
+def test_every_reward_is_graded_against_its_own_trajectorys_record():
+    groups = [_group(0, "11", {1: "11", 0: "12"}), _group(1, "22", {3: "21", 2: "22"}),
+              _group(2, "33", {5: "33", 4: "33"})]
+    scored = score(groups, lambda tokens: "".join(map(chr, tokens)), _ExactScorer(), "grpo")
+    assert [t.uid for t in scored.trajs] == [0, 1, 2, 3, 4, 5]  # group by group, uid order within a group
+    np.testing.assert_array_equal(np.sign(scored.advantages), [-1, 1, 1, -1, 0, 0])
+    np.testing.assert_array_equal(scored.uniform, [False, False, False, False, True, True])
+    assert scored.metrics["reward/mean"] == pytest.approx(4 / 6)
+
+
+def test_the_spec_of_every_shipped_config_builds(spec_of):
+    """Every config under configs/ (the tiny ones, the real-scale ones, the phenomenon rows) parses into a spec."""
+    root = PACKAGE.parent
+    for path in sorted((root / "configs").rglob("*.gin")):
+        if path.parent.name == "sim":
+            continue  # fragments included by the run configs
+        gin.clear_config()
+        spec_lib.parse_gin([str(path)], [])
+        assert isinstance(RunSpec.from_gin(), RunSpec), path
