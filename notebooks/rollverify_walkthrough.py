@@ -47,10 +47,11 @@ import gin
 import matplotlib.pyplot as plt
 import numpy as np
 
-from rollverify_jax import builder, train
+from rollverify_jax import train
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch
-from rollverify_jax.spec import RunSpec, parse_gin
+from rollverify_jax.run import builder
+from rollverify_jax.run.spec import RunSpec, parse_gin
 from rollverify_jax.verify import token_ops, two_stage_verify
 
 gin.clear_config()

@@ -3,7 +3,7 @@
 ``--checkpoint`` is a training workdir (its latest step), a ``<workdir>/checkpoints/<step>`` directory, or an
 HF-layout policy directory. Only the params of an orbax checkpoint are read (no optimizer state, no paused
 cache), and nothing is created, moved or removed in the run's directory. How evaluation samples is
-``EvalConfig`` (rollverify_jax/evaluation.py).
+``EvalConfig`` (rollverify_jax/run/evaluation.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from rollverify_jax import cli, storage
-from rollverify_jax.builder import build_policy, resolve_checkpoint
-from rollverify_jax.evaluation import evaluate_run
-from rollverify_jax.spec import RunSpec, parse_gin
+from rollverify_jax.infra import cli, storage
+from rollverify_jax.run.builder import build_policy, resolve_checkpoint
+from rollverify_jax.run.evaluation import evaluate_run
+from rollverify_jax.run.spec import RunSpec, parse_gin
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,13 +26,13 @@ from pathlib import Path
 from etils import epath
 from flax import nnx
 
-from rollverify_jax import cli, distributed, storage
-from rollverify_jax.builder import execution_config, make_mesh, resolve_checkpoint, restore_params
+from rollverify_jax.infra import cli, distributed, storage
 from rollverify_jax.models import model_config, save_pretrained
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.qwen3 import Qwen3ForCausalLM
 from rollverify_jax.models.tokenizer import TOKENIZER_FILE
-from rollverify_jax.spec import RunSpec, TrainConfig, parse_gin
+from rollverify_jax.run.builder import execution_config, make_mesh, resolve_checkpoint, restore_params
+from rollverify_jax.run.spec import RunSpec, TrainConfig, parse_gin
 
 # What an HF policy directory may hold besides the weights: the tokenizer and its generation defaults.
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

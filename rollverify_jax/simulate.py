@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from rollverify_jax.cli import run_cli
+from rollverify_jax.infra.cli import run_cli
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim.config import SimConfig
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
@@ -335,7 +335,7 @@ def _main(args: argparse.Namespace) -> None:
     fit_runs = [cal.read_run(p) for p in args.fit_from]
     if fit_runs and not runs:
         raise ValueError("--fit_from needs --calibrate_from (the runs to compare and to take lengths from).")
-    from rollverify_jax.spec import RunSpec, parse_gin
+    from rollverify_jax.run.spec import RunSpec, parse_gin
 
     parse_gin(args.gin_file, args.gin_param)
     spec = RunSpec.from_gin()

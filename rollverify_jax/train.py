@@ -13,12 +13,13 @@ import time
 
 import numpy as np
 
-from rollverify_jax import cli, run_dir
-from rollverify_jax.evaluation import evaluate_run
-from rollverify_jax.metrics import MetricsWriter, open_progress, open_wandb, run_summary
-from rollverify_jax.preemption import SKIPPED_EXIT_STATUS, Decision, StopRequest
-from rollverify_jax.spec import RunSpec, parse_gin
-from rollverify_jax.trainer import Trainer
+from rollverify_jax.infra import cli
+from rollverify_jax.run import run_dir
+from rollverify_jax.run.evaluation import evaluate_run
+from rollverify_jax.run.metrics import MetricsWriter, open_progress, open_wandb, run_summary
+from rollverify_jax.run.preemption import SKIPPED_EXIT_STATUS, Decision, StopRequest
+from rollverify_jax.run.spec import RunSpec, parse_gin
+from rollverify_jax.run.trainer import Trainer
 
 __all__ = ["main", "train", "train_one_step"]
 
@@ -183,7 +184,7 @@ def _main(args: argparse.Namespace) -> None:
     spec = RunSpec.from_gin()
     cli.start_process(spec, args)  # before anything compiles
     if args.dry_run:
-        from rollverify_jax.dry_run import dry_run_cli
+        from rollverify_jax.run.dry_run import dry_run_cli
 
         dry_run_cli(spec, args.dry_run_devices)
         return

@@ -27,8 +27,8 @@ import benchlib
 import jax
 import numpy as np
 
-from rollverify_jax import mesh as mesh_lib
 from rollverify_jax.data.synthetic import make_split
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
 from rollverify_jax.rl import learner

@@ -13,7 +13,7 @@ import benchlib
 import jax
 import numpy as np
 
-from rollverify_jax.metrics import read_metrics
+from rollverify_jax.run.metrics import read_metrics
 from rollverify_jax.verify import two_stage_verify
 
 

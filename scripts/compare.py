@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from seed_stats import cell  # noqa: E402
 
-from rollverify_jax.metrics import read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import read_metrics  # noqa: E402
 
 LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
           "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "partial + GSPO",

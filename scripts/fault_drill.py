@@ -63,7 +63,7 @@ if kind.startswith("nan"):
     train.learn = learn
 if kind == "disk_full":
     from orbax.checkpoint._src.path import atomicity
-    from rollverify_jax.checkpoint import Checkpointer
+    from rollverify_jax.run.checkpoint import Checkpointer
     real_save = Checkpointer.save
     def save(self, step, *a, **kw):
         if step >= at:
@@ -175,9 +175,9 @@ def one_error_line(err: str) -> bool:
 def final_state(workdir: Path):
     import jax
 
-    from rollverify_jax import builder
-    from rollverify_jax.checkpoint import Checkpointer
     from rollverify_jax.models import load_pretrained
+    from rollverify_jax.run import builder
+    from rollverify_jax.run.checkpoint import Checkpointer
 
     fingerprint = builder.model_fingerprint(load_pretrained(ROOT / "assets" / "tiny_policy"))
     with Checkpointer(workdir, model_fingerprint=fingerprint) as ckpt:

@@ -41,7 +41,7 @@ from gpu_common import (
     use_kernels,
 )
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import flash_attention as fa
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rl import learner
@@ -626,10 +626,11 @@ def compile_config(path: str, layers: int) -> dict:
     'tensor' size, slots, rows and micro-batch rows by its batch axes, the KV budget by its devices (so the pool
     has the per-device pages). Heads and rows then match a device of the mesh; the weights and moments of the
     cut layers are whole on the one GPU (on the mesh they are split over every device), an upper bound."""
-    from rollverify_jax.aot import train_batch  # after the backend is up: aot defaults JAX_PLATFORMS to cpu
-    from rollverify_jax.dry_run import architecture, mesh_shape
     from rollverify_jax.models import Qwen3ForCausalLM
-    from rollverify_jax.spec import RunSpec, parse_gin
+    from rollverify_jax.run.builder import architecture
+    from rollverify_jax.run.dry_run import mesh_shape
+    from rollverify_jax.run.spec import RunSpec, parse_gin
+    from rollverify_jax.scale.fit import train_batch
 
     gin.clear_config()
     parse_gin([path], [])

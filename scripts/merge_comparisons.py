@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from compare import plot, summarize, table  # noqa: E402
 
-from rollverify_jax.metrics import read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import read_metrics  # noqa: E402
 
 
 def main() -> None:

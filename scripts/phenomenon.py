@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from seed_stats import cell, mean_se, welch  # noqa: E402
 
-from rollverify_jax import storage  # noqa: E402
-from rollverify_jax.metrics import read_metrics  # noqa: E402
+from rollverify_jax.infra import storage  # noqa: E402
+from rollverify_jax.run.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "phenomenon"
 ARCHIVE = ROOT / "docs" / "results" / "phenomenon"

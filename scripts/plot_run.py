@@ -17,7 +17,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollverify_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import METRICS_FILE, read_metrics  # noqa: E402
 
 # file stem -> (figure title, [(metric key, panel title), ...])
 FIGURES: dict[str, tuple[str, list[tuple[str, str]]]] = {

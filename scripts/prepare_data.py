@@ -40,9 +40,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollverify_jax import storage
 from rollverify_jax.data import datasets
 from rollverify_jax.data.rewards import extract_boxed
+from rollverify_jax.infra import storage
 
 Row = dict[str, Any]
 

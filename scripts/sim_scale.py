@@ -52,7 +52,7 @@ TERMS = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "over
 
 
 def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
-    from rollverify_jax.spec import RunSpec, parse_gin
+    from rollverify_jax.run.spec import RunSpec, parse_gin
 
     gin.clear_config()
     parse_gin(files, params)

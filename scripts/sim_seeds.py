@@ -56,7 +56,7 @@ def train_rate(run: cal.RunData, skip: int, prompt_tokens: int) -> float:
 
 def predict(runs: list[cal.RunData], pool: str, skips: list[int]) -> dict:
     """rows[skip][F][T]: the calibration row of run T under run F's rates (paths as str), and costs[skip][F]."""
-    from rollverify_jax.spec import RunSpec, parse_gin
+    from rollverify_jax.run.spec import RunSpec, parse_gin
 
     gin.clear_config()
     parse_gin([str(runs[0].path / "config.gin")], [])

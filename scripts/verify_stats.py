@@ -18,7 +18,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollverify_jax.metrics import read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import read_metrics  # noqa: E402
 
 # (key, header, format, reducer): each per-run value; "step" = mean over the training steps, "partial" = mean over
 # the steps whose batch partial rollout built (before a switch), "cycles" = over the cycles that verified a paused

@@ -28,7 +28,7 @@ def clean_gin():
 @pytest.fixture
 def spec_of():
     """``spec_of(*bindings)``: the ``RunSpec`` those gin bindings (lines of gin) give, the bindings cleared after."""
-    from rollverify_jax.spec import RunSpec
+    from rollverify_jax.run.spec import RunSpec
 
     def build(*bindings: str) -> RunSpec:
         gin.clear_config()
@@ -45,6 +45,21 @@ def model():
     """The random tiny Qwen3 (seed 0) shared by the rollout tests. Treat it as read-only: a test that needs other
     weights builds them (``nnx.split`` + new state), it never updates this module in place."""
     return init_model(model_config("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def policy(tmp_path_factory):
+    """A random 2-layer tiny Qwen3 with the synthetic task's character tokenizer, on disk in HF layout: the policy
+    of the tiny training runs (``shared.run_params``)."""
+    from rollverify_jax.data.synthetic import char_vocabulary
+    from rollverify_jax.models import build_char_tokenizer, save_pretrained
+
+    path = tmp_path_factory.mktemp("policy")
+    tok = build_char_tokenizer(char_vocabulary(), ["<|endoftext|>", "<pad>"], path, eos_tokens=["<|endoftext|>"],
+                               pad_token="<pad>")
+    vocab = -(-tok.vocab_size // 8) * 8
+    save_pretrained(init_model(model_config("tiny", vocab_size=vocab, num_hidden_layers=2), seed=3), path)
+    return path
 
 
 ROOT = Path(__file__).resolve().parents[1]

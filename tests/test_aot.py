@@ -8,6 +8,7 @@ import gin
 import pytest
 
 from rollverify_jax import aot
+from rollverify_jax.scale import fit
 
 pytest.importorskip("libtpu", reason="the deviceless TPU compile needs libtpu (pip install -e '.[test]')")
 
@@ -26,12 +27,8 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "report.json"
-    gin.clear_config()
-    try:
-        aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
-                  f"--json={out}"])
-    finally:
-        gin.clear_config()
+    aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
+              f"--json={out}"])
     return json.loads(out.read_text())
 
 
@@ -73,16 +70,16 @@ def test_report_has_the_train_step_packing_at_the_length_model(report):
 def test_packed_train_estimate_counts_the_positions_the_step_computes():
     """Against hand arithmetic: unpacked, every sequence is a full row; packed at a length model of short
     sequences, a minibatch of 8 fills one micro-batch of 2 rows."""
-    from rollverify_jax.aot_config import AotConfig
     from rollverify_jax.models.qwen3 import model_config
     from rollverify_jax.rl.learner import LearnerConfig
+    from rollverify_jax.scale.aot_config import AotConfig
 
     cfg = model_config("tiny")
     short = AotConfig(response_length_median=20.0, response_length_sigma=0.0, prompt_len=10)  # every sequence 30
-    padded = aot.packed_train_estimate(cfg, LearnerConfig(pack_sequences=False), 16, 128, 100, short, 1)
+    padded = fit.packed_train_estimate(cfg, LearnerConfig(pack_sequences=False), 16, 128, 100, short, 1)
     assert padded["train_useful_token_fraction"] == pytest.approx(30 / 128)
     assert padded["train_speedup_vs_unpacked"] == pytest.approx(1.0)
-    packed = aot.packed_train_estimate(cfg, LearnerConfig(num_minibatches=2, micro_batch_size=2), 16, 128, 100,
+    packed = fit.packed_train_estimate(cfg, LearnerConfig(num_minibatches=2, micro_batch_size=2), 16, 128, 100,
                                        short, 1)
     # 8 sequences of 30 per minibatch: 4 per row of 128, two rows, one micro-batch of 2 rows.
     assert packed["train_micro_batches_per_update"] == 1
@@ -110,12 +107,8 @@ def test_serving_layout_copy_is_counted_and_drops_the_decode_collectives(report,
     copy, resident beside the train state and outside the train step), and decode needs no per-layer
     all-reduces over 'fsdp'."""
     out = tmp_path / "serving.json"
-    gin.clear_config()
-    try:
-        aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
-                  "--gin_param=EngineConfig.serving_layout = 'tensor'", f"--json={out}"])
-    finally:
-        gin.clear_config()
+    aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
+              "--gin_param=EngineConfig.serving_layout = 'tensor'", f"--json={out}"])
     r = json.loads(out.read_text())
     res = r["resident"]
     assert res["serving_params"] == r["decode"]["weights_bytes_per_chip"] > res["params"]

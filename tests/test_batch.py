@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch, pad_rows
 from rollverify_jax.rollout.trajectory import Trajectory

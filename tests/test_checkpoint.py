@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer, decode_extra, encode_extra
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.run.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer, decode_extra, encode_extra
 
 FP = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "head_dim": (8, 8)}
 
@@ -579,7 +579,7 @@ def test_a_state_of_another_shape_is_a_settings_error_and_moves_nothing(tmp_path
 def _other_host(monkeypatch, outcomes):
     """A second process whose restore attempts end as ``outcomes`` (0 restored, 1 damaged, 2 failed), one per
     all-gather: this process is process 0 of 2 for the restore's agreement."""
-    from rollverify_jax import distributed
+    from rollverify_jax.infra import distributed
 
     outcomes = list(outcomes)
     monkeypatch.setattr(distributed, "gather_ints",

@@ -2,30 +2,23 @@
 with nothing half-written."""
 
 import errno
-import sys
 from pathlib import Path
 
-import gin
 import pytest
+from shared import run_params
 
-from rollverify_jax import aot, builder, evaluate, train
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax import aot, evaluate, train
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.run import builder
 from rollverify_jax.sim import calibrate
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import _params, policy  # noqa: E402, F401  (the tiny run's bindings and its random policy)
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 TINY_GIN = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_rollverify.gin")
 
 
 def _one_line_exit_2(capsys, main, argv) -> str:
-    gin.clear_config()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("error: ") == 1, err
     assert "Traceback" not in err, err
@@ -46,7 +39,7 @@ def test_an_unreadable_input_is_not_reported_as_a_full_workdir(policy, tmp_path,
     def unreadable(name, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", "/data/train.jsonl")
     monkeypatch.setattr(builder, "get_dataset", unreadable)
-    params = [f"--gin_param={p}" for p in _params(policy, "on_policy", 1)]
+    params = [f"--gin_param={p}" for p in run_params(policy, "on_policy", 1)]
     err = _one_line_exit_2(capsys, train.main, [f"--workdir={tmp_path / 'run'}", *params])
     assert "cannot use /data/train.jsonl: Permission denied" in err and "one of the run's inputs" in err, err
     assert "free space" not in err and not (tmp_path / "run").exists()
@@ -80,11 +73,7 @@ def test_aot_writes_its_report_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(aot, "format_report", lambda report: "report")
     written = []
     monkeypatch.setattr(aot.storage, "write_text_atomically", lambda path, text: written.append((str(path), text)))
-    gin.clear_config()
-    try:
-        aot.main([f"--json={tmp_path / 'r.json'}"])
-    finally:
-        gin.clear_config()
+    aot.main([f"--json={tmp_path / 'r.json'}"])
     assert written and written[0][0] == str(tmp_path / "r.json") and '"fits": true' in written[0][1]
 
 

@@ -4,7 +4,7 @@ compares host decisions, and the error when hosts diverge. (The real multi-proce
 import numpy as np
 import pytest
 
-from rollverify_jax import distributed
+from rollverify_jax.infra import distributed
 
 
 class FakeWorld:

@@ -7,16 +7,16 @@ import json
 import shutil
 from pathlib import Path
 
-import gin
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollverify_jax import builder, train
+from rollverify_jax import train
 from rollverify_jax.models import Tokenizer, build_char_tokenizer
 from rollverify_jax.rollout.scheduler import validate_request
-from rollverify_jax.spec import RunSpec, parse_gin
+from rollverify_jax.run import builder
+from rollverify_jax.run.spec import RunSpec, parse_gin
 
 TINY = "configs/tiny_rollverify.gin"
 ROOM = 320 - 200  # tiny_base.gin: EngineConfig.max_seq_len - RolloutConfig.max_new_tokens
@@ -49,22 +49,14 @@ def data_params(train_path: str, eval_path: str) -> list[str]:
 
 def dry_run(capsys, params: list[str]) -> tuple[dict, str]:
     """Runs ``--dry_run`` on the tiny config; returns its report and stdout."""
-    gin.clear_config()
-    try:
-        train.main(["--dry_run", f"--gin_file={TINY}", *[f"--gin_param={p}" for p in params]])
-    finally:
-        gin.clear_config()
+    train.main(["--dry_run", f"--gin_file={TINY}", *[f"--gin_param={p}" for p in params]])
     out = capsys.readouterr().out
     return json.loads(out.split("dry run OK: ", 1)[1]), out
 
 
 def dry_run_fails(capsys, params: list[str]) -> str:
-    gin.clear_config()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            train.main(["--dry_run", f"--gin_file={TINY}", *[f"--gin_param={p}" for p in params]])
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--dry_run", f"--gin_file={TINY}", *[f"--gin_param={p}" for p in params]])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: dry run found") and "Traceback" not in err, err
     return err.splitlines()[0]
@@ -157,12 +149,8 @@ def test_a_run_starts_without_the_over_long_prompts(tmp_path, capsys):
     """build_trainer filters train and eval data, so every prompt the scheduler will see is admissible."""
     train_path = write_dapo_jsonl(tmp_path / "train.jsonl", [short(i) for i in range(5)] + [LONG] * 3)
     eval_path = write_aime_parquet(tmp_path / "eval.parquet", [LONG, short(7), short(8)])
-    gin.clear_config()
-    try:
-        parse_gin([TINY], data_params(train_path, eval_path) + ["TrainConfig.eval_size = 5"])
-        run = builder.build_trainer(RunSpec.from_gin(), tmp_path / "run")
-    finally:
-        gin.clear_config()
+    parse_gin([TINY], data_params(train_path, eval_path) + ["TrainConfig.eval_size = 5"])
+    run = builder.build_trainer(RunSpec.from_gin(), tmp_path / "run")
     try:
         out = capsys.readouterr().out
         assert "warning: train dataset 'dapo_jsonl': dropped 3 of 8 prompts" in out

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout import engine as engine_lib
 

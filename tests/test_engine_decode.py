@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory, paged_cache
 from rollverify_jax.rollout import attention as attention_lib
 from rollverify_jax.rollout import engine as engine_lib
@@ -52,7 +52,7 @@ def test_megacore_follows_the_device_kind():
     cpu = engine_lib.PoolLayout.for_mesh(mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1]), 4, 2, 4)
     assert not cpu.megacore
     pytest.importorskip("libtpu", reason="deviceless TPU devices need libtpu")
-    from rollverify_jax.aot import get_topology_devices
+    from rollverify_jax.scale.fit import get_topology_devices
 
     for topology, two in (("v5p:2x2x1", True), ("v5e:2x2", False), ("v6e:2x2", False)):
         devices = get_topology_devices(topology)

@@ -11,17 +11,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+from shared import POLICY, make_checkpoint
 
-from rollverify_jax import builder, evaluate, evaluation, train
-from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
-from rollverify_jax.metrics import read_metrics
-from rollverify_jax.models import load_pretrained
-from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax import evaluate, train
 from rollverify_jax.rollout.sampling import SamplingConfig
-from rollverify_jax.spec import RunSpec, parse_gin
+from rollverify_jax.run import builder, evaluation
+from rollverify_jax.run.metrics import read_metrics
+from rollverify_jax.run.spec import RunSpec, parse_gin
 
-POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 TASK = {"n": 12, "split": "test", "max_steps": 2, "length_median": 1.0, "length_sigma": 0.5, "max_value": 99,
         "max_operand": 9, "max_multiplier": 3, "holdout_fraction": 0.1}
 BINDINGS = [f"TrainConfig.policy_path = '{POLICY}'", f"TrainConfig.eval_dataset_kwargs = {TASK}",
@@ -30,21 +27,6 @@ BINDINGS = [f"TrainConfig.policy_path = '{POLICY}'", f"TrainConfig.eval_dataset_
             "RolloutConfig.max_new_tokens = 32", "RolloutConfig.batch_groups = 2", "RolloutConfig.group_size = 4",
             "EngineConfig.num_slots = 8", "EngineConfig.page_size = 16", "EngineConfig.max_seq_len = 64",
             "EngineConfig.steps_per_dispatch = 4", "CheckpointConfig.async_save = False"]
-
-
-def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.004):
-    """A run's checkpoint of the tiny policy with its params moved away from the policy's (so a test that
-    reads the initial weights instead fails); returns those params."""
-    model = load_pretrained(POLICY)
-    optimizer = optimizer or learner_lib.make_optimizer(learner_lib.OptimizerConfig())
-    state = learner_lib.init_train_state(model, optimizer, mesh_lib.make_mesh())
-    rng = np.random.default_rng(step)
-    params = jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(x.dtype), state.params)
-    with Checkpointer(workdir, CheckpointConfig(async_save=False),
-                      model_fingerprint=builder.model_fingerprint(model)) as ckpt:
-        ckpt.save(step, state.replace(params=params), {"settings": {"policy_path": str(POLICY)}}, force=True)
-    (workdir / "policy.txt").write_text(json.dumps({"policy_path": str(POLICY)}) + "\n")
-    return params
 
 
 def _gin(extra=()):
@@ -134,11 +116,7 @@ def test_eval_config_sets_k_temperature_and_length_apart_from_training(eval_run,
 
 
 def _cli(args, extra=()):
-    gin.clear_config()
-    try:
-        evaluate.main([*args, *[f"--gin_param={p}" for p in [*BINDINGS, *extra]]])
-    finally:
-        gin.clear_config()
+    evaluate.main([*args, *[f"--gin_param={p}" for p in [*BINDINGS, *extra]]])
 
 
 def test_evaluate_reads_only_the_params(tmp_path, capsys):
@@ -186,12 +164,8 @@ def test_a_mistyped_checkpoint_is_one_error_and_creates_nothing(tmp_path, capsys
 
 def test_a_training_run_can_skip_its_step_0_evaluation_and_logs_its_generations(tmp_path):
     def run(workdir, extra):
-        gin.clear_config()
-        try:
-            train.main([f"--workdir={workdir}", "--gin_param=TrainConfig.num_steps = 0",
-                        *[f"--gin_param={p}" for p in [*BINDINGS, *extra]]])
-        finally:
-            gin.clear_config()
+        train.main([f"--workdir={workdir}", "--gin_param=TrainConfig.num_steps = 0",
+                    *[f"--gin_param={p}" for p in [*BINDINGS, *extra]]])
         return read_metrics(workdir / "metrics.jsonl")
 
     skipped = run(tmp_path / "skip", ["EvalConfig.at_start = False"])

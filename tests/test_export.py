@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import gin
@@ -16,12 +15,10 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from shared import POLICY, make_checkpoint
 
 from rollverify_jax import export
 from rollverify_jax.models import Tokenizer, load_pretrained
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_evaluate import POLICY, make_checkpoint  # noqa: E402  (the tiny run's checkpoint, params moved)
 
 TEXT = "Start 64. -9 -6. Compute. 64-9=55."
 
@@ -34,11 +31,7 @@ def run_dir(tmp_path_factory):
 
 
 def _export(*args):
-    gin.clear_config()
-    try:
-        export.main([str(a) for a in args])
-    finally:
-        gin.clear_config()
+    export.main([str(a) for a in args])
 
 
 @functools.cache

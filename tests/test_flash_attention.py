@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import flash_attention as fa
 from rollverify_jax.models.qwen3 import CausalAttention
 

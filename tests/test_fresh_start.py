@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
-from rollverify_jax.fresh_start import check_fresh_start
+from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.run.fresh_start import check_fresh_start
 
 
 def _workdir(tmp_path, rows=(), aside=()):

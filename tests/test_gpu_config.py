@@ -6,30 +6,26 @@ from __future__ import annotations
 import json
 import math
 
-import gin
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from rollverify_jax import train
-from rollverify_jax.dry_run import architecture, mesh_shape
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.spec import RunSpec, parse_gin
+from rollverify_jax.run.builder import architecture
+from rollverify_jax.run.dry_run import mesh_shape
+from rollverify_jax.run.spec import RunSpec, parse_gin
 
 CONFIG = "configs/qwen3_8b_dapo_8xh200.gin"
 GiB = 2**30
 
 
 def test_config_holds_the_settings_its_memory_arithmetic_assumes():
-    gin.clear_config()
-    try:
-        parse_gin([CONFIG], [])
-        spec = RunSpec.from_gin()
-        shape, engine, learner = mesh_shape(spec), spec.engine, spec.learner
-        cfg = architecture(spec)
-        topology, flash = spec.aot.topology, spec.flash.impl
-    finally:
-        gin.clear_config()
+    parse_gin([CONFIG], [])
+    spec = RunSpec.from_gin()
+    shape, engine, learner = mesh_shape(spec), spec.engine, spec.learner
+    cfg = architecture(spec)
+    topology, flash = spec.aot.topology, spec.flash.impl
     assert shape == [1, 2, 4] and topology is None and flash == "cudnn"
     assert learner.micro_batch_size == 2 == shape[0] * shape[1]  # one packed row per batch device
     assert engine.dispatch_ahead and engine.max_seq_len == 22_528 and engine.num_slots == 256
@@ -51,11 +47,7 @@ def test_dry_run_checks_the_gpu_config_and_says_it_cannot_prove_a_gpu_fit(tmp_pa
               f"TrainConfig.train_dataset_kwargs = {{'path': '{tmp_path / 'train.jsonl'}'}}",
               "TrainConfig.eval_dataset = 'aime_parquet'",
               f"TrainConfig.eval_dataset_kwargs = {{'path': '{tmp_path / 'eval.parquet'}'}}"]
-    gin.clear_config()
-    try:
-        train.main(["--dry_run", f"--gin_file={CONFIG}", *[f"--gin_param={p}" for p in params]])
-    finally:
-        gin.clear_config()
+    train.main(["--dry_run", f"--gin_file={CONFIG}", *[f"--gin_param={p}" for p in params]])
     out = capsys.readouterr().out
     report = json.loads(out.split("dry run OK: ", 1)[1].splitlines()[0])
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}

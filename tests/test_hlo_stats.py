@@ -1,4 +1,4 @@
-"""Reading collectives and Mosaic kernel grids out of optimized HLO text (rollverify_jax/hlo_stats.py)."""
+"""Reading collectives and Mosaic kernel grids out of optimized HLO text (rollverify_jax/scale/hlo_stats.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from rollverify_jax import hlo_stats
+from rollverify_jax.scale import hlo_stats
 
 
 def test_collectives_in_a_loop_count_its_trips():

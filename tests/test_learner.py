@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import init_model, model_config, token_logprobs
 from rollverify_jax.rl import learner

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import init_model, model_config
 
 # Golden PartitionSpecs of the tiny MoE preset on a (data=2, fsdp=2, tensor=2) mesh.

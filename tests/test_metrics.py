@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollverify_jax import metrics as metrics_lib
-from rollverify_jax.metrics import MetricsWriter, ProgressBar, read_metrics, save_operative_config
-from rollverify_jax.spec import RunSpec
+from rollverify_jax.run import metrics as metrics_lib
+from rollverify_jax.run.metrics import MetricsWriter, ProgressBar, read_metrics, save_operative_config
+from rollverify_jax.run.spec import RunSpec
 
 
 def read_event_scalars(tb_dir):
@@ -110,19 +110,15 @@ def test_progress_bar_on_tty(monkeypatch, capsys):
 
 
 def test_save_operative_config(tmp_path):
+    gin.parse_config("CheckpointConfig.save_interval_steps = 7")
+    spec = RunSpec.from_gin()
+    assert spec.checkpoint.save_interval_steps == 7
+    operative, parsed = save_operative_config(tmp_path, spec.operative_text(), spec.gin_text)
+    assert "CheckpointConfig.save_interval_steps = 7" in operative.read_text()
+    assert "CheckpointConfig.save_interval_steps = 7" in parsed.read_text()
+    # Every value in effect, the defaults too, and in gin syntax: it parses back to the same spec.
+    assert "RolloutConfig.mode = 'on_policy'" in operative.read_text()
     gin.clear_config()
-    try:
-        gin.parse_config("CheckpointConfig.save_interval_steps = 7")
-        spec = RunSpec.from_gin()
-        assert spec.checkpoint.save_interval_steps == 7
-        operative, parsed = save_operative_config(tmp_path, spec.operative_text(), spec.gin_text)
-        assert "CheckpointConfig.save_interval_steps = 7" in operative.read_text()
-        assert "CheckpointConfig.save_interval_steps = 7" in parsed.read_text()
-        # Every value in effect, the defaults too, and in gin syntax: it parses back to the same spec.
-        assert "RolloutConfig.mode = 'on_policy'" in operative.read_text()
-        gin.clear_config()
-        gin.parse_config_file(str(operative))
-        assert RunSpec.from_gin().settings() == spec.settings()
-        assert operative == tmp_path / "operative_config.gin" and parsed == tmp_path / "config.gin"
-    finally:
-        gin.clear_config()
+    gin.parse_config_file(str(operative))
+    assert RunSpec.from_gin().settings() == spec.settings()
+    assert operative == tmp_path / "operative_config.gin" and parsed == tmp_path / "config.gin"

@@ -12,10 +12,10 @@ from conftest import load_script
 
 from rollverify_jax import train
 from rollverify_jax.data.synthetic import char_vocabulary
-from rollverify_jax.metrics import read_metrics
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.models.hf import save_pretrained
 from rollverify_jax.models.tokenizer import build_char_tokenizer
+from rollverify_jax.run.metrics import read_metrics
 
 multihost_local = load_script("multihost_local")
 TIME_LIMIT_S = 420  # per multi-process launch: a hang fails the test instead of stalling the suite
@@ -98,7 +98,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
 _DIES_OR_WAITS = """
 import os, sys, time
 import jax
-from rollverify_jax import distributed
+from rollverify_jax.infra import distributed
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout_s=5)
 x = jax.numpy.ones(4)
 if jax.process_index() == 1:
@@ -134,10 +134,10 @@ def test_a_dead_process_stops_the_others_within_the_heartbeat(tmp_path):
 _SAVES = """
 import sys
 import numpy as np
-from rollverify_jax import distributed
+from rollverify_jax.infra import distributed
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout_s=30)
 import jax
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.models.hf import save_pretrained
 mesh = mesh_lib.make_mesh((1, 4, 1))  # 2 devices per process: every parameter spans both processes

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import load_script
 
-from rollverify_jax import metrics as metrics_lib
-from rollverify_jax.cli import is_user_error
-from rollverify_jax.metrics import (
+from rollverify_jax.infra.cli import is_user_error
+from rollverify_jax.run import metrics as metrics_lib
+from rollverify_jax.run.metrics import (
     MetricsConfig,
     MetricsWriter,
     ProgressBar,
@@ -341,7 +341,7 @@ def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
 
 
 def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split():
-    from rollverify_jax.metrics import run_summary
+    from rollverify_jax.run.metrics import run_summary
 
     def step(i, on_policy, util, acc=None):
         m = {"step": i, "time/step": 10.0, "time/rollout": 6.0, "time/verify": 1.0, "time/train": 3.0,

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_verifier import reference_keep
+from shared import reference_keep
 
 from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollverify_jax.builder import execution_config
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3Config, Qwen3ForCausalLM
+from rollverify_jax.run.builder import execution_config
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_param_count_formula():
 def test_moe_routed_per_device_equals_the_global_routing():
     """Qwen3-MoE on 8 devices with `mesh`: each device routes its own rows' tokens and computes its share of the
     expert MLPs' inner dimension; logits, router logits and gradients equal the global computation."""
-    from rollverify_jax import mesh as mesh_lib
+    from rollverify_jax.infra import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh((2, 2, 2))
     model = init_model(model_config("tiny_moe", num_hidden_layers=2), seed=4)  # one dense, one MoE layer
@@ -106,7 +106,7 @@ def _assert_grads_close(got, want) -> None:
 def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk, spec_of):
     """Expert parallelism on 8 devices (experts sharded by the logical-axis rules, each device holding only its
     own) gives the values, router logits and gradients of the model computed on one device."""
-    from rollverify_jax import mesh as mesh_lib
+    from rollverify_jax.infra import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh((2, 2, 2))
     model = init_model(model_config("tiny_moe", num_hidden_layers=2), seed=6)
@@ -138,7 +138,7 @@ def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk, 
 def test_scanned_layers_equal_the_unrolled_ones(preset, remat):
     """Layers run as scans over stacked weights (one scan per run of same-kind layers: tiny_moe has a dense layer,
     then MoE layers routed per device on 8 devices) give the unrolled values, router logits and gradients."""
-    from rollverify_jax import mesh as mesh_lib
+    from rollverify_jax.infra import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh((2, 2, 2)) if preset == "tiny_moe" else None
     model = init_model(model_config(preset, num_hidden_layers=4), seed=5)

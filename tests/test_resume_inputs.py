@@ -2,20 +2,16 @@
 
 import json
 import re
-import sys
 from pathlib import Path
 
-import gin
 import pytest
+from shared import run_params
 
 from rollverify_jax import train
 from rollverify_jax.data.datasets import load_synthetic, records_fingerprint
 from rollverify_jax.data.synthetic import char_vocabulary
-from rollverify_jax.metrics import read_metrics
 from rollverify_jax.models import Tokenizer, build_char_tokenizer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import _params, policy  # noqa: E402, F401  (the tiny run's bindings and its random policy)
+from rollverify_jax.run.metrics import read_metrics
 
 
 def _write_data(path: Path, seed: int) -> Path:
@@ -26,14 +22,10 @@ def _write_data(path: Path, seed: int) -> Path:
 
 
 def _run(workdir: Path, policy_dir: Path, data: Path, steps: int, *extra: str) -> None:
-    params = _params(policy_dir, "rollverify", steps, ("TrainConfig.train_dataset = 'aime_jsonl'",
+    params = run_params(policy_dir, "rollverify", steps, ("TrainConfig.train_dataset = 'aime_jsonl'",
                                                    f"TrainConfig.train_dataset_kwargs = {{'path': '{data}', "
                                                    "'apply_template': False}", "EvalConfig.at_start = False"))
-    gin.clear_config()
-    try:
-        train.main([f"--workdir={workdir}", *[f"--gin_param={p}" for p in params], *extra])
-    finally:
-        gin.clear_config()
+    train.main([f"--workdir={workdir}", *[f"--gin_param={p}" for p in params], *extra])
 
 
 def _refused(capsys, *args) -> str:

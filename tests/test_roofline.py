@@ -1,11 +1,12 @@
-"""The decode roofline arithmetic (rollverify_jax/roofline.py) against brute force."""
+"""The decode roofline arithmetic (rollverify_jax/scale/roofline.py) against brute force."""
 
 import math
 import random
 
 import pytest
 
-from rollverify_jax import roofline, schedule_rules
+from rollverify_jax import schedule_rules
+from rollverify_jax.scale import roofline
 
 
 def test_lognormal_lengths_are_deterministic_quantiles_in_range():

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from rollverify_jax import mesh as mesh_lib
 from rollverify_jax import schedule_rules
 from rollverify_jax import simulate as sim_cli
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rl import partial_rollout
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig
 from rollverify_jax.rollout import engine as engine_lib

@@ -363,10 +363,10 @@ def test_train_cost_without_padding_is_the_per_token_cost():
                                                ("qwen3_30b_a3b_dapo", "qwen3_30b_a3b_v5p")])
 def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
     # The simulator's train step at a real config (its LearnerConfig read from the config itself) costs what
-    # `aot.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model.
-    from rollverify_jax import aot
-    from rollverify_jax.dry_run import architecture
-    from rollverify_jax.spec import RunSpec, parse_gin
+    # `fit.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model.
+    from rollverify_jax.run.builder import architecture
+    from rollverify_jax.run.spec import RunSpec, parse_gin
+    from rollverify_jax.scale import fit
 
     parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
     spec = RunSpec.from_gin()
@@ -377,10 +377,10 @@ def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
             "EngineConfig.max_seq_len"))
     assert roof.train_mfu == a.train_mfu and roof.train_passes == 3.0
     rows = shape.batch_groups * shape.group_size
-    est = aot.packed_train_estimate(architecture(spec), learner, rows, layout.width, shape.max_new_tokens,
+    est = fit.packed_train_estimate(architecture(spec), learner, rows, layout.width, shape.max_new_tokens,
                                     a, layout.row_multiple, batches=2)
     rng = np.random.default_rng(0)  # the estimate's own draws
-    batches = [aot.sample_lengths(rng, rows, layout.width, shape.max_new_tokens, a) for _ in range(2)]
+    batches = [fit.sample_lengths(rng, rows, layout.width, shape.max_new_tokens, a) for _ in range(2)]
     costs = roof.cost_model()
     sim_s = np.mean([costs.train(x, layout.rows(x)) for x in batches])
     aot_s = est["train_model_flops_per_step"] / (roof.num_devices * roof.peak_flops * a.train_mfu)
@@ -430,9 +430,9 @@ def test_real_scale_decode_step_equals_the_aot_estimate(config, sim_config):
     # the step at the KV the kernel reads, averaged over the steps of the length model's sequences): all slots
     # decode the aot length model's sequences in lockstep, and the mean step is compared. The bindings are
     # aot's assumptions and the real config's shape.
-    from rollverify_jax import roofline
-    from rollverify_jax.aot_config import CHIPS
-    from rollverify_jax.spec import RunSpec, parse_gin
+    from rollverify_jax.run.spec import RunSpec, parse_gin
+    from rollverify_jax.scale import roofline
+    from rollverify_jax.scale.aot_config import CHIPS
 
     parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
     spec = RunSpec.from_gin()

@@ -8,21 +8,21 @@ import gin
 import numpy as np
 import pytest
 
-from rollverify_jax import spec as spec_lib
 from rollverify_jax.rl.buffer import Group
 from rollverify_jax.rl.step import score
 from rollverify_jax.rollout.trajectory import Trajectory
-from rollverify_jax.spec import RunSpec, check_resume_settings
+from rollverify_jax.run import spec as spec_lib
+from rollverify_jax.run.spec import RunSpec, check_resume_settings
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rollverify_jax"
 
 
 def test_no_module_but_the_spec_reads_gin():
-    """gin is imported by rollverify_jax/spec.py alone: every other module gets its settings handed in, so no
+    """gin is imported by rollverify_jax/run/spec.py alone: every other module gets its settings handed in, so no
     component can read a binding the spec (and the resume fingerprint) does not hold."""
     readers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                      if re.search(r"^\s*(import gin|from gin\b)", p.read_text(), re.MULTILINE))
-    assert readers == ["spec.py"]
+    assert readers == ["run/spec.py"]
 
 
 def test_a_bound_value_reaches_its_part_and_the_classes_themselves_read_nothing(spec_of):

@@ -13,12 +13,12 @@ import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
-from rollverify_jax import checkpoint as checkpoint_lib
-from rollverify_jax import compile_cache, storage
-from rollverify_jax.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer
-from rollverify_jax.evaluation import write_samples
-from rollverify_jax.metrics import MetricsWriter, read_metrics, save_operative_config
-from rollverify_jax.spec import RunSpec
+from rollverify_jax.infra import compile_cache, storage
+from rollverify_jax.run import checkpoint as checkpoint_lib
+from rollverify_jax.run.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer
+from rollverify_jax.run.evaluation import write_samples
+from rollverify_jax.run.metrics import MetricsWriter, read_metrics, save_operative_config
+from rollverify_jax.run.spec import RunSpec
 
 TINY_GIN = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_rollverify.gin")
 
@@ -199,12 +199,8 @@ def test_a_local_metrics_file_is_still_appended_to(tmp_path, monkeypatch):
 
 def test_workdir_of_a_config_can_be_a_bucket():
     from rollverify_jax.export import check_out_dir
-    gin.clear_config()
-    try:
-        gin.parse_config("TrainConfig.runs_root = 'gs://bucket/runs'")
-        workdir = RunSpec.from_gin().workdir([TINY_GIN])
-    finally:
-        gin.clear_config()
+    gin.parse_config("TrainConfig.runs_root = 'gs://bucket/runs'")
+    workdir = RunSpec.from_gin().workdir([TINY_GIN])
     assert str(workdir) == "gs://bucket/runs/tiny_rollverify"
     with pytest.raises(ValueError, match="not a local path"):
         check_out_dir("gs://bucket/exports/x", overwrite=False)

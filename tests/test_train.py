@@ -7,49 +7,23 @@ import gin
 import jax
 import numpy as np
 import pytest
+from shared import run_params
 
-from rollverify_jax import builder, evaluate, train
-from rollverify_jax.checkpoint import CheckpointConfig, Checkpointer
-from rollverify_jax.data.synthetic import char_vocabulary
-from rollverify_jax.metrics import read_metrics
-from rollverify_jax.models import build_char_tokenizer, init_model, load_pretrained, model_config, save_pretrained
-from rollverify_jax.spec import RunSpec, parse_gin
-from rollverify_jax.trainer import Trainer
+from rollverify_jax import evaluate, train
+from rollverify_jax.models import load_pretrained
+from rollverify_jax.run import builder
+from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.run.metrics import read_metrics
+from rollverify_jax.run.spec import RunSpec, parse_gin
+from rollverify_jax.run.trainer import Trainer
 
 DESIGN_KEYS = {"step", "time/wall", "time/rollout", "time/verify", "time/train", "rollout/tokens_per_s",
                "rollout/slot_utilization", "reward/mean", "policy/entropy", "ops/token_mean", "verify/acceptance",
                "verify/acceptance_window", "mode/on_policy", "response/length_mean", "response/length_max"}
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy")
-    tok = build_char_tokenizer(char_vocabulary(), ["<|endoftext|>", "<pad>"], path, eos_tokens=["<|endoftext|>"],
-                               pad_token="<pad>")
-    vocab = -(-tok.vocab_size // 8) * 8
-    save_pretrained(init_model(model_config("tiny", vocab_size=vocab, num_hidden_layers=2), seed=3), path)
-    return path
-
-
-def _params(policy, mode, steps, extra=()):
-    return [f"TrainConfig.policy_path = '{policy}'", f"TrainConfig.num_steps = {steps}",
-            "TrainConfig.train_dataset_kwargs = {'n': 256, 'split': 'train', 'max_steps': 6}",
-            "TrainConfig.eval_dataset_kwargs = {'n': 8, 'split': 'test', 'max_steps': 6}",
-            "TrainConfig.eval_size = 4", "TrainConfig.eval_samples = 2", "TrainConfig.eval_every = 2",
-            "TrainConfig.metrics_tensorboard = True", "RewardScorer.name = 'exact'",
-            f"RolloutConfig.mode = '{mode}'", "RolloutConfig.batch_groups = 2", "RolloutConfig.group_size = 4",
-            "RolloutConfig.max_new_tokens = 24", "EngineConfig.num_slots = 16", "EngineConfig.page_size = 8",
-            "EngineConfig.max_seq_len = 64", "EngineConfig.steps_per_dispatch = 4",
-            "OptimizerConfig.learning_rate = 3e-3", "CheckpointConfig.save_interval_steps = 1",
-            "CheckpointConfig.async_save = False", *extra]
-
-
 def _train(policy, workdir, mode, steps, extra=()):
-    gin.clear_config()
-    try:
-        train.main([f"--workdir={workdir}", *[f"--gin_param={p}" for p in _params(policy, mode, steps, extra)]])
-    finally:
-        gin.clear_config()
+    train.main([f"--workdir={workdir}", *[f"--gin_param={p}" for p in run_params(policy, mode, steps, extra)]])
     return read_metrics(workdir / "metrics.jsonl")
 
 
@@ -68,12 +42,8 @@ def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
     capsys.readouterr()
-    gin.clear_config()
-    try:
-        evaluate.main([f"--checkpoint={tmp_path / 'run'}", "--k=2",
-                       *[f"--gin_param={p}" for p in _params(policy, "rollverify", 2)]])
-    finally:
-        gin.clear_config()
+    evaluate.main([f"--checkpoint={tmp_path / 'run'}", "--k=2",
+                   *[f"--gin_param={p}" for p in run_params(policy, "rollverify", 2)]])
     out = capsys.readouterr().out
     assert "avg@2 = " in out and "pass@2 = " in out and "4 problems x 2 samples" in out
 
@@ -215,30 +185,26 @@ def test_ratio_against_the_step_start_policy_leaves_staleness_uncorrected(policy
 
 
 def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
-    gin.clear_config()
-    try:
-        parse_gin([], _params(policy, "rollverify", 3))
-        spec = RunSpec.from_gin()
-        run = builder.build_trainer(spec, tmp_path)
-        for _ in range(2):
-            train.train_one_step(run)
-        cache = run.manager.cache
-        assert len(cache.paused) > 0 and any(t.num_tokens for t in cache.paused)
-        run.checkpointer.save(run.step, run.train_state, run.state_dict(1.0), force=True)
-        run.close()
-        back = builder.build_trainer(spec, tmp_path)
-        assert back.step == 2 and back.policy.engine.version == 2
-        before = {t.uid: t for t in cache.paused}
-        after = {t.uid: t for t in back.manager.cache.paused}
-        assert sorted(before) == sorted(after)
-        for uid, t in before.items():
-            u = after[uid]
-            assert u.tokens == t.tokens and u.logps == t.logps and u.versions == t.versions
-        assert back.manager.switch_state == run.manager.switch_state
-        assert back.iterator.get_state() == run.iterator.get_state()
-        back.close()
-    finally:
-        gin.clear_config()
+    parse_gin([], run_params(policy, "rollverify", 3))
+    spec = RunSpec.from_gin()
+    run = builder.build_trainer(spec, tmp_path)
+    for _ in range(2):
+        train.train_one_step(run)
+    cache = run.manager.cache
+    assert len(cache.paused) > 0 and any(t.num_tokens for t in cache.paused)
+    run.checkpointer.save(run.step, run.train_state, run.state_dict(1.0), force=True)
+    run.close()
+    back = builder.build_trainer(spec, tmp_path)
+    assert back.step == 2 and back.policy.engine.version == 2
+    before = {t.uid: t for t in cache.paused}
+    after = {t.uid: t for t in back.manager.cache.paused}
+    assert sorted(before) == sorted(after)
+    for uid, t in before.items():
+        u = after[uid]
+        assert u.tokens == t.tokens and u.logps == t.logps and u.versions == t.versions
+    assert back.manager.switch_state == run.manager.switch_state
+    assert back.iterator.get_state() == run.iterator.get_state()
+    back.close()
 
 
 @pytest.mark.parametrize("args, match", [
@@ -253,13 +219,9 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
     (["--gin_param=TrainConfig.policy_path = 'no/such/dir'"], "No config.json in no/such/dir"),
 ])
 def test_bad_configuration_exits_with_one_message(policy, tmp_path, capsys, args, match):
-    gin.clear_config()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            train.main([f"--workdir={tmp_path / 'bad'}", *[f"--gin_param={p}" for p in _params(policy, "on_policy", 1)],
-                        *args])
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+        bindings = run_params(policy, "on_policy", 1)
+        train.main([f"--workdir={tmp_path / 'bad'}", *[f"--gin_param={p}" for p in bindings], *args])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and re.search(match, err) and "Traceback" not in err, err
     assert err.startswith("error: ")
@@ -267,38 +229,26 @@ def test_bad_configuration_exits_with_one_message(policy, tmp_path, capsys, args
 
 
 def test_traceback_on_request(policy, tmp_path, capsys):
-    gin.clear_config()
-    try:
-        with pytest.raises(SystemExit):
-            train.main(["--traceback", f"--workdir={tmp_path / 'bad'}", "--gin_param=RolloutConfig.mode = 'sync'"])
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit):
+        train.main(["--traceback", f"--workdir={tmp_path / 'bad'}", "--gin_param=RolloutConfig.mode = 'sync'"])
     assert "Traceback" in capsys.readouterr().err
 
 
 def test_dry_run_validates_without_weights(capsys):
+    train.main(["--dry_run", "--gin_file=configs/tiny_rollverify.gin"])
+    report = json.loads(capsys.readouterr().out.split("dry run OK: ", 1)[1])
+    assert report["mode"] == "rollverify" and report["rows_per_step"] == 256 and report["params"] > 0
     gin.clear_config()
-    try:
-        train.main(["--dry_run", "--gin_file=configs/tiny_rollverify.gin"])
-        report = json.loads(capsys.readouterr().out.split("dry run OK: ", 1)[1])
-        assert report["mode"] == "rollverify" and report["rows_per_step"] == 256 and report["params"] > 0
-        gin.clear_config()
-        with pytest.raises(SystemExit) as exit_info:  # 32 x 8 rows cannot split over data x fsdp = 3 devices
-            train.main(["--dry_run", "--dry_run_devices=3", "--gin_file=configs/tiny_rollverify.gin"])
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:  # 32 x 8 rows cannot split over data x fsdp = 3 devices
+        train.main(["--dry_run", "--dry_run_devices=3", "--gin_file=configs/tiny_rollverify.gin"])
     assert exit_info.value.code == 2
     assert "do not divide over data x fsdp = 3" in capsys.readouterr().err
 
 
 def test_evaluate_cli_reports_a_missing_checkpoint(policy, tmp_path, capsys):
-    gin.clear_config()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            evaluate.main([f"--checkpoint={tmp_path / 'nothing'}",
-                           *[f"--gin_param={p}" for p in _params(policy, "on_policy", 1)]])
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main([f"--checkpoint={tmp_path / 'nothing'}",
+                       *[f"--gin_param={p}" for p in run_params(policy, "on_policy", 1)]])
     assert exit_info.value.code == 2 and "No checkpoint under" in capsys.readouterr().err
     assert not (tmp_path / "nothing").exists()
 
@@ -310,13 +260,9 @@ def test_evaluate_cli_reports_a_missing_checkpoint(policy, tmp_path, capsys):
 def test_shipped_tiny_configs_run_the_mode_their_name_says(name, mode, loss):
     """The loss-reweighting baselines (GSPO / SAPO / VESPO) run on naive partial rollout, as the method compares
     them; RollVerify is only ever the config that says so."""
-    gin.clear_config()
-    try:
-        parse_gin([f"configs/tiny_{name}.gin"], [])
-        spec = RunSpec.from_gin()
-        assert (spec.rollout.mode, spec.learner.loss_name) == (mode, loss)
-    finally:
-        gin.clear_config()
+    parse_gin([f"configs/tiny_{name}.gin"], [])
+    spec = RunSpec.from_gin()
+    assert (spec.rollout.mode, spec.learner.loss_name) == (mode, loss)
 
 
 def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, capsys):
@@ -324,19 +270,15 @@ def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, ca
     named (exit 2, nothing trained); --allow_changed_settings continues, on-policy for real."""
     workdir = tmp_path / "run"
     _train(policy, workdir, "rollverify", 1)
-    changed = [f"--gin_param={p}" for p in _params(policy, "on_policy", 2, ("VerifyConfig.ds = 0.5",))]
+    changed = [f"--gin_param={p}" for p in run_params(policy, "on_policy", 2, ("VerifyConfig.ds = 0.5",))]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([f"--workdir={workdir}", *changed])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "rollout.mode: checkpoint 'rollverify', now 'on_policy'" in err and "verify.ds: checkpoint 0.01" in err
+    assert "Traceback" not in err and [m["step"] for m in read_metrics(workdir)] == [0, 1]
     gin.clear_config()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            train.main([f"--workdir={workdir}", *changed])
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err
-        assert "rollout.mode: checkpoint 'rollverify', now 'on_policy'" in err and "verify.ds: checkpoint 0.01" in err
-        assert "Traceback" not in err and [m["step"] for m in read_metrics(workdir)] == [0, 1]
-        gin.clear_config()
-        train.main([f"--workdir={workdir}", "--allow_changed_settings", *changed])
-    finally:
-        gin.clear_config()
+    train.main([f"--workdir={workdir}", "--allow_changed_settings", *changed])
     assert "resuming with changed settings" in capsys.readouterr().out
     last = read_metrics(workdir)[-1]
     assert last["step"] == 2 and last["mode/on_policy"] == 1 and last["verify/num_verified"] == 0
@@ -347,13 +289,9 @@ def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, ca
     ("on_policy", "FilterConfig.name = 'staleness'", "FilterConfig.name='staleness' needs partial rollout"),
 ])
 def test_cross_checks_run_at_every_start_not_only_in_the_dry_run(policy, tmp_path, capsys, mode, binding, message):
-    gin.clear_config()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            params = _params(policy, mode, 1, (binding,))
-            train.main([f"--workdir={tmp_path / 'run'}", *[f"--gin_param={p}" for p in params]])
-    finally:
-        gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+        params = run_params(policy, mode, 1, (binding,))
+        train.main([f"--workdir={tmp_path / 'run'}", *[f"--gin_param={p}" for p in params]])
     assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
     assert message in capsys.readouterr().err
 
@@ -390,7 +328,7 @@ def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path, m
 def _other_host(monkeypatch, seen):
     """A second process for every all-gather of the run: its row is ``seen()`` for the 4-value stop check (signal,
     preemption, out of time, too many skipped), zeros (nothing to report) for every other decision."""
-    from rollverify_jax import distributed
+    from rollverify_jax.infra import distributed
 
     gathered = []
 
@@ -406,7 +344,7 @@ def _other_host(monkeypatch, seen):
 def test_a_signal_on_one_host_stops_every_host(monkeypatch):
     """On several processes every stop decision is all-gathered: a host that saw no signal stops too, with the
     signalled host's status; so does a host whose clock is within the time budget when another's is not."""
-    from rollverify_jax import preemption
+    from rollverify_jax.run import preemption
 
     others = [0, 0, 0, 0]
     gathered = _other_host(monkeypatch, lambda: others)
@@ -520,7 +458,7 @@ def test_a_full_disk_at_save_time_is_one_message_and_keeps_the_checkpoints(polic
 
     from orbax.checkpoint._src.path import atomicity
 
-    from rollverify_jax.checkpoint import Checkpointer as RealCheckpointer
+    from rollverify_jax.run.checkpoint import Checkpointer as RealCheckpointer
 
     real_save = RealCheckpointer.save
 

@@ -8,29 +8,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding, PartitionSpec
+from shared import reference_keep
 
 from rollverify_jax.verify import token_ops, two_stage_verify, two_stage_verify_with_stats, verify_stats
 from rollverify_jax.verify import verifier as verifier_mod
 
 N, L = 8, 16  # fixed padded shape: every hypothesis example reuses one compilation
-
-
-def reference_keep(ops_row, versions_row, n, ds, dt):
-    """METHOD.md section 3 in plain Python, one trajectory. Returns (keep, segment means examined)."""
-    keep1, means, t = n, [], 0
-    while t < n:
-        s = t
-        while t < n and versions_row[t] == versions_row[s]:
-            t += 1
-        mean = sum(float(x) for x in ops_row[s:t]) / (t - s)
-        means.append(mean)
-        if mean >= ds:
-            keep1 = s
-            break
-    for t in range(keep1):
-        if ops_row[t] >= dt:
-            return t, means
-    return keep1, means
 
 
 def _pad(rows, fill=0.0, dtype=np.float32):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollverify_jax.workdir_lock import LOCK_FILE, WorkdirLock
+from rollverify_jax.run.workdir_lock import LOCK_FILE, WorkdirLock
 
 
 def _lock_of(tmp_path, **holder):

@@ -41,7 +41,7 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 import pebble
 
-from rollverify_jax import distributed
+from rollverify_jax.infra import distributed
 
 RewardFn = Callable[[str, str], float]
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 IMPLS = ("auto", "reference", "splash", "cudnn")
-_BATCH_AXES = ("data", "fsdp")  # the mesh's batch axes (rollverify_jax.mesh.BATCH_AXES; models/ must not import it)
+_BATCH_AXES = ("data", "fsdp")  # the mesh's batch axes (infra.mesh.BATCH_AXES; models/ must not import it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rollverify_jax import distributed
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import distributed
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, resolve_dtype
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")

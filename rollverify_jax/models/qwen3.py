@@ -2,7 +2,7 @@
 
 Attention is a swappable callable ``attention(layer_idx, q, k, v) -> out`` so the rollout engine can plug
 in paged KV-cache attention without touching the model. Every parameter carries ``logical_axes`` metadata;
-``rollverify_jax.mesh`` maps those names onto the device mesh.
+``rollverify_jax.infra.mesh`` maps those names onto the device mesh.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import flash_attention
 
 Array = jax.Array

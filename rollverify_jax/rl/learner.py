@@ -39,8 +39,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rollverify_jax import distributed
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax.infra import distributed
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, chunked_scores, score_tokens
 from rollverify_jax.rl import losses, packing

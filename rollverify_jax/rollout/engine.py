@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rollverify_jax import distributed, schedule_rules
-from rollverify_jax import mesh as mesh_lib
+from rollverify_jax import schedule_rules
+from rollverify_jax.infra import distributed
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
 from rollverify_jax.rollout import paged_cache

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from rollverify_jax import distributed
+from rollverify_jax.infra import distributed
 from rollverify_jax.rollout.engine import Engine, PendingDecode
 from rollverify_jax.rollout.trajectory import Trajectory
 

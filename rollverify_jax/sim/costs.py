@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from rollverify_jax import roofline
+from rollverify_jax.scale import roofline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +223,7 @@ class RooflineCosts:
       of ``tail_row_width``; real tokens and padding alike), forward ``2 * (active params + head)`` FLOPs plus
       causal attention over its row, ``attn_flops_per_token_ctx * T / 2`` for a row ``T`` wide (full and tail
       rows each at their own width), times ``train_passes`` = 3 (forward + backward) at ``train_mfu``: model
-      FLOPs, as ``aot.packed_train_estimate`` counts them. The recompute of full remat is not counted: MFU is
+      FLOPs, as ``scale.fit.packed_train_estimate`` counts them. The recompute of full remat is not counted: MFU is
       defined on model FLOPs (MaxText's figures count no recompute either), so the remat cost is in the 45%.
       ``train_mfu`` = 0.45 is MaxText's published figure for an 8B dense model (Llama 3.1 8B on v6e), the anchor
       ``AotConfig.train_mfu`` uses; its 65-71% for 32-70B dense models on v5p come from larger matmuls per chip

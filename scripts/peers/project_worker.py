@@ -21,7 +21,7 @@ class Worker:
         each shape compiles when first used (bench_peers.py's warm-up round runs every workload once)."""
         import jax
 
-        from rollverify_jax import compile_cache
+        from rollverify_jax.infra import compile_cache
         from rollverify_jax.models import load_pretrained
         from rollverify_jax.models.tokenizer import Tokenizer
         from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig
@@ -82,7 +82,7 @@ class Worker:
         import jax
         import numpy as np
 
-        from rollverify_jax import mesh as mesh_lib
+        from rollverify_jax.infra import mesh as mesh_lib
         from rollverify_jax.rl import learner
         from rollverify_jax.rl.batch import build_batch
         from rollverify_jax.rollout import Trajectory

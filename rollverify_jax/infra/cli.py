@@ -71,7 +71,7 @@ def start_process(spec, args) -> None:
     """What every entry point does first, once its ``RunSpec`` is read and before anything compiles or touches a
     device: JAX's persistent compilation cache (``compilation_cache.*``), then joining the other processes when
     the flags of ``add_process_flags`` ask for it (``initialize.*`` timeouts)."""
-    from rollverify_jax import compile_cache, distributed
+    from rollverify_jax.infra import compile_cache, distributed
 
     compile_cache.compilation_cache(**spec.compile_cache)
     distributed.initialize_from_flags(args, {k: v for k, v in spec.distributed.items() if k not in _CLUSTER_FLAGS})

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from rollverify_jax import storage
 from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.infra import storage
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from rollverify_jax.builder import Policy
+    from rollverify_jax.run.builder import Policy
 
 EVAL_SEED_OFFSET = 1_000_000_000
 

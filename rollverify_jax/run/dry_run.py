@@ -19,16 +19,15 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.builder import execution_config, prompt_lengths
 from rollverify_jax.data.datasets import get_dataset, length_summary
 from rollverify_jax.data.rewards import get_reward_spec
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer, model_config
-from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.losses import get_loss_fn
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.spec import RunSpec
+from rollverify_jax.run.builder import architecture, prompt_lengths
+from rollverify_jax.run.spec import RunSpec
 
 
 def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
@@ -180,20 +179,6 @@ def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len
     return part
 
 
-def architecture(spec: RunSpec):
-    """The policy's architecture without loading weights: the checkpoint's config.json when present, else the
-    gin-configured preset (the layout a run on a machine without the checkpoint is sized by), with the run's
-    execution settings (logical-axis rules, expert-parallel chunk)."""
-    train_cfg = spec.train
-    hf_config = Path(train_cfg.policy_path or "", "config.json")
-    if train_cfg.policy_path and hf_config.exists():
-        cfg = config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
-    else:
-        dtype = train_cfg.param_dtype or "float32"
-        cfg = model_config(**{**spec.model, "param_dtype": dtype, "dtype": train_cfg.compute_dtype or dtype})
-    return execution_config(cfg, spec)
-
-
 def mesh_shape(spec: RunSpec) -> list[int]:
     """``make_mesh.shape`` as configured (its default when unbound)."""
     return list(spec.mesh.get("shape", (1, -1, 1)))
@@ -222,9 +207,9 @@ def compile_for_topology(spec: RunSpec) -> None:
         print("dry run: AotConfig.topology is set but libtpu is not installed (pip install -e '.[tpu]'); "
               "skipping the compile for it.")
         return
-    from rollverify_jax import aot
+    from rollverify_jax.scale import fit
 
-    report = aot.compile_run(spec)
-    print(aot.format_report(report))
+    report = fit.compile_run(spec)
+    print(fit.format_report(report))
     if not report["fits"]:
         raise SystemExit(1)

@@ -14,9 +14,9 @@ import sys
 
 from etils import epath
 
-from rollverify_jax import distributed, storage
-from rollverify_jax.checkpoint import Checkpointer
-from rollverify_jax.metrics import METRICS_FILE, read_metrics
+from rollverify_jax.infra import distributed, storage
+from rollverify_jax.run.checkpoint import Checkpointer
+from rollverify_jax.run.metrics import METRICS_FILE, read_metrics
 
 
 def history(workdir: epath.Path, checkpointer: Checkpointer) -> list[str]:

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from rollverify_jax import distributed
-from rollverify_jax.checkpoint import Checkpointer
 from rollverify_jax.data.datasets import PromptIterator
+from rollverify_jax.infra import distributed
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl import step as step_lib
 from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
-from rollverify_jax.spec import RunSpec
+from rollverify_jax.run.checkpoint import Checkpointer
+from rollverify_jax.run.spec import RunSpec
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ Non-finite values (NaN, +-inf) are written as ``null`` so any JSON reader (jq, p
 file; ``read_metrics`` reads ``null`` back as ``float('nan')``. TensorBoard receives the true value.
 Only process 0 writes (every host runs the same program and computes the same replicated metrics).
 
-The workdir may be any ``etils.epath`` path (``rollverify_jax.storage``): on an object store such as ``gs://``,
+The workdir may be any ``etils.epath`` path (``rollverify_jax.infra.storage``): on an object store such as ``gs://``,
 which cannot append, ``metrics.jsonl`` is rewritten whole at every record (one object write, never half a file),
 and TensorBoard writes through tensorboardX's own ``gs://`` support (needs ``google-cloud-storage``).
 """
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from rollverify_jax import storage
+from rollverify_jax.infra import storage
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

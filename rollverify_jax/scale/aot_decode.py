@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from rollverify_jax import hlo_stats, roofline
 from rollverify_jax.rollout import engine as engine_lib
+from rollverify_jax.scale import hlo_stats, roofline
 
 RULES = {"stale": "before issue 26: an inactive slot attends over its stale length",
          "one": "now: an inactive slot attends over one token"}

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 
 from etils import epath
 
-from rollverify_jax import builder, distributed, storage
-from rollverify_jax.checkpoint import COMMIT_FILE
-from rollverify_jax.metrics import save_operative_config
-from rollverify_jax.spec import RunSpec
-from rollverify_jax.trainer import Trainer
-from rollverify_jax.workdir_lock import WorkdirLock
+from rollverify_jax.infra import distributed, storage
+from rollverify_jax.run import builder
+from rollverify_jax.run.checkpoint import COMMIT_FILE
+from rollverify_jax.run.metrics import save_operative_config
+from rollverify_jax.run.spec import RunSpec
+from rollverify_jax.run.trainer import Trainer
+from rollverify_jax.run.workdir_lock import WorkdirLock
 
 
 def resolve(spec: RunSpec, workdir: str | None, gin_files: list[str]) -> epath.Path:

@@ -19,14 +19,10 @@ from typing import Any
 
 import gin
 
-from rollverify_jax import compile_cache, distributed, storage
-from rollverify_jax import mesh as mesh_lib
-from rollverify_jax.aot_config import AotConfig
-from rollverify_jax.checkpoint import CheckpointConfig
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.data.synthetic import SyntheticTask
-from rollverify_jax.evaluation import EvalConfig
-from rollverify_jax.metrics import MetricsConfig
+from rollverify_jax.infra import compile_cache, distributed, storage
+from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import qwen3
 from rollverify_jax.models.flash_attention import FlashConfig
 from rollverify_jax.rl import advantages as adv_lib
@@ -37,6 +33,10 @@ from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.attention import paged_attention
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.sampling import SamplingConfig
+from rollverify_jax.run.checkpoint import CheckpointConfig
+from rollverify_jax.run.evaluation import EvalConfig
+from rollverify_jax.run.metrics import MetricsConfig
+from rollverify_jax.scale.aot_config import AotConfig
 from rollverify_jax.sim.config import SimConfig
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
@@ -76,7 +76,7 @@ class TrainConfig:
     # Steps in a row whose updates were skipped for a NaN/Inf loss or gradient before the run stops (exit 3).
     max_skipped_steps: int = 3
     # A workdir with metric rows or set-aside checkpoints but no checkpoint to restore is refused; True (or
-    # --restart_from_scratch) starts it at step 0 anyway (rollverify_jax/fresh_start.py).
+    # --restart_from_scratch) starts it at step 0 anyway (rollverify_jax/run/fresh_start.py).
     restart_from_scratch: bool = False
 
     def __post_init__(self):
@@ -191,7 +191,10 @@ _register()
 
 
 def parse_gin(files: list[str], params: list[str]) -> None:
-    """Parses gin files (their includes resolve from the repository root too) and bindings."""
+    """Makes the gin configuration these files (their includes resolve from the repository root too) and
+    bindings, and nothing else: a tool run twice in one process (a test, a notebook) never inherits the bindings
+    of the first run."""
+    gin.clear_config()
     for f in files:
         if not Path(f).exists():
             raise FileNotFoundError(f"gin file {f} does not exist.")

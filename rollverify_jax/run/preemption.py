@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from rollverify_jax import distributed
+from rollverify_jax.infra import distributed
 
 EXIT_STATUS = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
 PREEMPTION_EXIT_STATUS = EXIT_STATUS[signal.SIGTERM]  # JAX's notice: the status of the SIGTERM it stands for

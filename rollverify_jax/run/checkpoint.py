@@ -24,7 +24,7 @@ awaited before its first save). orbax *does* list a bare ``<step>`` directory wi
 (e.g. a half-finished copy of a checkpoint), so ``latest_step``/``all_steps`` here additionally require that file.
 A failed save is reported once: a later ``wait_until_finished``/``close`` does not raise it again.
 
-Storage: ``workdir`` is any ``etils.epath`` path (``rollverify_jax.storage``), e.g. ``gs://bucket/runs/x``. Every
+Storage: ``workdir`` is any ``etils.epath`` path (``rollverify_jax.infra.storage``), e.g. ``gs://bucket/runs/x``. Every
 host reads and writes the same directory, so on several hosts it must be a filesystem they all share (a
 ``gs://`` bucket, NFS, Lustre), never each host's local disk. On ``gs://`` orbax commits a step by writing
 ``commit_success.txt`` into it (no tmp directory, no rename); the commit-file checks below cover that too.
@@ -67,7 +67,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from rollverify_jax import distributed, storage
+from rollverify_jax.infra import distributed, storage
 
 COMMIT_FILE = "commit_success.txt"
 ITEM_NAMES = ("state", "extra", "meta")

@@ -42,7 +42,7 @@ class AotConfig:
     collective_links / collective_latency_s / one_core_hbm_share: what the decode estimate assumes (none measured):
     a collective over one mesh axis is a bidirectional ring over ``collective_links`` of the chip's ICI links and
     costs ``collective_latency_s`` beyond its bytes; a Pallas kernel whose grid runs on one of a chip's two
-    TensorCores reads HBM at this share of the chip's bandwidth (rollverify_jax/aot_decode.py)."""
+    TensorCores reads HBM at this share of the chip's bandwidth (rollverify_jax/scale/aot_decode.py)."""
 
     topology: str = "v5p:2x2x1"
     prefill_rows: int | None = None

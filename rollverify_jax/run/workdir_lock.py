@@ -25,7 +25,7 @@ from typing import Any
 
 from etils import epath
 
-from rollverify_jax import distributed, storage
+from rollverify_jax.infra import distributed, storage
 
 LOCK_FILE = "run.lock"
 

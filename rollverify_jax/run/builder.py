@@ -4,33 +4,49 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
 from etils import epath
 
-from rollverify_jax import mesh as mesh_lib
-from rollverify_jax import storage
-from rollverify_jax.checkpoint import Checkpointer
 from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset, records_fingerprint
 from rollverify_jax.data.rewards import RewardScorer
-from rollverify_jax.fresh_start import check_fresh_start
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.infra import storage
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
-from rollverify_jax.models.hf import config_to_hf
+from rollverify_jax.models.hf import config_from_hf, config_to_hf
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
-from rollverify_jax.spec import RunSpec, check_resume_settings
-from rollverify_jax.trainer import Policy, Trainer
+from rollverify_jax.run.checkpoint import Checkpointer
+from rollverify_jax.run.fresh_start import check_fresh_start
+from rollverify_jax.run.spec import RunSpec, check_resume_settings
+from rollverify_jax.run.trainer import Policy, Trainer
 
 
 def execution_config(cfg, spec: RunSpec):
     """A model config with the spec's logical-axis rules and expert-parallel chunk (how it runs on the mesh)."""
     return cfg.replace(axis_rules=spec.axis_rules.get("rules", ()), expert_parallel_chunk=expert_parallel_chunk(
         **spec.moe))
+
+
+def architecture(spec: RunSpec):
+    """The policy's architecture without loading weights: the checkpoint's config.json when present, else the
+    gin-configured preset (the layout a run on a machine without the checkpoint is sized by), with the run's
+    execution settings (logical-axis rules, expert-parallel chunk)."""
+    train_cfg = spec.train
+    hf_config = Path(train_cfg.policy_path or "", "config.json")
+    if train_cfg.policy_path and hf_config.exists():
+        cfg = config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
+    else:
+        dtype = train_cfg.param_dtype or "float32"
+        cfg = model_config(**{**spec.model, "param_dtype": dtype, "dtype": train_cfg.compute_dtype or dtype})
+    return execution_config(cfg, spec)
 
 
 def make_mesh(spec: RunSpec, devices=None):

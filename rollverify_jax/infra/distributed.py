@@ -85,7 +85,7 @@ def to_global(tree, mesh):
     """Host numpy arrays that are equal on every process -> global arrays, rows over the mesh's batch axes (0-d
     arrays replicated); each process fills only its own devices' shards."""
     # Imported here: the reward graders' worker processes import this module and need no Flax.
-    from rollverify_jax import mesh as mesh_lib
+    from rollverify_jax.infra import mesh as mesh_lib
 
     def one(x):
         if isinstance(x, jax.Array):

@@ -1,0 +1,64 @@
+"""Helpers more than one test module uses (the fixtures are in conftest.py): the tiny run's gin bindings, a
+checkpoint of the shipped tiny policy with its params moved, and the verifier's plain-Python reference."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.models import load_pretrained
+from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.run import builder
+from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
+
+POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
+
+
+def run_params(policy, mode, steps, extra=()):
+    """The gin bindings of a tiny training run of ``policy`` (the ``policy`` fixture) in ``mode``."""
+    return [f"TrainConfig.policy_path = '{policy}'", f"TrainConfig.num_steps = {steps}",
+            "TrainConfig.train_dataset_kwargs = {'n': 256, 'split': 'train', 'max_steps': 6}",
+            "TrainConfig.eval_dataset_kwargs = {'n': 8, 'split': 'test', 'max_steps': 6}",
+            "TrainConfig.eval_size = 4", "TrainConfig.eval_samples = 2", "TrainConfig.eval_every = 2",
+            "TrainConfig.metrics_tensorboard = True", "RewardScorer.name = 'exact'",
+            f"RolloutConfig.mode = '{mode}'", "RolloutConfig.batch_groups = 2", "RolloutConfig.group_size = 4",
+            "RolloutConfig.max_new_tokens = 24", "EngineConfig.num_slots = 16", "EngineConfig.page_size = 8",
+            "EngineConfig.max_seq_len = 64", "EngineConfig.steps_per_dispatch = 4",
+            "OptimizerConfig.learning_rate = 3e-3", "CheckpointConfig.save_interval_steps = 1",
+            "CheckpointConfig.async_save = False", *extra]
+
+
+def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.004):
+    """A run's checkpoint of the tiny policy with its params moved away from the policy's (so a test that
+    reads the initial weights instead fails); returns those params."""
+    model = load_pretrained(POLICY)
+    optimizer = optimizer or learner_lib.make_optimizer(learner_lib.OptimizerConfig())
+    state = learner_lib.init_train_state(model, optimizer, mesh_lib.make_mesh())
+    rng = np.random.default_rng(step)
+    params = jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(x.dtype), state.params)
+    with Checkpointer(workdir, CheckpointConfig(async_save=False),
+                      model_fingerprint=builder.model_fingerprint(model)) as ckpt:
+        ckpt.save(step, state.replace(params=params), {"settings": {"policy_path": str(POLICY)}}, force=True)
+    (workdir / "policy.txt").write_text(json.dumps({"policy_path": str(POLICY)}) + "\n")
+    return params
+
+
+def reference_keep(ops_row, versions_row, n, ds, dt):
+    """The two-stage rule (docs/method.md) in plain Python, one trajectory. Returns (keep, segment means
+    examined)."""
+    keep1, means, t = n, [], 0
+    while t < n:
+        s = t
+        while t < n and versions_row[t] == versions_row[s]:
+            t += 1
+        mean = sum(float(x) for x in ops_row[s:t]) / (t - s)
+        means.append(mean)
+        if mean >= ds:
+            keep1 = s
+            break
+    for t in range(keep1):
+        if ops_row[t] >= dt:
+            return t, means
+    return keep1, means
