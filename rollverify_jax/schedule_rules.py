@@ -27,6 +27,15 @@ def pow2_bucket(n: int, lo: int, hi: int) -> int:
     return min(lo << max(-(-n // lo) - 1, 0).bit_length(), hi)
 
 
+TRAIN_LENGTH_MIN = 64  # the narrowest unpacked train batch
+
+
+def train_length_bucket(n: int) -> int:
+    """The padded length of an unpacked train batch whose longest sequence has ``n`` tokens: 64 times a power of
+    two, so the train step compiles for a handful of shapes (the learner's batch and the replay's)."""
+    return pow2_bucket(n, TRAIN_LENGTH_MIN, 1 << 62)
+
+
 def row_bucket(n: int) -> int:
     """Rows rounded up to four steps per octave (..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most a
     quarter wasted, and a handful of compiled shapes as the batch's token count drifts."""

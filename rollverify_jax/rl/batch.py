@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from rollverify_jax import schedule_rules
 from rollverify_jax.rl.buffer import Group
 from rollverify_jax.rollout.trajectory import Trajectory
 
 
-def length_bucket(n: int, minimum: int = 64) -> int:
-    """Power-of-two padded length, so the train step compiles for a handful of shapes only."""
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
+def length_bucket(n: int) -> int:
+    """The padded length of an unpacked train batch (``schedule_rules.train_length_bucket``)."""
+    return schedule_rules.train_length_bucket(n)
 
 
 def flatten_groups(groups: list[Group]) -> list[Trajectory]:

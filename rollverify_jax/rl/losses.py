@@ -11,9 +11,10 @@ the log-probs recorded when each token was sampled (the behaviour policy `mu`, p
 `r_t = exp(clip(new - behavior, -20, 20))`, so stale tokens are clipped like any off-policy token.
 
 Every loss returns the same metrics: `loss`, `policy/pg_loss`, `policy/ratio_mean`, `ops/token_mean`
-(masked token mean of `|r_t - 1|`, the train-time OPS), `policy/clip_fraction`; plus `policy/entropy` when
-`entropy` is given, `policy/kl` when `kl_coef > 0`, `policy/dual_clip_fraction` for `grpo` with a dual clip,
-`vespo/phi_mean` for `vespo`. Metrics are stop-gradient'ed scalars.
+(masked token mean of `|r_t - 1|`, the train-time OPS, by `verify.ops.ops_of_log_ratio` as the verifier's),
+`policy/clip_fraction`; plus `policy/entropy` when `entropy` is given, `policy/kl` when `kl_coef > 0`,
+`policy/dual_clip_fraction` for `grpo` with a dual clip, `vespo/phi_mean` for `vespo`. Metrics are
+stop-gradient'ed scalars.
 
 `LossConfig` is frozen and hashable, so it can be a static argument of `jax.jit`.
 """
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rollverify_jax.verify.ops import LOG_RATIO_CLIP, log_ratio
+from rollverify_jax.verify.ops import LOG_RATIO_CLIP, log_ratio, ops_of_log_ratio
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -200,11 +201,10 @@ def _finish(
     """Aggregate the per-token policy loss, add the KL term and build the shared metrics."""
     pg_loss = aggregate(pg_mat, mask, cfg)
     loss = pg_loss
-    ratio = jnp.exp(lr)
     metrics = {
         "policy/pg_loss": pg_loss,
-        "policy/ratio_mean": masked_mean(ratio, mask),
-        "ops/token_mean": masked_mean(jnp.abs(ratio - 1.0), mask),
+        "policy/ratio_mean": masked_mean(jnp.exp(lr), mask),
+        "ops/token_mean": masked_mean(ops_of_log_ratio(lr), mask),
         "policy/clip_fraction": masked_mean(clip_mat.astype(jnp.float32), mask),
     }
     if cfg.kl_coef > 0:

@@ -14,6 +14,7 @@ from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch, pad_rows
 from rollverify_jax.rl.buffer import Group
 from rollverify_jax.rl.filters import FilterConfig, FilterInputs, apply_filter
+from rollverify_jax.verify.ops import token_ops
 
 # (tokens [N, T], attention mask [N, T]) -> log-probs [N, T] on the host
 LogProbFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -65,8 +66,7 @@ def select(scored: Scored, learner: learner_lib.LearnerConfig, filter_cfg: Filte
     if learner.ratio_against == "step_start":  # the ablation: the ratio against pi_old instead of mu
         pi_old = np.asarray(step_start_logp(), np.float32)
         # The train-time OPS against mu, which the learner's metric (now against pi_old) no longer measures.
-        log_ratio = np.clip(pi_old - batch["behavior_logp"], -20.0, 20.0)  # the loss's clip of the log-ratio
-        metrics["ops/token_mean"] = float(np.abs(np.expm1(log_ratio))[response].mean())
+        metrics["ops/token_mean"] = float(np.asarray(token_ops(pi_old, batch["behavior_logp"]))[response].mean())
         batch["behavior_logp"] = np.where(response, pi_old, batch["behavior_logp"])
     batch["loss_mask"] *= keep[:, None].astype(np.float32)
     if ref_logp is not None:

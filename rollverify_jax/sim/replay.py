@@ -90,7 +90,7 @@ class TrainLayout:
         if b % self.num_minibatches:
             raise ValueError(f"a batch of {b} sequences does not split into {self.num_minibatches} minibatches.")
         if not self.pack_sequences:
-            return ((int(max(64, 1 << (int(lengths.max()) - 1).bit_length())), b * e),)
+            return ((schedule_rules.train_length_bucket(int(lengths.max())), b * e),)
         width = max(self.width, int(lengths.max()))
         plans = packing.plan_batch(lengths, self.num_minibatches, width, self.micro_batch_size, self.tail_row_width)
         shape = packing.plan_shape(plans, b, width, self.num_minibatches, self.micro_batch_size,

@@ -5,6 +5,7 @@ Pure array math (METHOD.md sections 2-4); it knows nothing of models, rollout or
 
 from rollverify_jax.verify.ops import (
     log_ratio,
+    ops_of_log_ratio,
     response_mask,
     segment_ids,
     segment_mean_ops,
@@ -35,6 +36,7 @@ __all__ = [
     "VerifyConfig",
     "init_switch_state",
     "log_ratio",
+    "ops_of_log_ratio",
     "response_mask",
     "segment_ids",
     "segment_mean_ops",

@@ -24,13 +24,22 @@ def log_ratio(new_logp: jax.Array, behavior_logp: jax.Array) -> jax.Array:
     return jnp.clip(diff, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
 
 
+def ops_of_log_ratio(lr: jax.Array) -> jax.Array:
+    """OPS `|r - 1| = |exp(lr) - 1|` of a (clipped, see `log_ratio`) log-ratio `lr`; any shape.
+
+    The one home of the formula: `token_ops` and every other OPS of a log-ratio (the losses' train-time OPS
+    included) use it. `expm1` keeps precision for tiny shifts, which is where the segment threshold
+    (`ds = 0.01`) lives; `exp(lr) - 1` loses it to cancellation near 0.
+    """
+    return jnp.abs(jnp.expm1(lr))
+
+
 def token_ops(new_logp: jax.Array, behavior_logp: jax.Array) -> jax.Array:
     """Token OPS `|r_t - 1|` with `r_t = exp(log_ratio)`; float32, same shape as the inputs.
 
-    Zero means the token is exactly on-policy. `expm1` keeps precision for tiny shifts, which is where the
-    segment threshold (`ds = 0.01`) lives.
+    Zero means the token is exactly on-policy.
     """
-    return jnp.abs(jnp.expm1(log_ratio(new_logp, behavior_logp)))
+    return ops_of_log_ratio(log_ratio(new_logp, behavior_logp))
 
 
 def response_mask(lengths: jax.Array, max_len: int) -> jax.Array:
