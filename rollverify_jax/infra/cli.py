@@ -8,25 +8,18 @@ import tokenize
 import traceback
 from collections.abc import Callable
 
-# What a user's input can raise: a bad gin binding or value (ValueError), a missing file, a gin syntax error
-# (SyntaxError, or TokenError for an unclosed bracket).
+# What a user's input can raise: a bad gin binding or value (ValueError; a value of the wrong type is one too,
+# said by RunSpec.from_gin), a missing file, a gin syntax error (SyntaxError, or TokenError for an unclosed bracket).
 USER_ERRORS = (ValueError, FileNotFoundError, SyntaxError, tokenize.TokenError)
-# gin appends this to an error raised while it builds a configurable from the user's bindings: a value of the
-# wrong type (e.g. a string for a step count) raises TypeError there, which is the user's input, not a bug.
-_GIN_CALL_MARKER = "In call to configurable"
 
 
 def is_user_error(e: BaseException) -> bool:
-    return isinstance(e, USER_ERRORS) or (isinstance(e, TypeError) and _GIN_CALL_MARKER in str(e))
+    return isinstance(e, USER_ERRORS)
 
 
 def _message(e: BaseException) -> str:
     if isinstance(e, tokenize.TokenError):  # its str() is a tuple: ('EOF in multi-line statement', (2, 0))
         return f"gin binding is not closed ({e.args[0]}): check its brackets and quotes."
-    if isinstance(e, TypeError):
-        first, _, where = str(e).partition(_GIN_CALL_MARKER)
-        name = where.split("'")[1] if where.count("'") >= 2 else "a configurable"
-        return f"a value bound to {name} has the wrong type ({first.strip()}): check the bindings of {name}."
     return str(e)
 
 

@@ -175,19 +175,8 @@ LEGACY_SETTINGS = {"loss.name": "learner.loss_name", "advantage": "train.advanta
                    "engine.compute_dtype": "inputs.rollout_dtype"}
 
 
-def _register() -> None:
-    for name, target in PARTS.values():
-        if name not in _registered():
-            gin.external_configurable(target, name=name)
-
-
-def _registered() -> set[str]:
-    from gin import config as gin_config
-
-    return {k.name for k in gin_config._REGISTRY} if hasattr(gin_config._REGISTRY, "__iter__") else set()
-
-
-_register()
+for _name, _target in PARTS.values():  # the names the gin files bind; the classes themselves stay plain
+    gin.external_configurable(_target, name=_name)
 
 
 def parse_gin(files: list[str], params: list[str]) -> None:
