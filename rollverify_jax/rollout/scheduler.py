@@ -113,10 +113,15 @@ class Scheduler:
         """Queues paused trajectories ahead of new prompts. At admission each is re-prefilled (prompt +
         prefix) under the current params; ``keep`` then sees the prefix's current log-probs and returns
         how many response tokens to keep. The trajectory is truncated and continues from the same
-        prefill: no second forward pass. ``keep=None`` keeps everything."""
+        prefill: no second forward pass. ``keep=None`` keeps everything: a finished trajectory (one queued
+        for re-verification and paused before its turn) then goes straight back to ``finished``, since
+        admitting it would decode past its end."""
         trajs = list(trajectories)
         for t in trajs:
             validate_request(t.prompt, t.max_new_tokens, self.engine.config.max_seq_len)
+        if keep is None:
+            self.finished.extend(t for t in trajs if t.finished)
+            trajs = [t for t in trajs if not t.finished]
         self.queue.extendleft(_Pending(t, keep) for t in reversed(trajs))
 
     @property
