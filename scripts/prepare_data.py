@@ -1,9 +1,10 @@
-"""Converts downloaded DAPO-Math-17k and AIME 2024 / 2025 files into the files the configs read.
+"""Converts downloaded DAPO-Math-17k, AIME 2024 / 2025 and GSM8K files into the files the configs read.
 
     python scripts/prepare_data.py raw/dapo-math-17k.parquet --output data/dapo-math-17k.parquet
     python scripts/prepare_data.py raw/aime_2024.parquet --output data/aime-2024.jsonl
     python scripts/prepare_data.py raw/aime2025-I.jsonl raw/aime2025-II.jsonl --output data/aime-2025.jsonl
     python scripts/prepare_data.py raw/dapo-math-17k.parquet --format array_record --output data/tfds
+    python scripts/prepare_data.py raw/gsm8k/main/train-00000-of-00001.parquet --output data/gsm8k-train.parquet
 
 Inputs are parquet, JSONL or JSON (a list of objects) files, or directories holding them (a Hugging Face dataset
 download). The schema is detected from the columns (``--kind`` forces it):
@@ -15,6 +16,11 @@ download). The schema is detected from the columns (``--kind`` forces it):
   ``Answer``, else ``solution`` / ``Solution``, whose last ``\\boxed{...}`` is taken). Written as ``id``,
   ``problem``, ``answer`` rows (the ``aime_jsonl`` / ``aime_parquet`` loaders read them and wrap each problem in
   DAPO's prompt template).
+* GSM8K: ``question`` and ``answer``, a worked solution ending in ``#### 42`` (told apart from an AIME set by
+  that line). Written in the same schema after every row's gold answer is extracted, as the ``gsm8k_jsonl`` /
+  ``gsm8k_parquet`` loaders extract it (what follows ``####``, commas removed): a row without it is an error,
+  never a worked solution taken as the answer. (MATH and MATH-500 downloads need no conversion: the ``math_*`` /
+  ``math500_*`` loaders read them as they are.)
 
 ``--format array_record`` builds a TFDS array_record dataset of ``{prompt, answer}`` records under the output
 directory instead (read through grain by the ``tfds`` loader). Every output is written to a temporary name, read
@@ -40,8 +46,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollverify_jax.data import datasets
-from rollverify_jax.data.rewards import extract_boxed
+from rollverify_jax.data import datasets, sources
 from rollverify_jax.infra import storage
 
 Row = dict[str, Any]
@@ -53,6 +58,8 @@ ANSWER_COLUMNS = ("answer", "Answer")
 SOLUTION_COLUMNS = ("solution", "Solution")
 ID_COLUMNS = ("id", "ID", "problem_idx", "idx")
 DAPO_COLUMNS = ("prompt", "reward_model")
+GSM8K_COLUMNS = ("question", "answer")
+KINDS = ("auto", "dapo", "aime", "gsm8k")
 # A build's config name and split become one directory and part of its file names under the output directory:
 # no separators, no leading dot (so never '.' or '..').
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -135,9 +142,12 @@ def _json_object(line: str, where: str) -> Row:
 
 
 def detect_kind(path: Path, columns: Sequence[str]) -> str:
-    """'dapo' or 'aime' from the columns; anything else is an unknown schema."""
+    """'dapo', 'gsm8k' or 'aime' from the columns (GSM8K's and AIME 2025's are alike: GSM8K's first answer is a
+    worked solution with a ``####`` line); anything else is an unknown schema."""
     if all(c in columns for c in DAPO_COLUMNS):
         return "dapo"
+    if all(c in columns for c in GSM8K_COLUMNS) and _is_worked_solution(next(read_rows(path), {}).get("answer")):
+        return "gsm8k"
     if _first(columns, PROBLEM_COLUMNS) and _first(columns, ANSWER_COLUMNS + SOLUTION_COLUMNS):
         return "aime"
     raise PrepareError(
@@ -147,17 +157,23 @@ def detect_kind(path: Path, columns: Sequence[str]) -> str:
     )
 
 
+def _is_worked_solution(answer: Any) -> bool:
+    """GSM8K's answers end in a ``#### <answer>`` line; an AIME answer never holds one."""
+    return isinstance(answer, str) and "####" in answer
+
+
 def _first(columns: Sequence[str], candidates: Sequence[str]) -> str | None:
     return next((c for c in candidates if c in columns), None)
 
 
 def check_columns(path: Path, columns: Sequence[str], kind: str, problem_col: str | None, answer_col: str | None):
     """The (problem, answer) columns an AIME file is read from; for DAPO, that its columns are there."""
-    if kind == "dapo":
-        missing = [c for c in DAPO_COLUMNS if c not in columns]
+    if kind in ("dapo", "gsm8k"):
+        needed, label = (DAPO_COLUMNS, "DAPO-Math-17k") if kind == "dapo" else (GSM8K_COLUMNS, "GSM8K")
+        missing = [c for c in needed if c not in columns]
         if missing:
-            raise PrepareError(f"{path}: missing column(s) {missing} for DAPO-Math-17k (columns: {list(columns)}); "
-                               "pass the DAPO-Math-17k file, or --kind aime for an AIME set")
+            raise PrepareError(f"{path}: missing column(s) {missing} for {label} (columns: {list(columns)}); "
+                               f"pass the {label} file, or --kind aime for an AIME set")
         return None, None
     problem = problem_col or _first(columns, PROBLEM_COLUMNS)
     answer = answer_col or _first(columns, ANSWER_COLUMNS) or _first(columns, SOLUTION_COLUMNS)
@@ -171,11 +187,9 @@ def check_columns(path: Path, columns: Sequence[str], kind: str, problem_col: st
 
 def dapo_row(row: Row, path: Path, where: str) -> Row:
     """A DAPO-Math-17k row in the dataset's own schema, its fields checked as the loaders check them."""
-    prompt = datasets._prompt_text(datasets._get_field(row, "prompt", str(path), where), str(path), where)
-    truth = datasets._get_field(row, "reward_model.ground_truth", str(path), where)
-    answer = datasets._answer_text(truth, "reward_model.ground_truth", str(path), where)
-    if not answer:
-        raise PrepareError(f"{path}: {where}: field 'reward_model.ground_truth' is empty")
+    prompt = sources.prompt_text(sources.get_field(row, "prompt", str(path), where), str(path), where)
+    truth = sources.get_field(row, "reward_model.ground_truth", str(path), where)
+    answer = sources.answer_text(truth, "reward_model.ground_truth", str(path), where)
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     return {
         "data_source": str(row.get("data_source") or "math_dapo"),
@@ -191,24 +205,33 @@ def aime_row(row: Row, path: Path, where: str, problem_col: str, answer_col: str
     problem = row.get(problem_col)
     if not isinstance(problem, str) or not problem.strip():
         raise PrepareError(f"{path}: {where}: column {problem_col!r} must be a non-empty string")
-    answer = row.get(answer_col)
-    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        raise PrepareError(f"{path}: {where}: column {answer_col!r} must be a string or number, got {answer!r}")
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)
-    answer = str(answer).strip()
+    answer = sources.scalar_text(row.get(answer_col))
+    if answer is None:
+        raise PrepareError(f"{path}: {where}: column {answer_col!r} must be a string or number, got "
+                           f"{row.get(answer_col)!r}")
+    if _is_worked_solution(answer):
+        raise PrepareError(f"{path}: {where}: column {answer_col!r} holds a worked solution with a '####' line "
+                           "(GSM8K's layout), not a final answer; pass --kind gsm8k")
     if answer_col in SOLUTION_COLUMNS and not re.fullmatch(r"-?\d+", answer):
-        boxed = extract_boxed(answer)
+        boxed = sources.boxed_gold(answer)
         if boxed is None:
             raise PrepareError(f"{path}: {where}: no \\boxed{{...}} answer in column {answer_col!r}; pass "
                                "--answer_column with the column that holds the final answer")
         answer = boxed
-    if re.fullmatch(r"0*\d+", answer):  # AIME answers are integers 000-999: "033" and "33" are one answer
-        answer = str(int(answer))
+    answer = sources.aime_gold(answer)  # AIME answers are integers 000-999: "033" and "33" are one answer
     if not answer:
         raise PrepareError(f"{path}: {where}: column {answer_col!r} is empty")
     row_id = next((row[c] for c in ID_COLUMNS if row.get(c) is not None), index)
     return {"id": str(row_id), "problem": problem.strip(), "answer": answer}
+
+
+def gsm8k_row(row: Row, path: Path, where: str) -> Row:
+    """A GSM8K row in its own schema, once its gold answer extracts as the ``gsm8k_*`` loaders extract it."""
+    question = sources.text_field(sources.get_field(row, "question", str(path), where), "question", str(path), where)
+    solution = sources.text_field(sources.get_field(row, "answer", str(path), where), "answer", str(path), where)
+    sources.extracted(sources.gsm8k_gold(solution), "answer", str(path), where,
+                      "a worked solution ending in '#### <answer>'")
+    return {"question": question, "answer": solution}
 
 
 def convert(files: Sequence[Path], kind: str, problem_col: str | None, answer_col: str | None,
@@ -227,9 +250,14 @@ def convert(files: Sequence[Path], kind: str, problem_col: str | None, answer_co
         problem, answer = check_columns(path, columns, kind, problem_col, answer_col)
         for i, raw in enumerate(read_rows(path)):
             where = f"row {i}"
-            row = dapo_row(raw, path, where) if kind == "dapo" else aime_row(raw, path, where, problem, answer, read)
+            if kind == "dapo":
+                row = dapo_row(raw, path, where)
+            elif kind == "gsm8k":
+                row = gsm8k_row(raw, path, where)
+            else:
+                row = aime_row(raw, path, where, problem, answer, read)
             read += 1
-            key = row["prompt"][0]["content"] if kind == "dapo" else row["problem"]
+            key = row["prompt"][0]["content"] if kind == "dapo" else row.get("problem") or row.get("question")
             if kind == "dapo" and not keep_duplicates and key in seen:
                 continue
             seen.add(key)
@@ -333,7 +361,7 @@ def _swap_into_place(build: Path, target: Path, old: Path) -> None:
 
 def gin_hint(kind: str, fmt: str, output: str, config_name: str, split: str) -> str:
     """The bindings that point a config at the output."""
-    role = "train" if kind == "dapo" else "eval"
+    role = "train" if kind in ("dapo", "gsm8k") else "eval"
     if fmt == "array_record":
         name, kwargs = "tfds", {"data_dir": output, "config_name": config_name, "split": split}
     else:
@@ -350,7 +378,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("inputs", nargs="+", help="parquet / JSONL / JSON files, or directories holding them")
     ap.add_argument("--output", required=True, help="output file (.jsonl, .parquet) or TFDS data_dir")
     ap.add_argument("--format", choices=FORMATS, default=None, help="default: the output's extension")
-    ap.add_argument("--kind", choices=("auto", "dapo", "aime"), default="auto", help="default: from the columns")
+    ap.add_argument("--kind", choices=KINDS, default="auto", help="default: from the columns")
     ap.add_argument("--problem_column", default=None, help="AIME: the column holding the problem text")
     ap.add_argument("--answer_column", default=None, help="AIME: the column holding the final answer")
     ap.add_argument("--keep_duplicates", action="store_true", help="DAPO: keep every repeat of a prompt")

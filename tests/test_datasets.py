@@ -1,5 +1,7 @@
-"""Tests for rollverify_jax.data.datasets: DAPO/AIME loaders, schema errors, TFDS + grain, PromptIterator."""
+"""Tests for rollverify_jax.data.datasets: the presets (DAPO, AIME, GSM8K, MATH, MATH-500) and verl's layout in
+their public schemas, gold-answer extraction, templates, mixtures, schema errors, TFDS + grain, PromptIterator."""
 
+import hashlib
 import json
 import tempfile
 
@@ -18,6 +20,7 @@ from rollverify_jax.data.datasets import (
     get_dataset,
     load_tfds,
 )
+from rollverify_jax.data.sources import BOXED_INSTRUCTION
 
 PROBLEMS = [f"What is {i} + {i}?" for i in range(12)]
 
@@ -59,9 +62,11 @@ def aime_rows() -> list[dict]:
     return [{"id": i, "problem": PROBLEMS[i], "answer": 2 * i} for i in range(12)]
 
 
-def expected_records() -> list[dict[str, str]]:
+def expected_records(data_source: str | None = "math_dapo") -> list[dict[str, str]]:
+    """What the DAPO loaders give (AIME's: ``data_source="aime"``; a TFDS build's: None, prompt/answer only)."""
+    source = {} if data_source is None else {"data_source": data_source}
     return [
-        {"prompt": DAPO_TEMPLATE.replace("{problem}", PROBLEMS[i]), "answer": str(2 * i)} for i in range(12)
+        {"prompt": DAPO_TEMPLATE.replace("{problem}", PROBLEMS[i]), "answer": str(2 * i), **source} for i in range(12)
     ]
 
 
@@ -85,7 +90,8 @@ def test_dapo_string_prompt_without_template_gets_it(tmp_path):
     path = write_jsonl(tmp_path / "plain.jsonl", rows)
     assert get_dataset("dapo_jsonl", path=path) == expected_records()
     raw = get_dataset("dapo_jsonl", path=path, apply_template=False)
-    assert raw[3] == {"prompt": PROBLEMS[3], "answer": "6"}
+    assert raw[3] == {"prompt": PROBLEMS[3], "answer": "6", "data_source": "math_dapo"}
+    assert get_dataset("dapo_jsonl", path=path, template="none") == raw
 
 
 def test_chat_prompt_takes_the_last_user_message(tmp_path):
@@ -100,8 +106,8 @@ def test_chat_prompt_takes_the_last_user_message(tmp_path):
 def test_aime_jsonl_and_parquet(tmp_path, aime_rows):
     jsonl = write_jsonl(tmp_path / "aime.jsonl", aime_rows)
     parquet = write_parquet(tmp_path / "aime.parquet", aime_rows)
-    assert get_dataset("aime_jsonl", path=jsonl) == expected_records()
-    assert get_dataset("aime_parquet", path=parquet) == expected_records()
+    assert get_dataset("aime_jsonl", path=jsonl) == expected_records("aime")
+    assert get_dataset("aime_parquet", path=parquet) == expected_records("aime")
 
 
 def test_deduplicate_and_max_rows(tmp_path):
@@ -188,7 +194,7 @@ def test_tfds_round_trip(tmp_path, dapo_parquet, tfds_tmp):
     assert isinstance(records, grain.MapDataset) and out.endswith("math_prompts/dapo/1.0.0")
     got = [records[i] for i in range(len(records))]
     by_answer = lambda r: int(r["answer"])
-    assert sorted(got, key=by_answer) == expected_records()
+    assert sorted(got, key=by_answer) == expected_records(None)  # a build holds prompt/answer text
     batch = PromptIterator(records, batch_size=4, seed=0).next_batch()
     assert len(batch) == 4 and isinstance(batch[0]["prompt"], str)
 
@@ -271,3 +277,156 @@ def test_drop_long_prompts_keeps_order_and_the_boundary():
     assert [r["answer"] for r in kept] == ["0", "2", "3"] and dropped == 2
     with pytest.raises(ValueError, match="5 records but 4 prompt lengths"):
         datasets.drop_long_prompts(records, [1, 2, 3, 4], 10)
+
+
+# -- presets in their public schemas: gold answers, templates, data_source, extra_info ----------------------
+
+
+def test_gsm8k_gold_is_what_follows_the_hashes(tmp_path):
+    """openai/gsm8k: 'answer' is a worked solution ending in '#### 1,234'; the gold is 1234, the solution is kept
+    in extra_info, the prompt gets the boxed instruction; a row without '####' is refused, naming row and field."""
+    rows = [{"question": "Tom has 1,000 apples and buys 234. How many?",
+             "answer": "He has 1,000 + 234 = <<1000+234=1234>>1,234 apples.\n#### 1,234"},
+            {"question": "What is 6 * 7?", "answer": "6 * 7 = 42\n#### 42"}]
+    path = write_parquet(tmp_path / "gsm8k-train.parquet", rows)
+    records = get_dataset("gsm8k_parquet", path=path)
+    assert [r["answer"] for r in records] == ["1234", "42"]
+    assert records[1] == {"prompt": "What is 6 * 7?\n\n" + BOXED_INSTRUCTION, "answer": "42",
+                          "data_source": "openai/gsm8k", "extra_info": {"index": 1, "solution": rows[1]["answer"]}}
+    assert get_dataset("gsm8k_parquet", path=path, template="none")[1]["prompt"] == "What is 6 * 7?"
+    assert get_dataset("gsm8k_parquet", path=path, apply_template=False)[1]["prompt"] == "What is 6 * 7?"
+    custom = get_dataset("gsm8k_parquet", path=path, template="Q: {problem}\nA:", data_source="gsm8k")[1]
+    assert custom["prompt"] == "Q: What is 6 * 7?\nA:" and custom["data_source"] == "gsm8k"
+    with pytest.raises(ValueError, match="neither a known template .*'boxed'.*containing '{problem}'"):
+        get_dataset("gsm8k_parquet", path=path, template="Solve it.")
+    with pytest.raises(ValueError, match="apply_template=False and template='boxed' disagree"):
+        get_dataset("gsm8k_parquet", path=path, template="boxed", apply_template=False)
+    rows.append({"question": "Q?", "answer": "The whole solution, and no final line."})
+    bad = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    with pytest.raises(DatasetSchemaError, match=r"gsm8k\.jsonl: row 2 \(line 3\): cannot extract the gold answer "
+                                                 r"from field 'answer': expected a worked solution ending in '####"):
+        get_dataset("gsm8k_jsonl", path=bad)
+
+
+def test_math_gold_is_the_last_boxed_and_math500_has_its_own_answer(tmp_path):
+    math_rows = [{"problem": "Half of one?", "level": "Level 1", "type": "Algebra",
+                  "solution": r"First $\boxed{2}$ is wrong; it is $\boxed{\frac{1}{2}}$."},
+                 {"problem": "Two?", "level": "Level 2", "type": "Algebra", "solution": r"So it is \boxed 2."}]
+    records = get_dataset("math_jsonl", path=write_jsonl(tmp_path / "math.jsonl", math_rows))
+    assert [r["answer"] for r in records] == [r"\frac{1}{2}", "2"]
+    assert records[0]["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
+    assert records[0]["prompt"].endswith("\\boxed{}.") and records[0]["prompt"].startswith("Half of one?")
+    assert records[0]["extra_info"] == {"index": 0, "level": "Level 1", "type": "Algebra",
+                                        "solution": math_rows[0]["solution"]}
+    math500 = [{"problem": "P", "solution": r"... \boxed{3\sqrt{2}}", "answer": r"3\sqrt{2}", "subject": "Geometry",
+                "level": 3, "unique_id": "test/geometry/1.json"}]
+    (record,) = get_dataset("math500_parquet", path=write_parquet(tmp_path / "math500.parquet", math500))
+    assert record["answer"] == r"3\sqrt{2}" and record["data_source"] == "HuggingFaceH4/MATH-500"
+    assert record["extra_info"]["unique_id"] == "test/geometry/1.json" and "answer" not in record["extra_info"]
+    math_rows.append({"problem": "Q", "solution": "No final answer here."})
+    with pytest.raises(DatasetSchemaError, match=r"math\.parquet: row 2: cannot extract the gold answer from field "
+                                                 r"'solution': expected a worked solution with a final \\boxed"):
+        get_dataset("math_parquet", path=write_parquet(tmp_path / "math.parquet", math_rows))
+
+
+def test_aime_2024_and_2025_public_schemas(tmp_path):
+    """AIME 2024 (Maxwell-Jia: ID, Problem, Solution, Answer as integers) and AIME 2025 (problem, answer as text
+    with leading zeros): one record shape, the answer as AIME's integer, DAPO's template by default."""
+    aime24 = write_parquet(tmp_path / "aime_2024.parquet", [
+        {"ID": "2024-I-1", "Problem": "Find x.", "Solution": "... so 204.", "Answer": 204}])
+    aime25 = write_jsonl(tmp_path / "aime_2025.jsonl", [{"id": 0, "problem": "Find y.", "answer": "033"}])
+    (r24,) = get_dataset("aime_parquet", path=aime24)
+    (r25,) = get_dataset("aime_jsonl", path=aime25, data_source="aime_2025")
+    assert r24 == {"prompt": apply_dapo_template("Find x."), "answer": "204", "data_source": "aime"}
+    assert r25 == {"prompt": apply_dapo_template("Find y."), "answer": "33", "data_source": "aime_2025"}
+
+
+def verl_rows() -> list[dict]:
+    """verl's RL parquet layout: chat prompt with a system message, data_source, ability, reward_model, nested
+    extra_info."""
+    return [{"data_source": "my_source",
+             "prompt": [{"role": "system", "content": "You are a careful solver."},
+                        {"role": "user", "content": f"What is {i} + {i}?"}],
+             "ability": "math",
+             "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+             "extra_info": {"index": i, "split": "train", "meta": {"tags": ["add", "easy"], "difficulty": 0.5}}}
+            for i in range(3)]
+
+
+def test_verl_parquet_keeps_the_chat_prompt_source_and_extra_info_whole(tmp_path):
+    rows = verl_rows()
+    for name, path in (("verl_parquet", write_parquet(tmp_path / "train.parquet", rows)),
+                       ("verl_jsonl", write_jsonl(tmp_path / "train.jsonl", rows))):
+        records = get_dataset(name, path=path)
+        assert records[1] == {"prompt": "What is 1 + 1?", "answer": "2", "data_source": "my_source",
+                              "messages": rows[1]["prompt"], "extra_info": rows[1]["extra_info"]}
+    boxed = get_dataset("verl_parquet", path=str(tmp_path / "train.parquet"), template="boxed")[0]
+    assert boxed["messages"][0] == rows[0]["prompt"][0]  # the system message as given
+    assert boxed["messages"][1]["content"] == boxed["prompt"] == "What is 0 + 0?\n\n" + BOXED_INSTRUCTION
+    del rows[2]["data_source"]
+    with pytest.raises(DatasetSchemaError, match=r"row 2 \(line 3\): missing field 'data_source'.*data_source=\.\.\."):
+        get_dataset("verl_jsonl", path=write_jsonl(tmp_path / "nosource.jsonl", rows))
+    assert get_dataset("verl_jsonl", path=str(tmp_path / "nosource.jsonl"), data_source="d")[2]["data_source"] == "d"
+
+
+def test_a_record_round_trips_through_a_paused_group_checkpoint(tmp_path):
+    """Records are checkpointed with the paused groups: a verl record with nested extra_info and chat messages
+    comes back equal through PausedCache.to_dict, the checkpoint's JSON encoding and from_dict."""
+    from rollverify_jax.rl.buffer import Group, PausedCache
+    from rollverify_jax.run.checkpoint import decode_extra, encode_extra
+
+    record = get_dataset("verl_parquet", path=write_parquet(tmp_path / "v.parquet", verl_rows()))[2]
+    record["extra_info"]["meta"]["none"], record["extra_info"]["unicode"] = None, "数学 é"
+    cache = PausedCache()
+    cache.add_group(Group(group_id=7, size=2, record=record))
+    restored = PausedCache.from_dict(decode_extra(json.loads(json.dumps(encode_extra(cache.to_dict())))))
+    assert restored.groups[7].record == record
+
+
+def test_old_records_hash_as_before():
+    """Runs started before data_source existed resume: two-field records hash exactly as the loaders' records did
+    then (sorted-key JSON lines), and so do DAPO records that now name their implied 'math_dapo'."""
+    old = [{"prompt": apply_dapo_template(p), "answer": str(i)} for i, p in enumerate(PROBLEMS)]
+    digest = hashlib.sha256()
+    for record in old:
+        digest.update(json.dumps(record, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n")
+    before = {"records": len(old), "sha256": digest.hexdigest()}
+    assert datasets.records_fingerprint(old) == before
+    assert datasets.records_fingerprint([{**r, "data_source": "math_dapo"} for r in old]) == before
+    assert datasets.records_fingerprint([{**r, "data_source": "openai/gsm8k"} for r in old]) != before
+    assert datasets.records_fingerprint([{**old[0], "extra_info": {"a": 1}}, *old[1:]]) != before
+
+
+# -- mixtures --------------------------------------------------------------------------------------------------
+
+
+def test_mixture_shares_follow_the_weights_deterministically(tmp_path):
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": f"Q{i}?", "answer": f"so\n#### {i}"}
+                                                   for i in range(4)])
+    sources = [{"name": "synthetic", "weight": 2, "n": 100, "seed": 1},
+               {"name": "synthetic", "weight": 1, "n": 10, "seed": 2},
+               {"name": "gsm8k_jsonl", "weight": 1.0, "path": gsm8k}]
+    parts = [get_dataset(s["name"], **{k: v for k, v in s.items() if k not in ("name", "weight")}) for s in sources]
+    keys = [{json.dumps(r, sort_keys=True) for r in part} for part in parts]
+
+    def shares(records):
+        found = [[json.dumps(r, sort_keys=True) in k for k in keys].index(True) for r in records]
+        return [found.count(i) for i in range(3)]
+
+    # Default size: the largest mixture without a repeat; the 4-record source at weight 1/4 binds it (16).
+    mixed = get_dataset("mixture", sources=sources, seed=0)
+    assert shares(mixed) == [8, 4, 4] and len({json.dumps(r, sort_keys=True) for r in mixed}) == 16
+    assert all(r["data_source"] == "openai/gsm8k" for r in mixed if "Q" in r["prompt"])
+    assert mixed == get_dataset("mixture", sources=sources, seed=0)
+    assert mixed != get_dataset("mixture", sources=sources, seed=1)
+    # A stated size: the small source repeats, in whole passes (each of its 4 records 6 or 7 times in 25).
+    big = get_dataset("mixture", sources=sources, seed=0, size=101)
+    assert len(big) == 101 and shares(big) == [51, 25, 25]
+    repeats = [sum(r["prompt"].startswith(f"Q{i}?") for r in big) for i in range(4)]
+    assert sorted(repeats) == [6, 6, 6, 7]
+    with pytest.raises(ValueError, match=r"mixture source 1 \('synthetic'\): weight must be a finite number > 0"):
+        get_dataset("mixture", sources=[sources[0], {**sources[1], "weight": 0}])
+    with pytest.raises(ValueError, match="mixture source 0: unknown dataset 'gsm8k'; known datasets: "):
+        get_dataset("mixture", sources=[{"name": "gsm8k", "path": gsm8k}])
+    with pytest.raises(TypeError, match=r"mixture source 0 \('gsm8k_jsonl'\): arguments .* do not fit the loader"):
+        get_dataset("mixture", sources=[{"name": "gsm8k_jsonl", "path": gsm8k, "nope": 1}])

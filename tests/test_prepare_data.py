@@ -39,15 +39,17 @@ def dapo_rows(n: int, repeats: int) -> list[dict]:
              "extra_info": {"index": f"id-{i}-{r}"}} for r in range(repeats) for i in range(n)]
 
 
-def templated(problem: str, answer: str) -> dict:
-    return {"prompt": DAPO_TEMPLATE.replace("{problem}", problem), "answer": answer}
+def templated(problem: str, answer: str, data_source: str | None = "aime") -> dict:
+    """A record of the DAPO (``data_source="math_dapo"``) or AIME loaders; None: a TFDS build's (prompt/answer)."""
+    source = {} if data_source is None else {"data_source": data_source}
+    return {"prompt": DAPO_TEMPLATE.replace("{problem}", problem), "answer": answer, **source}
 
 
 def test_dapo_parquet_is_deduplicated_and_reads_back(tmp_path, capsys):
     source = write_parquet(tmp_path / "dapo-math-17k.parquet", dapo_rows(5, repeats=3))
     out = tmp_path / "data" / "dapo.parquet"
     prepare(source, "--output", out)
-    expected = [templated(f"What is {i} + {i}?", str(2 * i)) for i in range(5)]
+    expected = [templated(f"What is {i} + {i}?", str(2 * i), "math_dapo") for i in range(5)]
     assert get_dataset("dapo_parquet", path=str(out)) == expected
     row = pq.read_table(out).to_pylist()[1]
     assert row["reward_model"] == {"ground_truth": "2", "style": "rule"} and row["extra_info"] == {"index": "id-1-0"}
@@ -61,7 +63,7 @@ def test_dapo_jsonl_string_prompts_keep_duplicates(tmp_path):
     rows = [{"prompt": "Find x.", "reward_model": {"ground_truth": 7}}] * 2
     out = tmp_path / "dapo.jsonl"
     prepare(write_jsonl(tmp_path / "in.jsonl", rows), "--output", out, "--keep_duplicates")
-    assert get_dataset("dapo_jsonl", path=str(out)) == [templated("Find x.", "7")] * 2
+    assert get_dataset("dapo_jsonl", path=str(out)) == [templated("Find x.", "7", "math_dapo")] * 2
     assert json.loads(out.read_text().splitlines()[0])["prompt"] == [{"role": "user", "content": "Find x."}]
 
 
@@ -106,6 +108,26 @@ def test_named_columns(tmp_path):
     assert get_dataset("aime_jsonl", path=str(out)) == [templated("P", "5")]
 
 
+def test_gsm8k_gold_answer_is_what_follows_the_hashes(tmp_path, capsys):
+    """openai/gsm8k (question, answer = a worked solution ending in '#### 1,234') used to convert, exit 0, as an AIME
+    set whose gold answer was the whole solution (every reward 0); now it is told apart by its '####' line, every
+    row's gold answer is extracted as the gsm8k loaders extract it, and a row without one is one error line."""
+    rows = [{"question": "How many?", "answer": "1,000 + 234 = <<1000+234=1234>>1,234\n#### 1,234"},
+            {"question": "And now?", "answer": "2 * 3 = 6\n#### 6"}]
+    out = tmp_path / "gsm8k-train.parquet"
+    prepare(write_parquet(tmp_path / "train-00000-of-00001.parquet", rows), "--output", out)
+    assert [r["answer"] for r in get_dataset("gsm8k_parquet", path=str(out))] == ["1234", "6"]
+    assert "TrainConfig.train_dataset = 'gsm8k_parquet'" in capsys.readouterr().out
+    rows.append({"question": "Broken?", "answer": "a solution that lost its final line"})
+    source = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    err = fails(capsys, source, "--output", tmp_path / "o.jsonl")
+    assert "gsm8k.jsonl: row 2: cannot extract the gold answer from field 'answer'" in err and "####" in err
+    err = fails(capsys, write_jsonl(tmp_path / "mixed.jsonl", rows[2:] + rows[:1]), "--kind", "aime",
+                "--output", tmp_path / "o.jsonl")
+    assert "mixed.jsonl: row 1: column 'answer' holds a worked solution" in err and "--kind gsm8k" in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.fixture
 def tfds_tmp(tmp_path, monkeypatch):
     """TFDS makes a scratch dir per fresh builder; keep it under tmp_path."""
@@ -118,7 +140,7 @@ def test_array_record_build_reads_through_grain(tmp_path, tfds_tmp, capsys):
     prepare(source, "--output", data_dir, "--format", "array_record")
     records = get_dataset("tfds", data_dir=str(data_dir), config_name="dapo")
     assert isinstance(records, grain.MapDataset) and len(records) == 4
-    expected = [templated(f"What is {i} + {i}?", str(2 * i)) for i in range(4)]
+    expected = [templated(f"What is {i} + {i}?", str(2 * i), None) for i in range(4)]
     assert sorted((records[i] for i in range(4)), key=lambda r: int(r["answer"])) == expected
     assert len(PromptIterator(records, batch_size=3).next_batch()) == 3
     assert "TrainConfig.train_dataset = 'tfds'" in capsys.readouterr().out

@@ -1,11 +1,14 @@
 """Tests for rollverify_jax.data.rewards: extraction, equivalence, overlong penalty, the grader pool."""
 
+import json
 import os
 import signal
 import subprocess
 import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rollverify_jax.data import rewards
@@ -353,3 +356,111 @@ def test_reward_plug_in_runs_in_the_grader_pool(tmp_path, monkeypatch):
         RewardScorer("my_reward_pkg.graders:missing")
     with pytest.raises(ValueError, match=r"must take \(response: str, answer: str\)"):
         RewardScorer("my_reward_pkg.graders:three_args")
+
+
+# -- verl and TRL reward functions, a reward per data source ------------------------------------------------
+
+
+def verl_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature: a dict with 'score' for one source, a number for the other (verl's files return both)."""
+    correct = solution_str.strip().endswith(ground_truth)
+    if data_source == "dict_source":
+        return {"score": 2.0 * correct, "acc": correct}
+    return float(correct) + 10.0 * (extra_info or {}).get("bonus", 0)
+
+
+def trl_accuracy(prompts, completions, answer, **kwargs):
+    """TRL's signature: a batch in, one score per completion out (conversational when the record has messages)."""
+    scores = []
+    for prompt, completion, gold in zip(prompts, completions, answer, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        chat_ok = not isinstance(completion, list) or prompt[0]["role"] == "system"
+        scores.append(float(chat_ok and text.strip().endswith(gold)))
+    return scores
+
+
+def trl_needs_solution(prompts, completions, solution):
+    return [1.0] * len(completions)
+
+
+def test_verl_and_trl_rewards_per_data_source(monkeypatch):
+    """Each record is graded by its data source's reward (verl's compute_score with its dict or float return, a
+    TRL batch function called one item at a time), the rest by the default; metrics per source."""
+    for name, fn in (("t_verl", verl_compute_score), ("t_trl", trl_accuracy), ("t_trl_solution", trl_needs_solution)):
+        monkeypatch.setitem(rewards._REGISTRY, name, None)  # removed again after the test
+        monkeypatch.setitem(rewards.REWARDS, name, None)
+        rewards.register_reward(name, fn, isolated=False)
+    assert rewards.get_reward_spec("t_verl").style.style == "verl"
+    assert rewards.get_reward_spec("t_trl").style.style == "trl"
+    s = RewardScorer("exact", by_data_source={"verl_source": "t_verl", "dict_source": "t_verl", "trl_source": "t_trl"})
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "4?"}]
+    records = [{"prompt": "3?", "answer": "3", "data_source": "verl_source", "extra_info": {"bonus": 1}},
+               {"prompt": "3?", "answer": "3", "data_source": "dict_source"},
+               {"prompt": "4?", "answer": "4", "data_source": "trl_source"},
+               {"prompt": "4?", "answer": "4", "data_source": "trl_source", "messages": chat},
+               {"prompt": "Start 5. Compute.", "answer": "5"}]
+    responses = ["so 3", "so 3", "so 4", "so 4", "Answer: 5"]
+    got, metrics = s.score(responses, [r["answer"] for r in records], overlong_penalty=False, records=records)
+    np.testing.assert_array_equal(got, [11.0, 2.0, 1.0, 1.0, 1.0])
+    assert metrics["reward/grader_errors"] == 0.0
+    assert metrics["reward/verl_source/mean"] == 11.0 and metrics["reward/unknown/mean"] == 1.0
+    positional, _ = s.score(responses, [r["answer"] for r in records], None, False)  # the old API: the default
+    np.testing.assert_array_equal(positional, [0.0, 0.0, 0.0, 0.0, 1.0])
+    needs = RewardScorer("exact", by_data_source={"trl_source": "t_trl_solution"})
+    with pytest.raises(ValueError, match=r"by_data_source\['trl_source'\].*needs the column\(s\) \['solution'\], "
+                                         r"which record 0 \(data_source 'trl_source'\) does not give"):
+        needs.score(["so 4"], ["4"], records=[records[2]])
+    with pytest.raises(ValueError, match=r"by_data_source\['x'\]: unknown reward 'nope'"):
+        RewardScorer("exact", by_data_source={"x": "nope"})
+
+
+def test_a_verl_reward_file_sees_the_whole_verl_record_in_the_pool(tmp_path, monkeypatch):
+    """End to end: a verl parquet (system message, data_source, nested extra_info) loaded by the verl loader, graded
+    in the grader pool by a verl reward *file* ('/path/file.py:compute_score', loaded inside the worker) and by a
+    TRL function from a module, per data source; what the functions received is exactly what the file holds."""
+    from rollverify_jax.data.datasets import get_dataset
+
+    extra = [{"index": i, "split": "train", "meta": {"tags": ["add"], "difficulty": 0.5 * i}} for i in range(2)]
+    system = {"role": "system", "content": "You are a careful solver."}
+    rows = [{"data_source": "my_source", "prompt": [system, {"role": "user", "content": f"{i} + {i}?"}],
+             "ability": "math", "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+             "extra_info": extra[i]} for i in range(2)]
+    rows.append({"data_source": "trl_source", "prompt": [system, {"role": "user", "content": "3 + 4?"}],
+                 "ability": "math", "reward_model": {"ground_truth": "7", "style": "rule"},
+                 "extra_info": {"index": 2, "split": "train", "meta": {"tags": [], "difficulty": 0.0}}})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    records = get_dataset("verl_parquet", path=str(tmp_path / "train.parquet"))
+    log = tmp_path / "received.jsonl"
+    (tmp_path / "verl_reward.py").write_text(
+        "import json\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if data_source != 'warmup':\n"
+        f"        with open({str(log)!r}, 'a') as f:\n"
+        "            f.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + '\\n')\n"
+        "    return {'score': float(solution_str.strip().endswith(ground_truth)), 'acc': 1.0}\n"
+        "def two_args(data_source, solution_str):\n"
+        "    return 0.0\n")
+    (tmp_path / "trl_pkg").mkdir()
+    (tmp_path / "trl_pkg" / "__init__.py").write_text("")
+    (tmp_path / "trl_pkg" / "rewards.py").write_text(
+        "def accuracy(prompts, completions, ground_truth, data_source, meta, **kwargs):\n"
+        "    ok = prompts[0][0]['role'] == 'system' and completions[0][0]['role'] == 'assistant'\n"
+        "    ok = ok and data_source == ['trl_source'] and meta == [{'tags': [], 'difficulty': 0.0}]\n"
+        "    return [float(ok and completions[0][0]['content'].endswith(ground_truth[0]))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward_file = tmp_path / "verl_reward.py"
+    by_source = {"my_source": f"{reward_file}:compute_score", "trl_source": "trl_pkg.rewards:accuracy"}
+    with RewardScorer("exact", num_workers=1, timeout_s=30, by_data_source=by_source) as s:
+        assert all(spec.isolated for spec in s.source_specs.values())
+        got, metrics = s.score(["so 0", "so 3", "so 7"], [r["answer"] for r in records], overlong_penalty=False,
+                               records=records)
+    np.testing.assert_array_equal(got, [1.0, 0.0, 1.0])
+    assert metrics["reward/grader_errors"] == 0.0 and metrics["reward/my_source/mean"] == 0.5
+    received = [json.loads(line) for line in log.read_text().splitlines()]
+    assert received == [["my_source", "so 0", "0", extra[0]], ["my_source", "so 3", "2", extra[1]]]
+    with pytest.raises(ValueError, match=r"must take \(response: str, answer: str\) -> float, or be verl's "
+                                         r"compute_score\(data_source, solution_str, ground_truth"):
+        RewardScorer(f"{reward_file}:two_args")
+    with pytest.raises(ValueError, match="defines no function 'missing'"):
+        RewardScorer(f"{reward_file}:missing")
+    assert RewardScorer(str(reward_file)).spec.style.style == "verl"  # a bare file path: its compute_score

@@ -93,7 +93,8 @@ def test_cross_checks_and_wrong_types_are_one_clear_error(spec_of):
 class _ExactScorer:
     """Grades text == answer, so a reward graded against another trajectory's record shows."""
 
-    def score(self, texts, answers, lengths):
+    def score(self, texts, answers, lengths, records=None):
+        assert [r["answer"] for r in records] == list(answers)  # each response's own record reaches the reward
         return [float(t == a) for t, a in zip(texts, answers, strict=True)], {}
 
 

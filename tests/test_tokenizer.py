@@ -14,6 +14,7 @@ from rollverify_jax.models.tokenizer import (
     EMPTY_THINK,
     Tokenizer,
     build_char_tokenizer,
+    chatml_messages,
     chatml_prompt,
     load_tokenizer,
 )
@@ -304,6 +305,55 @@ def test_encode_prompt(char_tok):
     assert char_tok.encode_prompt("1+1", chat=False) == char_tok.encode("1+1")
     with pytest.raises(ValueError, match="chat=True"):
         char_tok.encode_prompt("1+1", chat=False, system="s")
+
+
+def test_render_prompt_takes_a_records_messages_and_system_prompt(char_tok, tmp_path):
+    """A record's own messages are rendered whole (multi-turn, system included) by the checkpoint's template and by
+    the ChatML fallback alike; TrainConfig.system_prompt fills in only where the record brings no system message;
+    enable_thinking reaches the template as its variable."""
+    turns = [{"role": "system", "content": "Own."}, {"role": "user", "content": "1+1?"},
+             {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2?"}]
+    build_char_tokenizer(ALPHABET, SPECIALS, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    _write_json(tmp_path / "tokenizer_config.json", config)
+    fallback = Tokenizer.from_dir(tmp_path)
+    assert char_tok.chat_template is not None and fallback.chat_template is None
+    for tok in (char_tok, fallback):
+        own = tok.render_prompt("2+2?", chat=True, messages=turns, system="Global.", enable_thinking=False)
+        assert own == chatml_messages(turns, enable_thinking=False) and own.endswith(EMPTY_THINK)
+        added = tok.render_prompt("2+2?", chat=True, messages=turns[1:], system="Global.")
+        assert added == chatml_messages([{"role": "system", "content": "Global."}, *turns[1:]])
+        assert tok.render_prompt("2+2?", chat=True, system="S") == chatml_prompt("2+2?", system="S")
+        assert tok.render_prompt("2+2?", chat=False, messages=turns) == "2+2?"  # a raw prompt: the record's text
+    with pytest.raises(ValueError, match="chat message 1 must be"):
+        char_tok.render_prompt("x", chat=True, messages=[turns[0], {"role": "user"}])
+
+
+def test_policy_encode_and_prompt_lengths_render_alike(char_tok):
+    """Training encodes (Policy.encode) and the start-up length check counts (prompt_lengths) the same prompt."""
+    from types import SimpleNamespace
+
+    from rollverify_jax.run.builder import prompt_lengths, prompt_options
+    from rollverify_jax.run.spec import TrainConfig
+    from rollverify_jax.run.trainer import Policy
+
+    train = TrainConfig(chat_template=True, system_prompt="Be brief.", enable_thinking=False)
+    policy = Policy(spec=SimpleNamespace(train=train), tokenizer=char_tok, model=None, mesh=None, engine=None,
+                    scorer=None, eval_records=[])
+    records = [{"prompt": "1+1?", "answer": "2"},
+               {"prompt": "2+2?", "answer": "4", "messages": [{"role": "system", "content": "Own system."},
+                                                              {"role": "user", "content": "2+2?"}]}]
+    encoded = [policy.encode(r) for r in records]
+    assert char_tok.decode(encoded[0], skip_special_tokens=False) == chatml_prompt("1+1?", "Be brief.", True, False)
+    assert "Own system." in char_tok.decode(encoded[1]) and "Be brief." not in char_tok.decode(encoded[1])
+    lengths = prompt_lengths(char_tok, records * 2, True, **prompt_options(train))
+    assert lengths.tolist() == [len(e) for e in encoded] * 2
+    with pytest.raises(ValueError, match="TrainConfig.system_prompt shapes the chat prompt: set "
+                                         "TrainConfig.chat_template = True"):
+        TrainConfig(system_prompt="Be brief.")
+    with pytest.raises(ValueError, match="enable_thinking must be True, False or None"):
+        TrainConfig(chat_template=True, enable_thinking="no")
 
 
 def test_chat_template_needs_chatml_special_tokens(tmp_path):

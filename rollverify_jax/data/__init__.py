@@ -1,6 +1,7 @@
-"""Data: the synthetic task, reward functions and prompt datasets.
+"""Data: the synthetic task, reward functions (and verl / TRL ones: ``plugins``) and prompt datasets (the
+presets and verl's layout: ``sources``; weighted mixtures: ``mixture``).
 
-``synthetic`` and ``rewards`` are imported eagerly: they are light, and grader worker processes import
+``synthetic``, ``rewards`` and ``plugins`` are imported eagerly: they are light, and grader worker processes import
 this package. ``datasets`` pulls in grain (and with it JAX) and TFDS, so its names load on first use.
 """
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from rollverify_jax.data.plugins import UNKNOWN_SOURCE, data_source_of
 from rollverify_jax.data.rewards import (
     REWARDS,
     RewardScorer,
+    RewardSpec,
     exact_reward,
     extract_answer,
     extract_answer_line,
@@ -29,12 +32,15 @@ _LAZY = {
     for name in (
         "DATASETS",
         "DAPO_TEMPLATE",
+        "TEMPLATES",
         "DatasetSchemaError",
         "MathPrompts",
         "PromptIterator",
         "apply_dapo_template",
+        "apply_template",
         "build_tfds",
         "get_dataset",
+        "load_mixture",
         "load_synthetic",
         "load_tfds",
     )
@@ -42,9 +48,12 @@ _LAZY = {
 
 __all__ = [
     "REWARDS",
+    "UNKNOWN_SOURCE",
     "RewardScorer",
+    "RewardSpec",
     "SyntheticTask",
     "char_vocabulary",
+    "data_source_of",
     "exact_reward",
     "extract_answer",
     "extract_answer_line",

@@ -1,6 +1,9 @@
 """Reward functions (a string registry) and a batch scorer that isolates slow, crashing or greedy graders.
 
-A reward function maps ``(response, answer) -> float``. Symbolic graders (``math``: math_verify over
+A reward function maps ``(response, answer) -> float``; verl's ``compute_score`` and TRL's batch reward functions
+are taken too, from a module or a file (``plugins``: how each is called). The scorer grades each response against
+its own record (``score(..., records=...)``: data_source, extra_info, prompt), with the reward its data source
+picks (``RewardScorer.by_data_source``) or the default one. Symbolic graders (``math``: math_verify over
 sympy) can hang, crash or eat memory on adversarial model output, so ``RewardScorer`` runs the ones registered
 with ``isolated=True`` in a pebble process pool (spawn context: the parent may hold JAX and threads). Each
 worker is limited: its address space (``memory_limit_mb``; a grader past it gets a MemoryError, not the host's
@@ -22,8 +25,6 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import importlib
-import inspect
 import logging
 import math
 import multiprocessing as mp
@@ -35,12 +36,22 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 import numpy as np
 import pebble
 
+from rollverify_jax.data.plugins import (
+    CallStyle,
+    Grader,
+    call_style,
+    data_source_of,
+    is_plugin,
+    load_plugin,
+    missing_columns,
+)
 from rollverify_jax.infra import distributed
 
 RewardFn = Callable[[str, str], float]
@@ -180,59 +191,50 @@ def dapo_math_reward(response: str, answer: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """A registered reward: the function and whether it must run isolated in the grader pool."""
+    """A reward: the function, whether it must run isolated in the grader pool, and how it is called
+    (``plugins.CallStyle``: rollverify's ``(response, answer)``, verl's ``compute_score`` or a TRL function)."""
 
-    fn: RewardFn
+    fn: Callable[..., Any]
     isolated: bool
+    style: CallStyle = CallStyle()
+
+    @property
+    def grader(self) -> Grader:
+        """What a grader worker receives and calls as ``grader(response, answer, context)``."""
+        return Grader(self.fn, self.style)
 
 
 _REGISTRY: dict[str, RewardSpec] = {}
-REWARDS: dict[str, RewardFn] = {}
+REWARDS: dict[str, Callable[..., Any]] = {}
 
 
-def register_reward(name: str, fn: RewardFn, isolated: bool = True) -> RewardFn:
-    """Add a reward to the registry. ``fn`` must be a module-level function (it is pickled by reference)."""
-    _REGISTRY[name] = RewardSpec(fn=fn, isolated=isolated)
+def register_reward(name: str, fn: Callable[..., Any], isolated: bool = True) -> Callable[..., Any]:
+    """Add a reward to the registry: ``fn(response, answer)``, a verl ``compute_score`` or a TRL reward function
+    (``plugins``). ``fn`` must be a module-level function (it is pickled by reference)."""
+    _REGISTRY[name] = RewardSpec(fn=fn, isolated=isolated, style=call_style(fn, name))
     REWARDS[name] = fn
     return fn
 
 
 def get_reward_spec(name: str) -> RewardSpec:
-    """A registered reward, or a plug-in named ``'package.module:function'``.
+    """A registered reward, or a plug-in: ``'package.module:function'``, ``'/path/to/file.py:function'`` (verl's
+    ``custom_reward_function``; ``'/path/to/file.py'`` alone means ``compute_score``).
 
-    A plug-in is any importable module-level function ``fn(response: str, answer: str) -> float`` (the decoded
-    response without the prompt, the dataset's gold answer as a string); a reward > 0.5 counts as correct in
-    evaluation. Plug-ins run isolated in the grader pool, with its timeout, since their cost is unknown."""
-    if ":" in name:
-        return RewardSpec(fn=_import_reward(name), isolated=True)
+    A plug-in is ``fn(response: str, answer: str) -> float`` (the decoded response without the prompt, the
+    record's gold answer as a string), verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)`` or a TRL reward function ``(prompts, completions, **kwargs)`` (``plugins`` says how each is
+    called); a reward > 0.5 counts as correct in evaluation. Plug-ins run isolated in the grader pool, with its
+    timeout, since their cost is unknown."""
+    if is_plugin(name):
+        shipped, fn = load_plugin(name)
+        return RewardSpec(fn=shipped, isolated=True, style=call_style(fn, name))
     if name not in _REGISTRY:
         raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REGISTRY)}, or a plug-in "
-                         "'package.module:function'")
+                         "'package.module:function' or '/path/to/file.py:function'")
     return _REGISTRY[name]
 
 
-def _import_reward(name: str) -> RewardFn:
-    """Imports ``'package.module:function'`` and checks that it takes (response, answer)."""
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward plug-in {name!r}: cannot import {module_name!r} ({e}); put its package on "
-                         "PYTHONPATH or install it") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward plug-in {name!r}: module {module_name!r} has no function {attr!r}")
-    try:
-        inspect.signature(fn).bind("response", "answer")
-    except TypeError:
-        raise ValueError(f"reward plug-in {name!r} must take (response: str, answer: str) -> float, "
-                         f"not {inspect.signature(fn)}") from None
-    except ValueError:  # builtins without a signature: trust them
-        pass
-    return fn
-
-
-def get_reward_fn(name: str) -> RewardFn:
+def get_reward_fn(name: str) -> Callable[..., Any]:
     """The reward function registered under ``name`` (ValueError listing the known names otherwise)."""
     return get_reward_spec(name).fn
 
@@ -276,11 +278,16 @@ _INIT_ERROR: BaseException | None = None
 _KILL_AFTER_S = 0.2  # from pebble's SIGTERM (ignored by the workers) to its SIGKILL
 
 
-def _init_worker(barrier, memory_limit_bytes: int, fn_bytes: bytes, warmup_s: float) -> None:
+# The record a grader's warm-up grade sees (a verl or TRL function reads these keys).
+_WARMUP_CONTEXT = {"data_source": "warmup", "extra_info": {}, "prompt": "What is 1/2?", "messages": None}
+
+
+def _init_worker(barrier, memory_limit_bytes: int, graders_bytes: bytes, warmup_s: float) -> None:
     """Runs in every worker pebble starts (the first ones and each replacement): signals, limits, and one grade
-    off the clock. Unpickling ``fn`` imports its module, and one grade loads what the grader builds lazily
-    (math_verify's sympy/antlr tables take seconds), so a fresh worker's first item does not time out. An error
-    here is kept for ``_worker_ready`` to report, rather than a worker that dies and is restarted forever."""
+    per reward off the clock. Unpickling the graders imports their modules (a file plug-in loads its file on the
+    warm-up call), and one grade loads what a grader builds lazily (math_verify's sympy/antlr tables take
+    seconds), so a fresh worker's first item does not time out. An error here is kept for ``_worker_ready`` to
+    report, rather than a worker that dies and is restarted forever."""
     global _START_BARRIER, _INIT_ERROR
     _START_BARRIER = barrier
     _ignore_stop_signals()
@@ -290,18 +297,19 @@ def _init_worker(barrier, memory_limit_bytes: int, fn_bytes: bytes, warmup_s: fl
     try:
         if memory_limit_bytes:
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-        fn = pickle.loads(fn_bytes)
+        graders = pickle.loads(graders_bytes)
     except Exception as e:  # noqa: BLE001  (reported by the start-up check)
         _INIT_ERROR = e
         return
-    # Not a real grade: a grader that rejects this sample input is still asked (and charged) for real items.
-    signal.setitimer(signal.ITIMER_REAL, warmup_s)
-    try:
-        fn("Answer: 1/2", "0.5")
-    except (Exception, GraderTimeout):  # noqa: BLE001
-        pass
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    # Not real grades: a grader that rejects this sample input is still asked (and charged) for real items.
+    for grader in graders:
+        signal.setitimer(signal.ITIMER_REAL, warmup_s)
+        try:
+            grader("Answer: 1/2", "0.5", _WARMUP_CONTEXT)
+        except (Exception, GraderTimeout):  # noqa: BLE001
+            pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def _ignore_stop_signals() -> None:
@@ -322,7 +330,8 @@ def _worker_ready(timeout_s: float) -> bool:
     return True
 
 
-def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float, cpu_limit_s: float) -> float:
+def _grade_in_worker(grader: Grader, response: str, answer: str, timeout_s: float, cpu_limit_s: float,
+                     context: Mapping[str, Any] | None = None) -> float:
     """One grade under a wall-clock timer (SIGALRM) and a CPU-time limit (RLIMIT_CPU's soft limit, set to the
     worker's CPU time so far plus ``cpu_limit_s``, raises SIGXCPU); the pool runs tasks in the main thread."""
     soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
@@ -331,7 +340,7 @@ def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float,
     resource.setrlimit(resource.RLIMIT_CPU, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return float(fn(response, answer))
+        return float(grader(response, answer, context))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
@@ -344,11 +353,31 @@ def _grade_in_worker(fn: RewardFn, response: str, answer: str, timeout_s: float,
 _COUNT_KEYS = ("timeouts", "errors", "nonfinite", "worker_restarts", "pool_restarts")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One response to grade: its reward, the response, the gold answer and the record's context (data_source,
+    extra_info, prompt, messages; None for a rollverify-style reward, which reads none of it)."""
+
+    spec: RewardSpec
+    response: str
+    answer: str
+    context: dict | None = None
+
+
+def _context(record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a verl or TRL reward function may read of a record."""
+    record = record or {}
+    return {"data_source": data_source_of(record), "extra_info": record.get("extra_info"),
+            "prompt": record.get("prompt", ""), "messages": record.get("messages")}
+
+
 class RewardScorer:
     """Scores a batch of responses; isolated rewards run in a pool of limited worker processes.
 
     Args:
-      name: registered reward name (``math``, ``dapo``, ``exact``) or a plug-in ``'package.module:function'``.
+      name: registered reward name (``math``, ``dapo``, ``exact``) or a plug-in ``'package.module:function'`` /
+        ``'/path/to/file.py:function'`` (rollverify's ``(response, answer)``, verl's ``compute_score`` or a TRL
+        reward function: ``plugins``); it grades every record whose data_source ``by_data_source`` does not name.
       timeout_s: per-item grading time limit; a timed-out item gets reward 0.
       num_workers: grader processes (only for isolated rewards).
       overlong_buffer: DAPO ``Lc``; 0 turns the overlong penalty off.
@@ -360,6 +389,10 @@ class RewardScorer:
         scored 0 as an error. 0: no limit. A worker that imported math_verify maps about 0.5 GB.
       cpu_limit_s: each item's CPU time (RLIMIT_CPU; None: ``timeout_s``): bounds a grader that runs threads,
         whose CPU time outgrows the wall clock.
+      by_data_source: a reward per data source, ``{data_source: reward name or plug-in}`` (e.g.
+        ``{'openai/gsm8k': 'math', 'my_source': '/path/reward.py:compute_score'}``): a record's ``data_source``
+        picks its reward, ``name`` grades the rest. Each runs in the pool or inline as its registration says
+        (plug-ins: the pool). Needs the records in ``score(..., records=...)``.
     """
 
     def __init__(
@@ -374,9 +407,13 @@ class RewardScorer:
         mp_context: str = "spawn",
         memory_limit_mb: int = 4096,
         cpu_limit_s: float | None = None,
+        by_data_source: Mapping[str, str] | None = None,
     ):
         self.spec = get_reward_spec(name)
         self.name = name
+        self.by_data_source = dict(by_data_source or {})
+        self.source_specs = {source: self._source_spec(source, reward)
+                             for source, reward in self.by_data_source.items()}
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(
                 f"RewardScorer needs timeout_s > 0 and num_workers >= 1, got {timeout_s}, {num_workers}"
@@ -403,6 +440,18 @@ class RewardScorer:
         self.totals: collections.Counter[str] = collections.Counter()
         self._pool: pebble.ProcessPool | None = None
         self._lock = threading.Lock()
+        self._warned_no_records = False
+
+    @staticmethod
+    def _source_spec(source: Any, reward: Any) -> RewardSpec:
+        """The reward of one ``by_data_source`` entry; a bad entry names itself."""
+        if not isinstance(source, str) or not source or not isinstance(reward, str) or not reward:
+            raise ValueError(f"RewardScorer.by_data_source maps a data_source (a non-empty string) to a reward name "
+                             f"or plug-in (a non-empty string); got {source!r}: {reward!r}")
+        try:
+            return get_reward_spec(reward)
+        except ValueError as e:
+            raise ValueError(f"RewardScorer.by_data_source[{source!r}]: {e}") from None
 
     # -- public API ----------------------------------------------------------------------------------------
 
@@ -412,12 +461,18 @@ class RewardScorer:
         answers: Sequence[str],
         response_lengths: Sequence[int] | None = None,
         overlong_penalty: bool = True,
+        records: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[np.ndarray, dict[str, float]]:
         """Rewards ``float32[N]`` (base reward + overlong penalty) and metrics for one batch.
 
-        ``overlong_penalty=False`` scores correctness alone (evaluation: accuracy is not a training signal)."""
+        ``overlong_penalty=False`` scores correctness alone (evaluation: accuracy is not a training signal).
+        ``records`` (one per response: its prompt's dataset record) give the reward its ``data_source``,
+        ``extra_info`` and prompt, and pick the reward of ``by_data_source``; with two data sources or more (or
+        ``by_data_source`` set) the metrics add ``reward/<data_source>/mean``."""
         if len(responses) != len(answers):
             raise ValueError(f"score got {len(responses)} responses but {len(answers)} answers")
+        if records is not None and len(records) != len(responses):
+            raise ValueError(f"score got {len(responses)} responses but {len(records)} records")
         if response_lengths is not None and len(response_lengths) != len(responses):
             raise ValueError(f"score got {len(responses)} responses but {len(response_lengths)} lengths")
         if overlong_penalty and self.overlong_buffer > 0 and response_lengths is None:
@@ -425,11 +480,11 @@ class RewardScorer:
                 "RewardScorer.overlong_buffer > 0 needs response_lengths (token counts) in score()"
             )
         start = time.perf_counter()
+        jobs = self._jobs(responses, answers, records)
 
         def grade(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            chosen, gold = [responses[i] for i in indices], [str(answers[i]) for i in indices]
             with self._lock:
-                base, counts = (self._grade_pooled if self.spec.isolated else self._grade_inline)(chosen, gold)
+                base, counts = self._grade_jobs([jobs[i] for i in indices])
             return base, np.asarray([counts[k] for k in _COUNT_KEYS], np.float64)
 
         # Several processes: each grades its share and all receive every grade, so each trajectory is graded
@@ -444,7 +499,8 @@ class RewardScorer:
         penalties = self._penalties(response_lengths if overlong_penalty else None, len(responses))
         rewards = (base + penalties).astype(np.float32)
         self.totals.update(counts)
-        return rewards, self._metrics(rewards, base, penalties, counts, time.perf_counter() - start)
+        metrics = self._metrics(rewards, base, penalties, counts, time.perf_counter() - start)
+        return rewards, {**metrics, **self._source_metrics(rewards, records)}
 
     def close(self) -> None:
         """Stop the grader processes (idempotent)."""
@@ -458,14 +514,56 @@ class RewardScorer:
 
     # -- grading -------------------------------------------------------------------------------------------
 
-    def _grade_inline(
-        self, responses: list[str], answers: list[str]
-    ) -> tuple[np.ndarray, collections.Counter]:
-        """Cheap rewards (string match) in process; an exception is a grader error, not a crash."""
-        scores, counts = np.zeros(len(responses), np.float32), collections.Counter()
+    def spec_for(self, record: Mapping[str, Any] | None) -> RewardSpec:
+        """The reward of a record: ``by_data_source``'s for its data_source, else the default (``name``)."""
+        if record is None or not self.source_specs:
+            return self.spec
+        return self.source_specs.get(data_source_of(record), self.spec)
+
+    def _jobs(self, responses: Sequence[str], answers: Sequence[str],
+              records: Sequence[Mapping[str, Any]] | None) -> list[_Job]:
+        """Each response with its reward and context; a TRL function missing a column it requires is refused here,
+        before anything is graded (on every host alike), rather than scored 0 item by item."""
+        if records is None and self.by_data_source and not self._warned_no_records:
+            self._warned_no_records = True
+            print(f"warning: RewardScorer.by_data_source is set but score() got no records: every response is graded "
+                  f"by {self.name!r} (pass records=... so each is graded by its data source's reward)",
+                  file=sys.stderr, flush=True)
+        jobs = []
         for i, (response, answer) in enumerate(zip(responses, answers, strict=True)):
+            record = records[i] if records is not None else None
+            spec = self.spec_for(record)
+            context = _context(record) if spec.style.style != "rollverify" else None
+            missing = missing_columns(spec.style, str(answer), context or {})
+            if missing:
+                raise ValueError(f"reward {self._name_of(spec)!r} (a TRL reward function) needs the column(s) "
+                                 f"{missing}, which record {i} (data_source {data_source_of(record)!r}) does not "
+                                 "give: a TRL function receives answer, ground_truth, data_source, extra_info and "
+                                 "the keys of extra_info; give the parameter a default or use a dataset that has it")
+            jobs.append(_Job(spec, response, str(answer), context))
+        return jobs
+
+    def _name_of(self, spec: RewardSpec) -> str:
+        names = [source for source, s in self.source_specs.items() if s is spec]
+        return f"by_data_source[{names[0]!r}]" if names else self.name
+
+    def _grade_jobs(self, jobs: list[_Job]) -> tuple[np.ndarray, collections.Counter]:
+        """Isolated rewards' items in the pool, the others inline, each item's grade at its own index."""
+        scores, counts = np.zeros(len(jobs), np.float32), collections.Counter()
+        for isolated in (True, False):
+            chosen = [i for i, job in enumerate(jobs) if job.spec.isolated is isolated]
+            if chosen:
+                part, part_counts = (self._grade_pooled if isolated else self._grade_inline)([jobs[i] for i in chosen])
+                scores[chosen] = part
+                counts.update(part_counts)
+        return scores, counts
+
+    def _grade_inline(self, jobs: list[_Job]) -> tuple[np.ndarray, collections.Counter]:
+        """Cheap rewards (string match) in process; an exception is a grader error, not a crash."""
+        scores, counts = np.zeros(len(jobs), np.float32), collections.Counter()
+        for i, job in enumerate(jobs):
             try:
-                value = self.spec.fn(response, answer)
+                value = job.spec.grader(job.response, job.answer, job.context)
             except Exception:
                 counts["errors"] += 1
                 continue
@@ -487,9 +585,7 @@ class RewardScorer:
             counts["errors"] += 1
             counts["nonfinite"] += 1
 
-    def _grade_pooled(
-        self, responses: list[str], answers: list[str]
-    ) -> tuple[np.ndarray, collections.Counter]:
+    def _grade_pooled(self, jobs: list[_Job]) -> tuple[np.ndarray, collections.Counter]:
         """Every item is scheduled at once; pebble starts an item's clock when a worker takes it, kills and
         replaces a worker stuck past the deadline, and names the item a dead worker held.
 
@@ -497,16 +593,18 @@ class RewardScorer:
         killer, while it holds an item); dying again, it is an error. A pool that breaks (pebble gives up when a
         worker dies with nothing in flight) is replaced and its unfinished items rescheduled, uncharged.
         """
-        scores, counts = np.zeros(len(responses), np.float32), collections.Counter()
+        scores, counts = np.zeros(len(jobs), np.float32), collections.Counter()
         deaths = collections.Counter()
-        todo = list(range(len(responses)))
+        todo = list(range(len(jobs)))
         while todo:
             pool = self._live_pool(counts)
             futures = {}
             with contextlib.suppress(RuntimeError):  # the pool broke while scheduling: the rest retry below
                 for i in todo:
+                    job = jobs[i]
                     futures[i] = pool.schedule(
-                        _grade_in_worker, (self.spec.fn, responses[i], answers[i], self.timeout_s, self.cpu_limit_s),
+                        _grade_in_worker, (job.spec.grader, job.response, job.answer, self.timeout_s, self.cpu_limit_s,
+                                           job.context),
                         timeout=self.timeout_s + self.hard_timeout_grace_s)
             todo = [i for i in todo if i not in futures]
             pending = set(futures.values())
@@ -562,7 +660,8 @@ class RewardScorer:
         pebble.CONSTS.term_timeout = min(pebble.CONSTS.term_timeout, _KILL_AFTER_S)
         pool = pebble.ProcessPool(
             max_workers=self.num_workers, context=ctx, initializer=_init_worker,
-            initargs=(barrier, self.memory_limit_mb * 2**20, pickle.dumps(self.spec.fn), self.startup_timeout_s))
+            initargs=(barrier, self.memory_limit_mb * 2**20, pickle.dumps(self._isolated_graders()),
+                      self.startup_timeout_s))
         self._pool = pool
         ready = [pool.schedule(_worker_ready, (self.startup_timeout_s,)) for _ in range(self.num_workers)]
         done, not_done = cf.wait(ready, timeout=self.startup_timeout_s)
@@ -577,6 +676,12 @@ class RewardScorer:
                 "the main module); otherwise lower num_workers, raise startup_timeout_s or memory_limit_mb."
             )
         return pool
+
+    def _isolated_graders(self) -> tuple[Grader, ...]:
+        """The pool's rewards, each warmed up once in every worker (the same function once)."""
+        specs = [self.spec, *self.source_specs.values()]
+        graders = [spec.grader for spec in specs if spec.isolated]
+        return tuple(g for i, g in enumerate(graders) if g not in graders[:i])
 
     def worker_pids(self) -> list[int]:
         """The pool's worker processes now (none before the first isolated grade)."""
@@ -611,6 +716,16 @@ class RewardScorer:
             [overlong_penalty(int(x), self.max_response_length, self.overlong_buffer) for x in lengths],
             np.float32,
         )
+
+    def _source_metrics(self, rewards: np.ndarray, records: Sequence[Mapping[str, Any]] | None) -> dict[str, float]:
+        """``reward/<data_source>/mean`` per data source, when the batch mixes sources or they pick rewards."""
+        if records is None or not len(rewards):
+            return {}
+        sources = np.asarray([data_source_of(r) for r in records], dtype=object)
+        names = sorted(set(sources))
+        if len(names) < 2 and not self.by_data_source:
+            return {}
+        return {f"reward/{name}/mean": float(rewards[sources == name].mean()) for name in names}
 
     def _metrics(self, rewards, base, penalties, counts, seconds) -> dict[str, float]:
         n = max(len(rewards), 1)

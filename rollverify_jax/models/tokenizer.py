@@ -21,7 +21,7 @@ import datetime
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +68,34 @@ def chatml_prompt(
     ``enable_thinking=False`` follows Qwen3's template and appends ``<think>\\n\\n</think>\\n\\n`` after the
     generation prompt; ``None`` or ``True`` leave the prompt open so the model may think.
     """
-    parts = []
-    if system is not None:
-        parts.append(f"{IM_START}system\n{system}{IM_END}\n")
-    parts.append(f"{IM_START}user\n{user_message}{IM_END}\n")
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": user_message})
+    return chatml_messages(messages, add_generation_prompt, enable_thinking)
+
+
+def chatml_messages(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, enable_thinking: bool | None = None
+) -> str:
+    """ChatML text for a whole conversation (system, user and assistant turns, in order), as ``CHATML_JINJA``
+    renders it."""
+    parts = [f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages]
     if add_generation_prompt:
         parts.append(f"{IM_START}assistant\n")
         if enable_thinking is False:
             parts.append(EMPTY_THINK)
     return "".join(parts)
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as a list of dicts with a string ``role`` and ``content`` each (the form chat templates
+    read); anything else is a ValueError that shows the first bad message."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError(f"chat messages must be a non-empty list of {{'role': ..., 'content': ...}}, got "
+                         f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"chat message {i} must be {{'role': str, 'content': str}}, got {m!r:.120}")
+    return [dict(m) for m in messages]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -215,12 +234,24 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
     ) -> str:
-        """Prompt text for one user turn: the checkpoint's chat template when it has one, else ChatML (see
-        `chatml_prompt`), which needs the ``<|im_start|>``/``<|im_end|>`` special tokens so the markers encode as
-        single ids rather than as plain text."""
+        """Prompt text for one user turn (and an optional system turn); see ``render_messages``."""
+        messages = ([{"role": "system", "content": system}] if system is not None else [])
+        messages.append({"role": "user", "content": user_message})
+        return self.render_messages(messages, add_generation_prompt, enable_thinking)
+
+    def render_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+    ) -> str:
+        """Prompt text for a conversation: the checkpoint's chat template when it has one, else ChatML (see
+        `chatml_messages`), which needs the ``<|im_start|>``/``<|im_end|>`` special tokens so the markers encode as
+        single ids rather than as plain text. ``enable_thinking`` reaches the template as the variable of that
+        name (Qwen3's switch), as transformers' ``apply_chat_template(..., enable_thinking=...)`` passes it; None
+        leaves it undefined (the template's default)."""
+        messages = check_messages(messages)
         if self.chat_template is not None:
-            messages = ([{"role": "system", "content": system}] if system is not None else [])
-            messages.append({"role": "user", "content": user_message})
             extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
             return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                         **self.template_tokens, **extra)
@@ -231,17 +262,43 @@ class Tokenizer:
                 "chat template. Encode raw prompts instead (encode_prompt(text, chat=False)), or use a "
                 f"tokenizer that defines {IM_START} and {IM_END} as special tokens."
             )
-        return chatml_prompt(user_message, system, add_generation_prompt, enable_thinking)
+        return chatml_messages(messages, add_generation_prompt, enable_thinking)
+
+    def render_prompt(
+        self,
+        text: str,
+        *,
+        chat: bool,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        system: str | None = None,
+        enable_thinking: bool | None = None,
+    ) -> str:
+        """The text a policy is prompted with, what training and the prompt-length check both encode.
+
+        Without ``chat``: ``text`` as is (a dataset record's ``prompt``, its template applied). With ``chat``:
+        ``messages`` (a record's own chat prompt) when given, else ``text`` as one user turn, in the chat template;
+        ``system`` is added as the first turn unless the messages hold a system turn of their own (the record's
+        own system message takes precedence)."""
+        if not chat:
+            if system is not None:
+                raise ValueError("A system prompt needs chat=True: raw prompts have nowhere to put it.")
+            return text
+        turns = check_messages(messages) if messages is not None else [{"role": "user", "content": text}]
+        if system is not None and not any(m["role"] == "system" for m in turns):
+            turns.insert(0, {"role": "system", "content": system})
+        return self.render_messages(turns, enable_thinking=enable_thinking)
 
     def encode_prompt(
-        self, text: str, chat: bool, system: str | None = None, enable_thinking: bool | None = None
+        self,
+        text: str,
+        chat: bool,
+        system: str | None = None,
+        enable_thinking: bool | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Prompt ids: ``text`` wrapped in the chat template when ``chat``, else ``text`` as is."""
-        if chat:
-            text = self.apply_chat_template(text, system=system, enable_thinking=enable_thinking)
-        elif system is not None:
-            raise ValueError("A system prompt needs chat=True: raw prompts have nowhere to put it.")
-        return self.encode(text)
+        """Prompt ids of ``render_prompt``: ``text`` wrapped in the chat template when ``chat``, else as is."""
+        return self.encode(self.render_prompt(text, chat=chat, messages=messages, system=system,
+                                              enable_thinking=enable_thinking))
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
