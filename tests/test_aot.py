@@ -40,10 +40,22 @@ def test_three_programs_compile_for_the_topology(report):
         assert p["argument_bytes"] > 0 and p["flops"] > 0, name
 
 
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    """The same run with the tensor serving layout and kl_coef > 0: one more compile checks what each adds."""
+    out = tmp_path_factory.mktemp("aot") / "variant.json"
+    aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
+              "--gin_param=EngineConfig.serving_layout = 'tensor'", "--gin_param=LossConfig.kl_coef = 0.1",
+              f"--json={out}"])
+    return json.loads(out.read_text())
+
+
 def test_report_adds_up(report):
     res = report["resident"]
-    assert report["resident_bytes_per_device"] == res["train_state"] + res["kv_pool"] + res["serving_params"]
+    assert report["resident_bytes_per_device"] == (res["train_state"] + res["kv_pool"] + res["serving_params"]
+                                                   + res["ref_params"])
     assert res["serving_params"] == 0  # the train layout: the engine's weights are the train state's arrays
+    assert res["ref_params"] == 0 and report["logprobs_for"] == []  # kl_coef = 0, no filter reading pi
     assert res["params"] < res["train_state"]  # + float32 moments
     assert report["peak_bytes_per_device"] >= report["resident_bytes_per_device"]
     assert report["fits"] is (report["peak_bytes_per_device"] <= report["budget_bytes_per_device"])
@@ -102,16 +114,36 @@ def test_report_has_the_decode_roofline(report):
     assert d["full_slots"]["roofline_s"] <= d["full_slots"]["estimate_s"]
 
 
-def test_serving_layout_copy_is_counted_and_drops_the_decode_collectives(report, tmp_path):
+def test_serving_layout_copy_is_counted_and_drops_the_decode_collectives(report, variant):
     """EngineConfig.serving_layout = 'tensor' on a pure-FSDP mesh: the engine holds whole weights on each chip (a
     copy, resident beside the train state and outside the train step), and decode needs no per-layer
     all-reduces over 'fsdp'."""
-    out = tmp_path / "serving.json"
-    aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
-              "--gin_param=EngineConfig.serving_layout = 'tensor'", f"--json={out}"])
-    r = json.loads(out.read_text())
+    r = variant
     res = r["resident"]
     assert res["serving_params"] == r["decode"]["weights_bytes_per_chip"] > res["params"]
-    assert r["resident_bytes_per_device"] == report["resident_bytes_per_device"] + res["serving_params"]
+    assert r["resident_bytes_per_device"] == (report["resident_bytes_per_device"] + res["serving_params"]
+                                              + res["ref_params"])
     before, after = report["decode"]["collectives_per_step"], r["decode"]["collectives_per_step"]
     assert after["count"] < before["count"] and after["bytes"] < before["bytes"]
+
+
+def test_kl_compiles_the_reference_pass_and_counts_its_params(report, variant):
+    """kl_coef > 0: the packed log-prob pass of the reference is compiled (at the train step's packed batch, the
+    reference params in the train state's layout), the reference params are resident through every program, and
+    the report says so; without the KL (and no OPS filter or pi_old) there is no such pass."""
+    assert set(report["programs"]) == {"train_step", "prefill", "decode"}
+    assert set(variant["programs"]) == {"train_step", "prefill", "decode", "logprobs"}
+    assert variant["logprobs_for"] == ["reference"]
+    res, logprobs = variant["resident"], variant["programs"]["logprobs"]
+    assert res["ref_params"] == res["params"] == report["resident"]["params"] > 0
+    assert logprobs["argument_bytes"] >= res["params"] and logprobs["flops"] > 0
+    # a forward without the backward over the same rows: fewer FLOPs than the update
+    assert logprobs["flops"] < variant["programs"]["train_step"]["flops"]
+    peaks, base = variant["peak_bytes_by_program"], report["peak_bytes_by_program"]
+    # every program runs beside the reference params (and the serving copy of the variant)
+    extra = res["ref_params"] + res["serving_params"]
+    assert peaks["train_step"] >= base["train_step"] + extra
+    assert peaks["logprobs"] >= variant["resident_bytes_per_device"] + logprobs["temp_bytes"]
+    assert variant["peak_bytes_per_device"] > report["peak_bytes_per_device"]
+    text = fit.format_report(variant)
+    assert "logprobs" in text and "for reference" in text and "reference params" in text

@@ -348,3 +348,79 @@ def test_a_nonfinite_update_is_skipped(model, mesh1, batch_and_noise):
     state, history = _train(model, mesh1, cfg, all_nan)
     assert history[0]["train/skipped_updates"] == 2
     np.testing.assert_array_equal(_flat(state.params), _flat(learner.split_params(model)[1]))
+
+
+def _kl_case(model, mesh1, batch_and_noise):
+    """A reference that differs from the policy, a kl_coef > 0 config with micro-batches, tail rows and chunked
+    logits, and its log-prob pass."""
+    batch, _ = batch_and_noise
+    graphdef, params = learner.split_params(model)
+    rng = np.random.default_rng(3)
+    ref = jax.tree.map(lambda x: x + (0.05 * rng.normal(size=x.shape)).astype(x.dtype), params)
+    cfg = learner.LearnerConfig(loss=LossConfig(kl_coef=0.5), micro_batch_size=2, tail_row_width=12, logits_chunk=4)
+    return batch, graphdef, params, ref, cfg, _logprob_fn(model, mesh1, cfg)
+
+
+def _logprob_fn(model, mesh, cfg: learner.LearnerConfig):
+    """One compiled log-prob pass per (mesh, config), shared across tests like `_step_fn`."""
+    key = ("logprobs", tuple(mesh.devices.shape), cfg)
+    if key not in _STEPS:
+        shardings = learner.train_state_shardings(model, OPT, mesh)
+        _STEPS[key] = learner.make_logprob_fn(learner.split_params(model)[0], cfg, mesh, shardings.params)
+    return _STEPS[key]
+
+
+def test_logprob_pass_equals_the_unpacked_one(model, mesh1, batch_and_noise):
+    """The packed, micro-batched, chunked log-prob pass (the reference's and the step start's) gives the unpacked
+    compute_logprobs values on every scored token; 0 on token 0, padding and the rows the packing skipped."""
+    batch, graphdef, params, ref, cfg, logprob = _kl_case(model, mesh1, batch_and_noise)
+    packed = learner.pack_for_learner(batch, cfg, mesh1)
+    want = np.asarray(learner.compute_logprobs(graphdef, ref, batch["tokens"], batch["attention_mask"], 1.0))
+    got = np.asarray(logprob(ref, packed))
+    live = batch["loss_mask"].sum(axis=1) > 0  # the dropped row is skipped by the packing
+    scored = batch["attention_mask"] & live[:, None]
+    scored[:, 0] = False
+    np.testing.assert_allclose(got[scored], want[scored], atol=1e-5)
+    assert np.all(got[~scored] == 0) and np.abs(got[scored]).min() > 0
+    # Unpacked (pack_sequences=False): micro-batches of the padded rows, the same values.
+    flat = learner.LearnerConfig(pack_sequences=False, micro_batch_size=4, logits_chunk=4)
+    unpacked = _logprob_fn(model, mesh1, flat)
+    valid = batch["attention_mask"].copy()
+    valid[:, 0] = False
+    np.testing.assert_allclose(np.asarray(unpacked(ref, batch))[valid], want[valid], atol=1e-5)
+
+
+def test_kl_step_on_the_packed_reference_equals_the_unpacked_one(model, mesh1, batch_and_noise):
+    """select with the OPS filter and kl_coef > 0, each pass on the packed batch: the filter keeps what the
+    unpacked step-start pass keeps, and the step trained on the packed reference log-probs equals the step trained
+    on the unpacked ones (the old path): only the cost changed."""
+    from rollverify_jax.rl import step as step_lib
+    from rollverify_jax.rl.filters import FilterConfig
+    from rollverify_jax.rollout.trajectory import Trajectory
+    from rollverify_jax.verify.ops import sequence_ops, token_ops
+
+    batch, graphdef, params, ref, cfg, logprob = _kl_case(model, mesh1, batch_and_noise)
+    ends = batch["attention_mask"].sum(axis=1)
+    trajs = [Trajectory(uid=i, group_id=0, prompt=batch["tokens"][i, :PROMPT], seed=i, max_new_tokens=T,
+                        tokens=batch["tokens"][i, PROMPT:ends[i]].tolist(),
+                        logps=batch["behavior_logp"][i, PROMPT:ends[i]].tolist(), versions=[0] * (ends[i] - PROMPT))
+             for i in range(B)]
+    old_policy, old_ref = (np.asarray(learner.compute_logprobs(graphdef, p, batch["tokens"], batch["attention_mask"],
+                                                               1.0)) for p in (params, ref))
+    response = batch["attention_mask"] & (np.arange(T)[None] >= PROMPT)
+    seq_ops = np.sort(np.asarray(sequence_ops(token_ops(old_policy, batch["behavior_logp"]), response)))
+    threshold = float(seq_ops[3:5].mean())  # halfway between two sequences' OPS: the filter drops four
+    scored = step_lib.Scored(trajs, batch["advantages"], np.zeros(B, bool), {})
+    packed, metrics = step_lib.select(
+        scored, cfg, FilterConfig(name="ops", ops_threshold=threshold), current_version=0, rows=B, width=T,
+        mesh=mesh1, skip_uniform_groups=False, policy_logp=lambda b: np.asarray(logprob(params, b)),
+        ref_logp=lambda b: np.asarray(logprob(ref, b)))
+    assert metrics["filter/kept_fraction"] == 0.5
+    old_keep = np.asarray(sequence_ops(token_ops(old_policy, batch["behavior_logp"]), response)) <= threshold
+    np.testing.assert_array_equal(packed["loss_mask"].sum(axis=1) > 0, old_keep)
+    new, m_new = _train(model, mesh1, cfg, packed)
+    old, m_old = _train(model, mesh1, cfg, {**packed, "ref_logp": np.where(response, old_ref, 0.0)})
+    np.testing.assert_allclose(_flat(new.params), _flat(old.params), atol=1e-6)
+    assert m_new[0]["policy/kl"] > 1e-3
+    for k in ("loss", "policy/kl", "grad_norm", "policy/pg_loss", "ops/token_mean"):
+        np.testing.assert_allclose(m_new[0][k], m_old[0][k], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -41,6 +41,12 @@ NEW, BEH, MASK, ENT, REF = _batch()
 # ---------------------------------------------------------------------------------------------------------
 
 
+def np_k3(d):
+    """verl's 'low_var_kl' of the log-ratio d = ref - new: k3 of d clipped to [-20, 20], its value clipped at 10."""
+    d = np.clip(d, -20.0, 20.0)
+    return np.minimum(np.exp(d) - d - 1.0, 10.0)
+
+
 def _lr(b, t):
     return min(max(float(NEW[b, t]) - float(BEH[b, t]), -20.0), 20.0)
 
@@ -143,8 +149,7 @@ def np_metrics(name, cfg):
         "loss": pg,
     }
     if cfg.kl_coef > 0:
-        d = REF.astype(np.float64) - NEW
-        kl = np.exp(d) - d - 1
+        kl = np_k3(REF.astype(np.float64) - NEW)
         out["policy/kl"] = np_token_mean(kl)
         out["loss"] = pg + cfg.kl_coef * np_aggregate(kl, cfg.aggregation, cfg.max_response_length)
     return out
@@ -231,6 +236,26 @@ def test_kl_term(name):
     want = np_metrics(name, cfg)
     _check_metrics(metrics, want)
     assert float(metrics["policy/kl"]) > 0
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_k3_is_bounded_like_verls_low_var_kl(name):
+    """A token the policy finds e^20 times less likely than the reference (log-ratio ref - new = 20) adds
+    kl_coef * K3_CLIP = 10 to the token-mean, not exp(20) - 21 ~ 4.9e8, and gets no gradient; so does one past
+    the lower clip (d = -25: k3 = 19 unbounded); a token inside the bound keeps the exact k3 and its gradient."""
+    assert L.K3_CLIP == 10.0
+    new = np.array([[-21.0, -1.0, -0.1]], np.float32)
+    ref = np.array([[-1.0, -0.7, -25.1]], np.float32)  # d = ref - new = 20, 0.3, -25
+    mask = np.ones_like(new)
+    cfg = L.LossConfig(kl_coef=1.0)
+    fn = L.get_loss_fn(name)
+    # Zero advantages and mu = pi: the policy term is 0, the loss is the KL term alone.
+    (loss, metrics), grad = jax.value_and_grad(
+        lambda x: fn(x, new, np.zeros(1, np.float32), mask, cfg, ref_logp=ref), has_aux=True)(jnp.asarray(new))
+    inside = math.exp(0.3) - 0.3 - 1.0
+    np.testing.assert_allclose(float(loss), (10.0 + inside + 10.0) / 3, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["policy/kl"]), (10.0 + inside + 10.0) / 3, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad)[0], [0.0, (1.0 - math.exp(0.3)) / 3, 0.0], atol=1e-6)
 
 
 def test_kl_needs_ref():
@@ -625,8 +650,8 @@ def ref_loss(name, new, beh, adv, mask, cfg, ref=None, new_sg=None):
     mat, _, _, _ = ref_policy(name, new, beh, adv, mask, cfg, new_sg)
     loss = ref_aggregate(mat, mask, cfg.aggregation, cfg.max_response_length)
     if cfg.kl_coef > 0:
-        d = np.clip(ref.astype(np.float64) - new, -20.0, 20.0)
-        loss += cfg.kl_coef * ref_aggregate(np.exp(d) - d - 1.0, mask, cfg.aggregation, cfg.max_response_length)
+        loss += cfg.kl_coef * ref_aggregate(np_k3(ref.astype(np.float64) - new), mask, cfg.aggregation,
+                                            cfg.max_response_length)
     return loss
 
 
@@ -643,8 +668,7 @@ def ref_all_metrics(name, new, beh, adv, mask, cfg, ref=None, ent=None):
     if ent is not None:
         out["policy/entropy"] = ref_masked_mean(ent, mask)
     if cfg.kl_coef > 0:
-        d = np.clip(ref.astype(np.float64) - new, -20.0, 20.0)
-        out["policy/kl"] = ref_masked_mean(np.exp(d) - d - 1.0, mask)
+        out["policy/kl"] = ref_masked_mean(np_k3(ref.astype(np.float64) - new), mask)
     if name == "grpo" and cfg.dual_clip_c is not None:
         out["policy/dual_clip_fraction"] = ref_masked_mean(dual, mask)
     if name == "vespo":
@@ -674,8 +698,7 @@ def ref_grad(name, new, beh, adv, mask, cfg, ref=None, h=1e-5):
     def token_terms(x):
         mat = ref_policy(name, x, beh, adv, mask, cfg, new_sg=new.astype(np.float64))[0]
         if cfg.kl_coef > 0:
-            d = np.clip(ref.astype(np.float64) - x, -20.0, 20.0)
-            mat = mat + cfg.kl_coef * (np.exp(d) - d - 1.0)
+            mat = mat + cfg.kl_coef * np_k3(ref.astype(np.float64) - x)
         return w * mat
 
     grad = np.zeros(new.shape)

@@ -13,7 +13,7 @@ Batch layout (every entry has the batch dimension B first, sharded over ('data',
                                    every token of a trajectory a filter dropped)
     behavior_logp   float32[B, T]  log mu(tokens[t]), aligned to tokens (entry 0 unused)
     advantages      float32[B]
-    ref_logp        float32[B, T]  optional, needed when LossConfig.kl_coef > 0 (see `compute_logprobs`)
+    ref_logp        float32[B, T]  optional, needed when LossConfig.kl_coef > 0 (see `make_logprob_fn`)
     attention_mask  bool[B, T]     optional, True on real tokens (padding keys are masked); with right padding
                                    and causal attention it changes nothing at scored positions
     packed_*, tail_*, unpack_index, micro_index
@@ -48,6 +48,7 @@ from rollverify_jax.rl import losses, packing
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 TrainStep = Callable[["TrainState", Batch], tuple["TrainState", Metrics]]
+LogProbStep = Callable[[nnx.State, Batch], jax.Array]  # (params, batch) -> log-probs float32[B, T]
 
 SCHEDULES = ("constant", "cosine")
 REQUIRED_KEYS = ("tokens", "loss_mask", "behavior_logp", "advantages")
@@ -336,8 +337,10 @@ def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Arra
                      temperature: float = 1.0) -> jax.Array:
     """log pi(tokens[t] | tokens[:t]) float32[B, T], aligned to tokens like `behavior_logp` (entry 0 is 0).
 
-    For the frozen reference policy (`ref_logp`) and for evaluation. `mask` [B, T] (bool or 0/1) marks real
-    tokens: padding keys are masked out of attention and padded entries of the result are 0.
+    The unpacked, unchunked pass over the whole [B, T] batch at once: a reference for tests and small batches.
+    A run's reference and step-start log-probs use `make_logprob_fn` (the train step's packed, chunked forward),
+    which at a real context does not hold [B, T, V] logits. `mask` [B, T] (bool or 0/1) marks real tokens:
+    padding keys are masked out of attention and padded entries of the result are 0.
     """
     logp, _ = _policy_logp(graphdef, params, tokens, mask, temperature)
     return jnp.where(mask.astype(bool), logp, 0.0)
@@ -497,6 +500,30 @@ def _check_batch(batch: Batch, cfg: LearnerConfig) -> tuple[int, int]:
     return rows, rows // micro
 
 
+def _over_packed_micro_batches(minibatch: Batch, shape: packing.PackShape, mesh: Mesh, body: Callable, carry: Any):
+    """`carry = body(member bool[S], rows (tokens, positions, segments) [r, W], carry)` over the packed
+    micro-batches one minibatch fills (full rows, then tail rows of their own width), as many as its
+    `micro_index` says: a loop with a data-dependent trip count, so the cost follows the tokens. The train step
+    and the log-prob pass (`make_logprob_fn`) both run this loop, so they compute the same rows."""
+    micro_index = minibatch["micro_index"]
+
+    def run(keys, first: int, most: int, carry):
+        blocks = tuple(_split(minibatch[k], most, mesh) for k in keys)  # [most, r, W] each
+        mine = (micro_index >= first) & (micro_index < first + most)
+        count = jnp.max(jnp.where(mine, micro_index - first, -1)) + 1  # micro-batches this minibatch fills
+
+        def step(j, carry):
+            rows = tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in blocks)
+            return body(micro_index == first + j, rows, carry)
+
+        return jax.lax.fori_loop(0, count, step, carry)
+
+    carry = run(packing.PACKED_KEYS, 0, shape.max_micro, carry)
+    if shape.tail_width is not None:
+        carry = run(packing.TAIL_KEYS, shape.max_micro, shape.max_tail_micro, carry)
+    return carry
+
+
 def _learning_rate(opt_state: Any) -> jax.Array:
     """The learning rate of the last update, read from `inject_hyperparams` state (NaN when there is none)."""
     lr = optax.tree_utils.tree_get(opt_state, "learning_rate", filtering=lambda _, v: isinstance(v, jax.Array))
@@ -577,30 +604,18 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
         seqs = {k: minibatch[k] for k in ("behavior_logp", "advantages", "ref_logp", "unpack_index") if k in minibatch}
         micro_index = minibatch["micro_index"]
 
-        def run(keys, first: int, most: int, carry):
-            blocks = tuple(_split(minibatch[k], most, mesh) for k in keys)  # [most, r, W] each
-            mine = (micro_index >= first) & (micro_index < first + most)
-            count = jnp.max(jnp.where(mine, micro_index - first, -1)) + 1  # micro-batches this minibatch fills
-
-            def body(j, carry):
-                grads, acc = carry
-                member = micro_index == first + j
-                mask_j = mask * member[:, None]
-                w = [a / b for a, b in zip(_normaliser(mask_j, agg), totals, strict=True)]
-                rows = tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in blocks)
-                g, m = packed_grad_fn(params, rows, seqs, member, mask_j, w[0])
-                return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, acc, weighted(m, *w))
-
-            return jax.lax.fori_loop(0, count, body, carry)
+        def body(member, rows, carry):
+            grads, acc = carry
+            mask_j = mask * member[:, None]
+            w = [a / b for a, b in zip(_normaliser(mask_j, agg), totals, strict=True)]
+            g, m = packed_grad_fn(params, rows, seqs, member, mask_j, w[0])
+            return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, acc, weighted(m, *w))
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)  # accumulate in f32 (bf16 params)
         rows0 = tuple(jax.ShapeDtypeStruct((shape.rows_per_micro, shape.width), jnp.int32) for _ in range(3))
         template = jax.eval_shape(packed_micro_loss, params, rows0, seqs, micro_index >= 0, mask, 1.0)[1]
         carry = (zeros, jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), template))
-        carry = run(packing.PACKED_KEYS, 0, shape.max_micro, carry)
-        if shape.tail_width is not None:
-            carry = run(packing.TAIL_KEYS, shape.max_micro, shape.max_tail_micro, carry)
-        grads, metrics = carry
+        grads, metrics = _over_packed_micro_batches(minibatch, shape, mesh, body, carry)
         metrics["train/loss_tokens"] = mask.sum()
         return grads, metrics
 
@@ -656,3 +671,73 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     # Several processes: jit takes no numpy array for a sharding that spans other hosts' devices. Every host
     # built the same batch, so each places the rows its own devices hold.
     return lambda state, batch: step(state, distributed.to_global(batch, mesh))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The log-prob pass (reference policy, step-start policy)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _unsplit(parts: jax.Array) -> jax.Array:
+    """The inverse of `_split`: [n, N/n, ...] with part k = rows k, k + n, ... -> [N, ...]."""
+    return jnp.moveaxis(parts, 0, 1).reshape(parts.shape[0] * parts.shape[1], *parts.shape[2:])
+
+
+def make_logprob_fn(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, mesh: Mesh, param_shardings: Any,
+                    flash: FlashConfig = DEFAULT_FLASH) -> LogProbStep:
+    """`logprobs(params, batch) -> float32[B, T]`, log pi(tokens[t] | tokens[:t]) of `params`, jitted on `mesh`.
+
+    The train step's forward of the policy without its backward: the same packed rows of `pack_for_learner` (or
+    padded micro-batches when unpacked), micro-batch by micro-batch through the same loop, with the same logits
+    chunking, layer scan and attention kernel. So it costs one epoch's forward (about a third of an epoch's
+    FLOPs) and holds one micro-batch's activations, not the [B, T, V] logits of an unpacked full-context pass.
+
+    It computes the reference log-probs of the KL (`ref_params`) and the step-start ones (the OPS filter, pi_old)
+    on the host's batch before the step: a program of its own, not a part of the train step, because the
+    step-start pass must reach the host before the filter decides the loss mask, and one program serves both
+    (the reference params stay on device in the train state's shardings either way).
+
+    `params` take `param_shardings` (the train state's). Entries are aligned to tokens like `behavior_logp`:
+    0 at each sequence's token 0, on padding and on the rows the packing skipped (all-zero loss mask).
+    """
+    cfg = learner_cfg
+    kernel = {"impl": flash.resolved_impl(mesh.devices.flat[0].platform), "flash": flash, "mesh": mesh}
+    temperature = cfg.logit_temperature
+
+    def unpacked(params, minibatch: Batch, n_micro: int) -> jax.Array:
+        micro = jax.tree.map(lambda x: _split(x, n_micro, mesh), minibatch)  # [n_micro, S/n_micro, T]
+        return _unsplit(jax.lax.map(lambda mb: _policy_logp(
+            graphdef, params, mb["tokens"], mb["attention_mask"], temperature, cfg.logits_chunk, cfg.remat,
+            kernel, cfg.scan_layers)[0], micro))
+
+    def packed(params, minibatch: Batch, shape: packing.PackShape) -> jax.Array:
+        index = minibatch["unpack_index"]  # [S, T] into the micro-batch's flat [r, W] block
+
+        def body(member, rows, acc):
+            logp, _ = _packed_rows_logp(graphdef, params, *rows, temperature, cfg.logits_chunk, cfg.remat, kernel,
+                                        cfg.scan_layers)
+            return jnp.where(member[:, None], jnp.take(logp.reshape(-1), index, mode="clip"), acc)
+
+        return _over_packed_micro_batches(minibatch, shape, mesh, body, jnp.zeros(index.shape, jnp.float32))
+
+    def logprobs(params, batch: Batch) -> jax.Array:
+        _, n_micro = _check_batch(batch, cfg)
+        if "attention_mask" not in batch:
+            raise ValueError("the log-prob pass needs batch['attention_mask'] (True on real tokens).")
+        shape = pack_shape(batch, cfg) if "micro_index" in batch else None
+        keep = ("tokens", "attention_mask", *(packing.ALL_KEYS if shape else ()))
+        minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh),
+                                   {k: v for k, v in batch.items() if k in keep})
+        if shape is None:
+            parts = jax.lax.map(lambda mb: unpacked(params, mb, n_micro), minibatches)
+        else:
+            parts = jax.lax.map(lambda mb: packed(params, mb, shape), minibatches)
+        valid = batch["attention_mask"].astype(bool).at[:, 0].set(False)  # token 0 has no prediction
+        return jnp.where(valid, _unsplit(parts), 0.0)
+
+    batch_shardings = mesh_lib.batch_sharding(mesh, 1)
+    fn = jax.jit(logprobs, in_shardings=(param_shardings, batch_shardings),
+                 out_shardings=mesh_lib.batch_sharding(mesh, 2))
+    if jax.process_count() == 1:
+        return fn
+    return lambda params, batch: fn(params, distributed.to_global(batch, mesh))

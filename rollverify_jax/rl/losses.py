@@ -44,8 +44,10 @@ class LossConfig:
         the constant -c A and its gradient is 0; tokens with A >= 0 are unaffected.
     aggregation: how a per-token loss matrix becomes a scalar (see `aggregate`), one of `AGGREGATIONS`.
     max_response_length: constant divisor of 'seq-mean-token-sum-norm' (Dr. GRPO); None uses the padded L.
-    kl_coef: weight of the k3 KL to the reference policy, `exp(ref - new) - (ref - new) - 1` per token,
-        aggregated like the policy loss; 0 turns it off and `ref_logp` may be None.
+    kl_coef: weight of the KL to the reference policy, aggregated like the policy loss; 0 turns it off and
+        `ref_logp` may be None. The estimator is k3, `exp(ref - new) - (ref - new) - 1` per token, bounded as
+        verl's 'low_var_kl' bounds it (`_k3_kl`: log-ratio clipped to [-20, 20], value to `K3_CLIP` = 10); it is
+        the only one (no k1 / k2 here), so it is the default.
     tis_cap: token-level truncated importance sampling for the token-ratio losses `grpo` and `sapo` (None:
         off). The per-token policy-gradient loss is multiplied by `w_t = sg[min(r_t, C) / r_t]`, so a token's
         gradient weight `r_t * A * grad log pi` becomes `min(r_t, C) * A * grad log pi`: importance weights
@@ -139,10 +141,18 @@ def aggregate(loss_mat: jax.Array, mask: jax.Array, cfg: LossConfig) -> jax.Arra
     return (per_seq * live).sum() / jnp.maximum(live.sum(), 1.0)
 
 
+# The k3 value is clamped here (verl's `kl_penalty(..., 'low_var_kl')` clamps it to [-10, 10]; k3 >= 0, so only the
+# upper bound acts). Unbounded, one token the policy finds e^20 times less likely than the reference adds
+# exp(20) - 21 ~ 4.9e8 to the loss and a gradient as large, which no learning rate survives.
+K3_CLIP = 10.0
+
+
 def _k3_kl(new_logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
-    """k3 estimator of KL(pi || ref) per token: `exp(d) - d - 1` with `d = ref - new`, non-negative."""
+    """Bounded k3 estimator of KL(pi || ref) per token (verl's 'low_var_kl'): `min(exp(d) - d - 1, K3_CLIP)` with
+    `d = clip(ref - new, -20, 20)`; non-negative. A token past the bound (d > ~2.6 or d < -11) contributes
+    exactly `K3_CLIP` and no gradient, as in verl."""
     d = jnp.clip(ref_logp - new_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-    return jnp.exp(d) - d - 1.0
+    return jnp.clip(jnp.exp(d) - d - 1.0, -K3_CLIP, K3_CLIP)
 
 
 def _tis_weight(lr: jax.Array, cfg: LossConfig) -> jax.Array:

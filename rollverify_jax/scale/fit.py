@@ -1,9 +1,12 @@
-"""The deviceless compile of a run's three programs for a TPU slice, and the fit report (``python -m
+"""The deviceless compile of a run's programs for a TPU slice, and the fit report (``python -m
 rollverify_jax.aot`` and ``train --dry_run`` of a config naming ``AotConfig.topology``).
 
 For the config's mesh on that topology and at the config's real shapes it compiles the train step (one GRPO
 update at the batch's worst case), the resume prefill (with verification log-probs, ``AotConfig.prefill_rows``
-rows of ``max_seq_len`` tokens) and one decode dispatch over every slot; it reports per device what XLA allocates,
+rows of ``max_seq_len`` tokens), one decode dispatch over every slot and, when the run has one, the log-prob pass of
+``select`` (``logprobs``: the KL's reference policy, the OPS filter's and pi_old's step-start policy, on the same
+packed batch as the train step); with ``kl_coef > 0`` the reference params are resident beside the train state.
+It reports per device what XLA allocates,
 the run's resident bytes and the peak against the chip's HBM (FITS or DOES NOT FIT), and roofline estimates of the
 step times (analytic FLOPs at the chip's peak, not measurements).
 """
@@ -76,6 +79,8 @@ def train_batch(rows: int, width: int, mesh, learner_cfg) -> dict:
     batch = {"tokens": b((rows, width), jnp.int32), "loss_mask": b((rows, width), jnp.float32),
              "behavior_logp": b((rows, width), jnp.float32), "advantages": b((rows,), jnp.float32),
              "attention_mask": b((rows, width), bool)}
+    if learner_cfg.loss.kl_coef > 0:  # the reference log-probs, from the log-prob pass
+        batch["ref_logp"] = b((rows, width), jnp.float32)
     if not learner_cfg.pack_sequences:
         return batch
     shape = packing.largest_shape(rows, width, learner_cfg.num_minibatches, learner_cfg.micro_batch_size,
@@ -136,8 +141,18 @@ def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
     return forward * (4 if remat == "full" else 3)
 
 
+def logprob_pass_users(spec: RunSpec) -> list[str]:
+    """What runs the packed log-prob pass (`learner.make_logprob_fn`) in ``select``: 'reference' (the KL's
+    ref_logp, kl_coef > 0), 'step_start' (the OPS filter, the pi_old ablation); empty: the run has no such pass."""
+    users = ["reference"] if spec.loss.kl_coef > 0 else []
+    if spec.filter.name == "ops" or spec.learner.ratio_against == "step_start":  # the readers of current_logp
+        users.append("step_start")
+    return users
+
+
 def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
-    """Compiles the run's three programs for ``topology`` (default: AotConfig.topology) -> the report."""
+    """Compiles the run's programs for ``topology`` (default: AotConfig.topology) -> the report: the train step,
+    prefill, decode and, when ``logprob_pass_users`` names a user, the log-prob pass."""
     aot = spec.aot
     topology = topology or aot.topology
     devices = get_topology_devices(topology)
@@ -157,10 +172,17 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
     # Train step
     state = learner_lib.abstract_train_state(model, optimizer, mesh)
     rows, width = rollout.batch_groups * rollout.group_size, engine_cfg.max_seq_len
-    step = learner_lib.make_train_step(learner_lib.split_params(model)[0], learner_cfg, optimizer, mesh,
-                                       learner_lib.train_state_shardings(model, optimizer, mesh), flash)
+    train_graphdef = learner_lib.split_params(model)[0]
+    state_shardings = learner_lib.train_state_shardings(model, optimizer, mesh)
+    step = learner_lib.make_train_step(train_graphdef, learner_cfg, optimizer, mesh, state_shardings, flash)
     programs["train_step"], _ = _compile("train_step", lambda: step.lower(state, train_batch(rows, width, mesh,
                                                                                              learner_cfg)))
+    # The log-prob pass of select (reference and/or step-start params: the train state's shapes and shardings)
+    logprob_users = logprob_pass_users(spec)
+    if logprob_users:
+        logprobs = learner_lib.make_logprob_fn(train_graphdef, learner_cfg, mesh, state_shardings.params, flash)
+        programs["logprobs"], _ = _compile(f"logprobs ({', '.join(logprob_users)})", lambda: logprobs.lower(
+            state.params, train_batch(rows, width, mesh, learner_cfg)))
 
     # Resume prefill and one decode dispatch
     layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
@@ -192,9 +214,14 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
     param_bytes = _per_device_bytes(state.params)
     # A serving layout other than the train state's is a copy the engine holds through the train step too.
     copy_bytes = _per_device_bytes(params) if copied else 0
-    resident = state_bytes + kv_bytes + copy_bytes
+    # kl_coef > 0: the reference params (a copy of the initial params, the train state's layout) stay resident.
+    ref_bytes = param_bytes if spec.loss.kl_coef > 0 else 0
+    resident = state_bytes + kv_bytes + copy_bytes + ref_bytes
     engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
-    outside = {"train_step": kv_bytes + copy_bytes, "prefill": engine_outside, "decode": engine_outside}
+    outside = {"train_step": kv_bytes + copy_bytes + ref_bytes, "prefill": engine_outside + ref_bytes,
+               "decode": engine_outside + ref_bytes,
+               # its params argument is one of the resident sets (the reference's or the train state's)
+               "logprobs": resident - param_bytes}
     peaks = {k: p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"] + outside[k]
              for k, p in programs.items()}
     peak = max(peaks.values())
@@ -211,8 +238,10 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
         "rows_per_step": rows, "hbm_bytes_per_device": chip.hbm_bytes,
         "budget_bytes_per_device": budget, "resident_bytes_per_device": resident,
         "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes,
-                     "serving_params": copy_bytes},
+                     "serving_params": copy_bytes, "ref_params": ref_bytes},
+        "logprobs_for": logprob_users,
         "peak_bytes_per_device": peak, "peak_program": max(peaks, key=peaks.get), "fits": peak <= budget,
+        "peak_bytes_by_program": peaks,
         "programs": programs,
         "train_useful_token_fraction": train["train_useful_token_fraction"],
         "decode_roofline_fraction": decode["decode_roofline_fraction"],
@@ -221,6 +250,9 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
         "estimate": {  # from the chips' public peaks at stated efficiencies, not a measurement
             "train_mfu": aot.train_mfu,
             "train_step_s": train["train_model_flops_per_step"] / (len(devices) * chip.peak_flops * aot.train_mfu),
+            # a forward is a third of a forward + backward; one pass per user, on the train step's rows
+            "logprob_passes_s": len(logprob_users) * train["train_model_flops_per_step"] / 3
+            / (len(devices) * chip.peak_flops * aot.train_mfu),
         },
     }
 
@@ -235,7 +267,10 @@ def format_report(r: dict) -> str:
     lines.append(f"  resident per device: {r['resident_bytes_per_device'] / GiB:.2f} GiB (train state "
                  f"{res['train_state'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f}"
                  + (f", serving copy of the weights {res['serving_params'] / GiB:.2f}" if res.get("serving_params")
-                    else "") + ")")
+                    else "")
+                 + (f", reference params {res['ref_params'] / GiB:.2f}" if res.get("ref_params") else "") + ")")
+    if r.get("logprobs_for"):
+        lines.append(f"  logprobs: select's packed log-prob pass, for {' and '.join(r['logprobs_for'])}")
     lines.append(f"  peak per device: {r['peak_bytes_per_device'] / GiB:.2f} GiB ({r['peak_program']}) of "
                  f"{r['hbm_bytes_per_device'] / GiB:.0f} GiB HBM (plan: {r['budget_bytes_per_device'] / GiB:.1f})")
     e = r["estimate"]
@@ -244,7 +279,8 @@ def format_report(r: dict) -> str:
                  f"{t['train_micro_batches_per_update']:.2f} micro-batches per update, "
                  f"{t['train_speedup_vs_unpacked']:.2f}x fewer FLOPs than one full row per sequence")
     lines.append(f"  estimate (not measured): train step {e['train_step_s']:.1f} s at {e['train_mfu']:.0%} MFU "
-                 "(model FLOPs of the positions it computes)")
+                 "(model FLOPs of the positions it computes)"
+                 + (f", log-prob passes {e['logprob_passes_s']:.1f} s" if e.get("logprob_passes_s") else ""))
     if r.get("decode"):
         lines.extend(aot_decode.format_decode(r["decode"]))
     if r.get("compilation_cache"):
