@@ -36,7 +36,7 @@ if not (Path("rollverify_jax").is_dir() or Path("../rollverify_jax").is_dir()):
     if not Path("rollverify_jax_repo").is_dir():
         subprocess.run(["git", "clone", "--depth=1", REPO, "rollverify_jax_repo"], check=True)
     os.chdir("rollverify_jax_repo")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "."], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", ".[plot]"], check=True)
 
 # %%
 if Path.cwd().name == "notebooks":

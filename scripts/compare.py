@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from seed_stats import cell  # noqa: E402
 
-from rollverify_jax.run.metrics import read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import pyplot, read_metrics  # noqa: E402
 
 LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
           "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "partial + GSPO",
@@ -150,10 +150,7 @@ def _commit() -> str:
 
 def plot(results: dict[str, list[list[dict]]], out: Path, name: str) -> list[str]:
     """One line per mode and seed (seeds of a mode share a colour)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(cli=True)
 
     files = []
     for axis, idx in (("wall-clock (s)", 1), ("step", 0)):
@@ -194,6 +191,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    pyplot(cli=True)  # the report's plots need the plot extra: said before any run starts, not after
     try:
         gin_files = entries(args.modes, args.configs)
     except ValueError as e:

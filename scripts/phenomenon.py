@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from seed_stats import cell, mean_se, welch  # noqa: E402
 
 from rollverify_jax.infra import storage  # noqa: E402
-from rollverify_jax.run.metrics import read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import pyplot, read_metrics  # noqa: E402
 
 CONFIGS = ROOT / "configs" / "phenomenon"
 ARCHIVE = ROOT / "docs" / "results" / "phenomenon"
@@ -159,10 +159,7 @@ COLUMNS = [("acc0", "acc (start)", ".3f"), ("acc", "acc (end)", ".3f"), ("acc_be
 
 
 def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(cli=True)
 
     panels = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"),
               ("ops/token_mean", "train-time OPS vs mu"), ("verify/acceptance", "acceptance (cycles that verified)"),

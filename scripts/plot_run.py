@@ -17,7 +17,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollverify_jax.run.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from rollverify_jax.run.metrics import METRICS_FILE, pyplot, read_metrics  # noqa: E402
 
 # file stem -> (figure title, [(metric key, panel title), ...])
 FIGURES: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -94,12 +94,7 @@ def time_split(rows: list[dict]) -> dict[str, float] | None:
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display (SSH, SLURM, CI)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot(cli=True)  # the plot extra, Agg backend: files only, no display needed
 
 
 def plot_figure(stem: str, runs: dict[str, list[dict]], out: Path, notes: list[str]) -> Path | None:

@@ -269,10 +269,9 @@ def _finite(x):
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
+    from rollverify_jax.run.metrics import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(cli=True)
 
     def series(mode: str, variant: str) -> list[tuple[int, float]]:
         return sorted((r["context"], r["speedup_vs_on_policy"]) for r in out["rows"]

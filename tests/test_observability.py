@@ -197,6 +197,87 @@ def test_wandb_extra_is_pinned_in_pyproject():
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert len(extras["wandb"]) == 1 and extras["wandb"][0].startswith("wandb==")
+    # Plotting is an extra too (training never imports matplotlib); the test extra pins the same version.
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in core if d.startswith("matplotlib")] and extras["plot"][0] in extras["test"]
+
+
+def test_a_resumed_run_continues_its_wandb_run(fake_wandb, tmp_path):
+    """The first launch makes the workdir's W&B run id and keeps it in <workdir>/wandb_run_id; every later launch
+    passes the same id with resume='allow', so W&B continues that run instead of starting a new one."""
+    config = MetricsConfig(wandb_project="p")
+    open_wandb(config, tmp_path / "run", start_step=0)
+    run_id = (tmp_path / "run" / metrics_lib.WANDB_RUN_ID_FILE).read_text().strip()
+    open_wandb(config, tmp_path / "run", start_step=5)
+    open_wandb(config, tmp_path / "other", start_step=0)
+    (_, first), (_, resumed), (_, other) = fake_wandb
+    assert run_id.isalnum() and first["id"] == resumed["id"] == run_id and other["id"] != run_id
+    assert first["resume"] == resumed["resume"] == "allow" and resumed["config"]["start_step"] == 5
+    assert not list((tmp_path / "run").glob(".wandb_run_id*.tmp"))  # written atomically, nothing left over
+
+
+def test_missing_matplotlib_names_the_plot_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[plot\]'") as e:
+        metrics_lib.pyplot()
+    assert is_user_error(e.value)
+    with pytest.raises(SystemExit) as e:  # the scripts: one line, exit status 2
+        metrics_lib.pyplot(cli=True)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: plotting needs matplotlib, which is not installed: pip install -e '.[plot]'\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# MetricsConfig.profile_steps: a jax.profiler trace of a window of steps
+
+
+@pytest.mark.parametrize("window", [(0, 2), (3, 2), (1,), "1-2", (1.0, 2), (True, 2)])
+def test_a_bad_profile_window_is_a_user_error(window):
+    with pytest.raises(ValueError, match=r"MetricsConfig.profile_steps=.* must be \(first, last\)") as e:
+        MetricsConfig(profile_steps=window)
+    assert is_user_error(e.value)
+    assert MetricsConfig(profile_steps=[2, 3]).profile_steps == (2, 3)  # gin's list, kept hashable
+
+
+def test_the_profiler_traces_its_window_only(monkeypatch, tmp_path, capsys):
+    """Started at the window's first step this launch runs (a resume inside the window traces the rest of it),
+    stopped after its last step, or when the run ends inside it."""
+    from rollverify_jax.run import profiler as profiler_lib
+
+    calls = []
+    monkeypatch.setattr(profiler_lib.jax.profiler, "start_trace", lambda d: calls.append(("start", d)))
+    monkeypatch.setattr(profiler_lib.jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+
+    def run(window, steps):
+        calls.clear()
+        prof = profiler_lib.StepProfiler(window, tmp_path)
+        for step in steps:
+            with prof.step(step):
+                calls.append(step)
+        prof.stop()
+        return calls[:]
+
+    where = str(tmp_path / "profile")
+    assert run(None, [1, 2, 3]) == [1, 2, 3]
+    assert run((2, 3), [1, 2, 3, 4, 5]) == [1, ("start", where), 2, 3, ("stop",), 4, 5]
+    assert run((2, 3), [3, 4]) == [("start", where), 3, ("stop",), 4]  # resumed at step 3
+    assert run((2, 9), [1, 2, 3]) == [1, ("start", where), 2, 3, ("stop",)]  # the run ended inside the window
+    assert run((2, 3), [4, 5]) == [4, 5]
+    assert "profile: steps 2-3 traced into" in capsys.readouterr().err
+
+
+def test_the_profiler_writes_a_trace(tmp_path):
+    import jax
+
+    from rollverify_jax.run.profiler import StepProfiler
+
+    prof = StepProfiler((1, 1), tmp_path)
+    f = jax.jit(lambda x: (x * 2).sum())
+    for step in (1, 2):
+        with prof.step(step):
+            f(jnp.arange(8.0)).block_until_ready()
+    assert not prof.active and prof.traced == [1]
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -360,6 +441,12 @@ def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split(
         "verification: mean cycle acceptance 0.40 over 2 cycles"]
     assert run_summary([{"step": 0, "eval/accuracy": 0.2}, {"step": 5, "eval/accuracy": 0.35}]) == [
         "held-out accuracy: 0.200 (step 0) -> 0.350 (step 5), +15.0 points"]  # no step rows: that line only
+    two_sets = [{"step": 0, "eval/accuracy": 0.2, "eval/aime/accuracy": 0.1},
+                {"step": 5, "eval/accuracy": 0.35, "eval/pass@4": 0.5, "eval/maj@4": 0.4,
+                 "eval/aime/accuracy": 0.15, "eval/aime/pass@2": 0.25}]
+    assert run_summary(two_sets) == [
+        "held-out accuracy: 0.200 (step 0) -> 0.350 (step 5), +15.0 points; last: maj@4 0.400, pass@4 0.500",
+        "held-out accuracy (aime): 0.100 (step 0) -> 0.150 (step 5), +5.0 points; last: pass@2 0.250"]
 
 
 def _study_rows(final_accuracy: float, steps: int = 6, on_policy: int = 0) -> list[dict]:

@@ -20,7 +20,12 @@ import numpy as np
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, heartbeat_timeout_s: int = 60,
                initialization_timeout_s: int = 300) -> None:
-    """Connects this process to the others (before any other JAX call that touches devices)."""
+    """Connects this process to the others (before any other JAX call that touches devices).
+
+    heartbeat_timeout_s: a process that died or hangs is noticed by the others within this time, and they exit
+    with an error instead of waiting in a collective. initialization_timeout_s: how long the processes wait at
+    start for all of them to join.
+    """
     explicit = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
         raise ValueError("--coordinator_address, --num_processes and --process_id go together: give all three, "

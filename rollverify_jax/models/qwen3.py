@@ -145,7 +145,12 @@ PRESETS: dict[str, Qwen3Config] = {
 
 def model_config(preset: str = "tiny", param_dtype: str = "float32", dtype: str = "float32",
                  **overrides) -> Qwen3Config:
-    """A preset architecture by name, with dtype and field overrides (all bindable from gin)."""
+    """A preset architecture by name, with dtype and field overrides (all bindable from gin): the random-init
+    policy's (``TrainConfig.policy_path = None``) and the layout a dry run sizes when the checkpoint is absent.
+
+    preset: a name in ``PRESETS`` ('tiny', 'qwen3_4b', 'qwen3_8b', 'qwen3_30b_a3b', ...). param_dtype, dtype: the
+    params' and the activations' dtypes. overrides: any ``Qwen3Config`` field, e.g. ``num_hidden_layers``.
+    """
     if preset not in PRESETS:
         raise ValueError(f"Unknown model preset {preset!r}; known presets: {sorted(PRESETS)}.")
     return PRESETS[preset].replace(param_dtype=param_dtype, dtype=dtype, **overrides)

@@ -41,7 +41,7 @@ class RolloutConfig:
     mode: str = "on_policy"
     batch_groups: int = 8  # B: complete groups per training batch
     group_size: int = 8  # G: samples per prompt
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # response cap (the reward's and Dr. GRPO's cap follow it)
     queue_groups: int = 0  # new groups kept queued ahead of free slots (0: enough to fill every slot)
     # Groups complete beyond B when a partial phase ends: 'carry' them to the next step's batch, or 'train' them
     # in this step (a batch of at least B groups, padded to a multiple of B with rows outside the loss).

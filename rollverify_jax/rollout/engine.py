@@ -51,12 +51,12 @@ class EngineConfig:
     (``Scheduler``; samples are unchanged, when requests start is not)."""
 
     num_slots: int = 16
-    page_size: int = 16
+    page_size: int = 16  # tokens per KV page
     max_seq_len: int = 512
-    steps_per_dispatch: int = 8
+    steps_per_dispatch: int = 8  # decode steps per generate dispatch (the host reads tokens between dispatches)
     kv_memory_bytes: int | None = None
     kv_dtype: str = "float32"
-    min_prefill_len: int = 32
+    min_prefill_len: int = 32  # the smallest prefill length bucket (buckets double up to max_seq_len)
     page_reservation: str = "incremental"  # 'incremental': pages as sequences grow; 'full': prompt + max new
     logits_chunk: int | None = None  # resume prefill scores log-probs this many positions at a time (None: all)
     live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 class SamplingConfig:
     """temperature T > 0 (ignored when greedy); 0 < top_p <= 1; top_k >= 0 (0: off)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
+    temperature: float = 1.0  # T > 0 (ignored when greedy); the learner scores log-probs at the same T
+    top_p: float = 1.0  # nucleus sampling, 0 < top_p <= 1 (1: off)
+    top_k: int = 0  # >= 0 (0: off)
+    greedy: bool = False  # argmax decoding
 
     def __post_init__(self):
         if not self.greedy and not self.temperature > 0:

@@ -83,8 +83,8 @@ class CheckpointConfig:
     continues during the write; `Checkpointer.close()` (or `wait_until_finished()`) waits for it.
     """
 
-    save_interval_steps: int = 50
-    max_to_keep: int | None = 3
+    save_interval_steps: int = 50  # a checkpoint every N steps (and always at the last step and at a stop)
+    max_to_keep: int | None = 3  # newest checkpoints kept (None: all)
     async_save: bool = True
 
     def __post_init__(self):

@@ -61,6 +61,19 @@ def write_run_files(trainer: Trainer) -> None:
         (workdir / "policy.txt").write_text(json.dumps({"policy_path": spec.train.policy_path}) + "\n")
 
 
+def committed_steps(workdir: storage.PathLike) -> list[int]:
+    """The steps under ``<workdir>/checkpoints`` with their commit file, read from the listing alone (no orbax)."""
+    root = storage.as_path(workdir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / COMMIT_FILE).exists())
+
+
+def latest_committed_step(workdir: storage.PathLike) -> int | None:
+    steps = committed_steps(workdir)
+    return steps[-1] if steps else None
+
+
 def _error_files(e: OSError) -> list[str]:
     return [os.fsdecode(n) for n in (e.filename, e.filename2) if isinstance(n, str | bytes | os.PathLike)]
 
@@ -82,9 +95,7 @@ def explain_os_error(e: OSError, workdir: epath.Path) -> None:
         raise ValueError(f"cannot use {_error_files(e)[0]}: {e.strerror or e}. It is one of the run's inputs "
                          f"(data, policy, tokenizer), not its workdir {storage.absolute(workdir)}: check the "
                          "path and its permissions.") from e
-    root = workdir / "checkpoints"
-    committed = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / COMMIT_FILE).exists()) \
-        if root.is_dir() else []
+    committed = committed_steps(workdir)
     kept = f"The committed checkpoints are intact (latest: step {committed[-1]})" if committed else \
         "No checkpoint was committed yet"
     print(f"error: could not write to {storage.absolute(workdir)}: {e}. {kept}; free space or fix the permissions, "

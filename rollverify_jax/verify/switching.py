@@ -152,8 +152,8 @@ class SwitchConfig:
     `enabled = False` never switches (the naive-partial baseline and the "no switching" ablation).
     """
 
-    window: int = DEFAULT_WINDOW
-    threshold: float = DEFAULT_THRESHOLD
+    window: int = DEFAULT_WINDOW  # W: the last W cycles' acceptance rates are averaged
+    threshold: float = DEFAULT_THRESHOLD  # once the window is full and its mean is below this: on-policy for good
     enabled: bool = True
 
     def __post_init__(self):

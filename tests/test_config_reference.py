@@ -1,0 +1,35 @@
+"""docs/config_reference.md is what scripts/config_reference.py writes from the registered configurables (CI runs
+this, so a field added without regenerating the reference fails CI), and it lists every setting of every part."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+
+from rollverify_jax.run.spec import PARTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_checked_in_reference_is_current():
+    reference = load_script("config_reference")
+    if (ROOT / "docs" / "config_reference.md").read_text() != reference.render():
+        pytest.fail("docs/config_reference.md is out of date (a configurable's fields, defaults or their docs "
+                    f"changed): run `{reference.COMMAND}` and commit the file.")
+
+
+def test_every_setting_has_a_row_with_its_documentation():
+    text = load_script("config_reference").render()
+    for gin_name, target in PARTS.values():
+        assert f"## {gin_name}\n" in text
+        if dataclasses.is_dataclass(target):
+            for f in dataclasses.fields(target):
+                if f.init:
+                    assert f"| `{gin_name}.{f.name}` |" in text, f"{gin_name}.{f.name}"
+    # A trailing comment, a docstring entry naming two fields, a function's docstring entry, a per-call argument
+    # left out, and what a resume compares.
+    assert "| `RolloutConfig.batch_groups` | `int` | `8` | yes | B: complete groups per training batch |" in text
+    assert "| `LossConfig.eps_high` | `float` | `0.28` | yes | PPO clip range" in text
+    assert "| `initialize.heartbeat_timeout_s` | `int` | `60` | no | a process that died or hangs" in text
+    assert "`make_mesh.devices`" not in text and "| `TrainConfig.num_steps` | `int` | `40` | no |" in text
