@@ -1,4 +1,4 @@
-"""avg@k / pass@k of a policy on an eval set: ``python -m rollverify_jax.evaluate --gin_file=... --checkpoint=...``.
+"""avg@k, pass@k and maj@k of a policy on its eval sets: ``python -m rollverify_jax.evaluate --checkpoint=...``.
 
 ``--checkpoint`` is a training workdir (its latest step), a ``<workdir>/checkpoints/<step>`` directory, or an
 HF-layout policy directory. Only the params of an orbax checkpoint are read (no optimizer state, no paused
@@ -13,7 +13,7 @@ import dataclasses
 
 from rollverify_jax.infra import cli, storage
 from rollverify_jax.run.builder import build_policy, resolve_checkpoint
-from rollverify_jax.run.evaluation import evaluate_run
+from rollverify_jax.run.evaluation import eval_sets, evaluate_run
 from rollverify_jax.run.spec import RunSpec, parse_gin
 
 
@@ -54,12 +54,20 @@ def _main(args: argparse.Namespace) -> None:
         result = evaluate_run(policy, samples_path=args.samples_out)
     finally:
         policy.close()
-    k = next(key for key in result if key.startswith("eval/avg@")).split("@")[1]
-    print(f"{args.checkpoint}: {len(policy.eval_records)} problems x {k} samples: "
-          f"avg@{k} = {result[f'eval/avg@{k}']:.4f}  pass@{k} = {result[f'eval/pass@{k}']:.4f}  "
-          f"mean length {result['eval/response_length']:.1f}")
+    for name, records, _ in eval_sets(policy):
+        print(f"{args.checkpoint}: {_set_line(result, name, len(records))}")
     if args.samples_out:
         print(f"samples: {args.samples_out}")
+
+
+def _set_line(result: dict, name: str, problems: int) -> str:
+    """One eval set's line: its problems and samples, avg@n, pass@k and maj@k, the mean response length."""
+    key = f"eval/{name}/" if name else "eval/"
+    n = next(k for k in result if k.startswith(f"{key}avg@")).split("@")[1]
+    scores = "  ".join(f"{k[len(key):]} = {v:.4f}" for k, v in result.items()
+                       if k.startswith(key) and k[len(key):].split("@")[0] in ("avg", "pass", "maj"))
+    return (f"{name + ': ' if name else ''}{problems} problems x {n} samples: {scores}  "
+            f"mean length {result[f'{key}response_length']:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The main job: ``python -m rollverify_jax.train --gin_file=configs/tiny_rollverify.gin [--gin_param=...]``.
 
 GRPO on the rollout engine, in one of three rollout modes (on-policy, naive partial, RollVerify), with
-orbax checkpoints: running the same command again continues from the latest step of its workdir.
+orbax checkpoints: running the same command again continues from the latest step of its workdir (with a fresh
+``TrainConfig.time_budget_s``: the budget bounds one sitting); once the workdir holds a checkpoint at
+``TrainConfig.num_steps`` the command says the run is complete and exits 0 without building anything.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import time
 
 import numpy as np
 
-from rollverify_jax.infra import cli
+from rollverify_jax.infra import cli, storage
 from rollverify_jax.run import run_dir
 from rollverify_jax.run.evaluation import evaluate_run
-from rollverify_jax.run.metrics import MetricsWriter, open_progress, open_wandb, run_summary
+from rollverify_jax.run.metrics import MetricsWriter, open_progress, open_wandb, read_metrics, run_summary
 from rollverify_jax.run.preemption import SKIPPED_EXIT_STATUS, Decision, StopRequest
+from rollverify_jax.run.profiler import StepProfiler
+from rollverify_jax.run.rollout_samples import write_rollout_samples
 from rollverify_jax.run.spec import RunSpec, parse_gin
 from rollverify_jax.run.trainer import Trainer
 
@@ -33,6 +37,9 @@ def train_one_step(trainer: Trainer) -> dict:
     trainer.check_agreement(batch)
     t1 = time.perf_counter()
     train_metrics = trainer.learn(batch)
+    metrics_cfg = trainer.spec.metrics
+    write_rollout_samples(trainer.workdir, trainer.step, scored, trainer.policy.decode,
+                          metrics_cfg.rollout_samples_every, metrics_cfg.rollout_samples_logged)
     if "ops/token_mean" in select_metrics:  # ratio against pi_old: the learner's OPS is this step's drift only
         train_metrics["ops/token_mean_vs_step_start"] = train_metrics.pop("ops/token_mean")
     t2 = time.perf_counter()
@@ -47,9 +54,25 @@ def train_one_step(trainer: Trainer) -> dict:
 
 def train(spec: RunSpec, workdir) -> list[dict]:
     """Runs (or resumes) training in ``workdir`` (local or e.g. ``gs://``); returns the metrics written by this
-    invocation."""
+    invocation. A workdir whose run reached ``TrainConfig.num_steps`` is left as it is (one line says so): the
+    check reads only its checkpoint listing, so nothing is built or compiled for it."""
+    done = run_dir.latest_committed_step(workdir)
+    if done is not None and done >= spec.train.num_steps:
+        print(f"run complete: {storage.absolute(workdir)} holds checkpoint step {done} (TrainConfig.num_steps = "
+              f"{spec.train.num_steps}); to train further pass --gin_param=TrainConfig.num_steps=<more than {done}>"
+              ", to start another run pass --workdir=<a new directory>.", flush=True)
+        return []
     with run_dir.open_trainer(spec, workdir) as trainer:
         return _train_loop(trainer)
+
+
+def _evaluation_skipped(workdir, step: int, eval_every: int) -> bool:
+    """The resumed checkpoint's step was due an evaluation that a stop skipped (a stop's grace period is short):
+    it runs first on resume, with that step's params and the same seeds, as a row of its own."""
+    if not (step and eval_every and step % eval_every == 0):
+        return False
+    rows = read_metrics(workdir) if (storage.as_path(workdir) / "metrics.jsonl").exists() else []
+    return not any(r["step"] == step and "eval/accuracy" in r for r in rows)
 
 
 def _train_loop(trainer: Trainer) -> list[dict]:
@@ -62,15 +85,17 @@ def _train_loop(trainer: Trainer) -> list[dict]:
                            wandb_run=open_wandb(spec.metrics, workdir, start, spec.gin_text))
     written = []
     bad_steps: list[int] = []  # consecutive steps with skipped (non-finite) updates
-    t_start = time.perf_counter() - trainer.wall_offset
+    t_start = time.perf_counter() - trainer.wall_offset  # time/wall is the run's, summed over its launches
+    sitting = time.perf_counter()  # TrainConfig.time_budget_s bounds this launch: a resume gets a fresh budget
     checkpointer = trainer.checkpointer
+    profiler = StepProfiler(spec.metrics.profile_steps, workdir)
     try:
         with open_progress(spec.metrics, total_steps=cfg.num_steps, start_step=start,
                            mode=spec.rollout.mode) as bar, StopRequest() as stop:
-            if start == 0 and spec.eval.at_start:
+            if (start == 0 and spec.eval.at_start) or _evaluation_skipped(workdir, start, cfg.eval_every):
                 m = {**evaluate_run(trainer.policy, workdir), "time/wall": time.perf_counter() - t_start}
-                written.append(writer.write(0, m))
-                bar.update(0, m)
+                written.append(writer.write(start, m))
+                bar.update(start, m)
             for step in range(start + 1, cfg.num_steps + 1):
                 decision = stop.agree()
                 if decision.stop:  # signalled after the last step's stop check (or during step 0)
@@ -78,13 +103,14 @@ def _train_loop(trainer: Trainer) -> list[dict]:
                         checkpointer.save(step - 1, trainer.train_state,
                                           trainer.state_dict(time.perf_counter() - t_start), force=True)
                     _stopped(decision, stop, checkpointer)
-                metrics = train_one_step(trainer)
+                with profiler.step(step):
+                    metrics = train_one_step(trainer)
                 skipped = _report_skipped(step, metrics, bad_steps)
                 # One decision, the same on every host: a signal on any host, JAX's preemption sync point, any
                 # host's clock past the budget, or too many skipped steps in a row.
                 decision = stop.agree(
                     preempted=checkpointer.reached_preemption(step),
-                    out_of_time=cfg.time_budget_s > 0 and time.perf_counter() - t_start >= cfg.time_budget_s,
+                    out_of_time=cfg.time_budget_s > 0 and time.perf_counter() - sitting >= cfg.time_budget_s,
                     too_many_skipped=len(bad_steps) >= cfg.max_skipped_steps)
                 last = step == cfg.num_steps or decision.out_of_time
                 interrupted = decision.stop and not last  # no evaluation: the grace period is short
@@ -106,6 +132,7 @@ def _train_loop(trainer: Trainer) -> list[dict]:
                 if last:
                     break
     finally:
+        profiler.stop()
         writer.close()
     return written
 
@@ -193,9 +220,13 @@ def _main(args: argparse.Namespace) -> None:
         metrics = train(spec, workdir)
     except OSError as e:
         run_dir.explain_os_error(e, workdir)
-    for line in run_summary(metrics):
+    if not metrics:  # complete already (said), or nothing to run
+        return
+    # The whole run's story, not only this launch's: a resume that ran the last few steps shows where it began.
+    path = workdir / "metrics.jsonl"
+    for line in run_summary(read_metrics(path) if path.exists() else metrics):
         print(line)
-    print(f"metrics: {workdir / 'metrics.jsonl'}")
+    print(f"metrics: {path}")
 
 
 if __name__ == "__main__":

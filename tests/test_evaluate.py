@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -78,8 +79,9 @@ def test_eval_config_defaults_keep_the_training_sampler():
 
 def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_run, tmp_path):
     assert eval_run.engine.version == 3  # the checkpoint's step
-    metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 100"])
-    assert set(metrics) >= {"eval/avg@2", "eval/pass@2", "eval/accuracy", "eval/response_length"}
+    metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 100", "EvalConfig.at_k = (1,)"])
+    assert set(metrics) >= {"eval/avg@2", "eval/pass@1", "eval/pass@2", "eval/maj@1", "eval/maj@2", "eval/accuracy",
+                            "eval/response_length"}
     assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {3}
     assert set(rows[0]) == {"step", "problem", "sample", "prompt", "response", "answer", "reward", "num_tokens"}
     prompts = [r["prompt"] for r in eval_run.eval_records]
@@ -88,6 +90,11 @@ def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_ru
     correct = np.array([r["reward"] > 0.5 for r in rows])
     assert 0 < correct.mean() and metrics["eval/accuracy"] == pytest.approx(correct.mean())
     assert metrics["eval/response_length"] == pytest.approx(np.mean([r["num_tokens"] for r in rows]))
+    by_problem = correct.reshape(4, 2)  # rows are problem by problem, sample by sample
+    assert metrics["eval/pass@1"] == pytest.approx(correct.mean())
+    assert metrics["eval/pass@2"] == pytest.approx(by_problem.any(axis=1).mean())
+    assert metrics["eval/maj@1"] == pytest.approx(np.mean([  # one vote: its sample's grade, if it gave an answer
+        r["reward"] > 0.5 and evaluation.vote_key(r["response"]) is not None for r in rows if r["sample"] == 0]))
     # A bounded log shows different problems first.
     _, few = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 5"])
     assert [(r["problem"], r["sample"]) for r in few] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1)]
@@ -133,11 +140,33 @@ def test_evaluate_reads_only_the_params(tmp_path, capsys):
     got = dict(jax.tree_util.tree_leaves_with_path(run.engine.params))
     for path, want in jax.tree_util.tree_leaves_with_path(saved):
         np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want), err_msg=str(path))
+    # A second eval set, reported under its own name, with its own size and samples per problem.
+    second = {**TASK, "name": "synthetic", "seed": 5, "size": 3, "k": 3}
     _cli([f"--checkpoint={tmp_path / 'run'}", f"--samples_out={tmp_path / 'out' / 's.jsonl'}"],
-         ["EvalConfig.num_samples_logged = 3"])
+         ["EvalConfig.num_samples_logged = 3", f"TrainConfig.eval_sets = {{'second': {second}}}"])
     out = capsys.readouterr().out
-    assert "4 problems x 2 samples: avg@2 = " in out
-    assert len((tmp_path / "out" / "s.jsonl").read_text().splitlines()) == 3
+    assert "4 problems x 2 samples: avg@2 = " in out and "maj@2 = " in out
+    assert "second: 3 problems x 3 samples: avg@3 = " in out and "pass@3 = " in out
+    rows = [json.loads(line) for line in (tmp_path / "out" / "s.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and [r.get("eval_set") for r in rows] == [None] * 3 + ["second"] * 3
+
+
+def test_pass_at_k_is_the_unbiased_estimator_and_maj_at_k_votes_on_extracted_answers():
+    n = 5
+    for c in range(n + 1):
+        for k in range(1, n + 1):  # 1 - C(n-c, k) / C(n, k): the chance that k of the n samples hold a correct one
+            want = 1 - math.comb(n - c, k) / math.comb(n, k)
+            assert evaluation.pass_at_k(n, np.array([c]), k)[0] == pytest.approx(want, abs=1e-12), (c, k)
+    with pytest.raises(ValueError, match="needs 1 <= k <= n"):
+        evaluation.pass_at_k(2, np.array([1]), 3)
+    answers = [["7", "8", "8", None], ["7", "8", None, None], [None, None, None, None], ["3", "3", "4", "4"]]
+    correct = np.array([[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 1]], bool)
+    # 2 of 3 votes wrong; a 1-1 tie goes to the first answer; no votes is wrong; maj@2 sees only "3"s.
+    assert evaluation.majority_correct(answers, correct, 4).tolist() == [False, True, False, False]
+    assert evaluation.majority_correct(answers, correct, 1).tolist() == [True, True, False, False]
+    assert [evaluation.vote_key(t) for t in ("so\nAnswer:  1 / 2", "\\boxed{x+1}", "none")] == ["1 / 2", "x+1", None]
+    with pytest.raises(ValueError, match=r"at_k=\(8,\) asks for k = \[8\] but each problem has 4 samples"):
+        evaluation.sample_metrics(correct, answers, (8,))
 
 
 def _tree(root: Path) -> list[str]:

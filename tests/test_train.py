@@ -185,23 +185,34 @@ def test_ratio_against_the_step_start_policy_leaves_staleness_uncorrected(policy
 
 
 def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
-    parse_gin([], run_params(policy, "rollverify", 3))
+    parse_gin([], run_params(policy, "rollverify", 4, ["MetricsConfig.rollout_samples_every = 4",
+                                                       "MetricsConfig.rollout_samples_logged = 8"]))
     spec = RunSpec.from_gin()
     run = builder.build_trainer(spec, tmp_path)
-    for _ in range(2):
+    for _ in range(4):
         train.train_one_step(run)
     cache = run.manager.cache
     assert len(cache.paused) > 0 and any(t.num_tokens for t in cache.paused)
+    # Paused at the end of a step, verified on resume under the next version, paused again.
+    assert any([e["event"] for e in t.history] == ["pause", "verify", "pause"]
+               and t.history[1]["version"] == t.history[0]["version"] + 1 for t in cache.paused)
+    # Training rollouts logged every 4 steps: one row per group first, with versions and history.
+    assert not list((tmp_path / "samples").glob("rollout_step_[123].jsonl"))
+    rows = [json.loads(line) for line in (tmp_path / "samples" / "rollout_step_4.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(r["step"] == 4 for r in rows)
+    assert {"prompt", "response", "answer", "reward", "advantage", "versions", "draws", "history"} <= set(rows[0])
+    assert all(0 <= r["versions"][0] <= r["versions"][1] <= 3 for r in rows)
+    assert any(r["history"] and r["history"][-1]["event"] == "verify" for r in rows)  # resumed, then finished
     run.checkpointer.save(run.step, run.train_state, run.state_dict(1.0), force=True)
     run.close()
     back = builder.build_trainer(spec, tmp_path)
-    assert back.step == 2 and back.policy.engine.version == 2
+    assert back.step == 4 and back.policy.engine.version == 4
     before = {t.uid: t for t in cache.paused}
     after = {t.uid: t for t in back.manager.cache.paused}
     assert sorted(before) == sorted(after)
     for uid, t in before.items():
         u = after[uid]
-        assert u.tokens == t.tokens and u.logps == t.logps and u.versions == t.versions
+        assert u.tokens == t.tokens and u.logps == t.logps and u.versions == t.versions and u.history == t.history
     assert back.manager.switch_state == run.manager.switch_state
     assert back.iterator.get_state() == run.iterator.get_state()
     back.close()
@@ -299,7 +310,10 @@ def test_cross_checks_run_at_every_start_not_only_in_the_dry_run(policy, tmp_pat
 def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path, monkeypatch, capsys):
     """SIGTERM (a preemption notice) arrives during step 2's update: the step finishes, its checkpoint is committed
     although no save was due, the exit status is 143, and the same command resumes after that step. (The drill,
-    ``scripts/fault_drill.py --only sigterm``, sends the signal to a separate process.)"""
+    ``scripts/fault_drill.py --only sigterm``, sends the signal to a separate process.) The resumed launch first
+    runs the evaluation the stop skipped, has a fresh time budget (the run's wall time is far past it; it bounds
+    one launch) and traces its profile window; the launch after the last step says the run is complete and builds
+    nothing."""
     import os
     import signal
 
@@ -321,8 +335,38 @@ def test_sigterm_saves_the_finished_step_and_the_run_resumes(policy, tmp_path, m
     assert f"stopped by SIGTERM: checkpoint {workdir.absolute() / 'checkpoints' / '2'} committed" in err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handler is gone with the run
     monkeypatch.setattr(Trainer, "learn", real_learn)
-    resumed = _train(policy, workdir, "rollverify", 3, ("CheckpointConfig.save_interval_steps = 1000",))
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3]
+    real_load = Trainer.load_state_dict
+
+    def long_run(run, extra):  # the checkpoint says the run has spent 10^6 s already
+        real_load(run, extra)
+        run.wall_offset = 1e6
+
+    monkeypatch.setattr(Trainer, "load_state_dict", long_run)
+    again = ("CheckpointConfig.save_interval_steps = 1000", "TrainConfig.time_budget_s = 1000.0",
+             "MetricsConfig.profile_steps = (3, 3)")
+    resumed = _train(policy, workdir, "rollverify", 4, again)
+    # Step 2's evaluation (eval_every = 2), skipped by the stop, runs first on resume, as a row of its own.
+    assert [m["step"] for m in resumed] == [0, 1, 2, 2, 3, 4] and resumed[-1]["time/wall"] > 1e6
+    assert "eval/accuracy" not in resumed[2] and "eval/accuracy" in resumed[3] and "time/step" not in resumed[3]
+    out, err = capsys.readouterr()
+    assert "held-out accuracy: " in out and "(step 0) -> " in out  # the whole run's summary, not this launch's
+    assert list((workdir / "profile").rglob("*.xplane.pb")) and "profile: steps 3-3 traced into" in err
+    monkeypatch.setattr(builder, "build_trainer", lambda *a: pytest.fail("a complete run was built again"))
+    _train(policy, workdir, "rollverify", 4, again)
+    out = capsys.readouterr().out
+    assert f"run complete: {workdir.absolute()} holds checkpoint step 4 (TrainConfig.num_steps = 4); to train " \
+        "further pass --gin_param=TrainConfig.num_steps=<more than 4>" in out and "held-out" not in out
+
+
+def test_importing_the_trainer_loads_neither_tfds_nor_matplotlib():
+    """tensorflow_datasets loads only where a TFDS dataset is built or read, matplotlib only where a plot is drawn."""
+    import subprocess
+    import sys
+
+    code = "import sys, rollverify_jax.train; print(sorted(m for m in ('tensorflow_datasets', 'matplotlib') if m in " \
+        "sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def _other_host(monkeypatch, seen):

@@ -102,7 +102,7 @@ def _traj_to_dict(t: Trajectory) -> dict:
         "uid": t.uid, "group_id": t.group_id, "prompt": np.asarray(t.prompt, np.int32), "seed": t.seed,
         "max_new_tokens": t.max_new_tokens, "tokens": np.asarray(t.tokens, np.int32),
         "logps": np.asarray(t.logps, np.float32), "versions": np.asarray(t.versions, np.int32),
-        "finished": bool(t.finished), "draws": t.draws, "meta": t.meta,
+        "finished": bool(t.finished), "draws": t.draws, "meta": t.meta, "history": t.history,
     }
 
 
@@ -114,4 +114,5 @@ def _traj_from_dict(d: dict) -> Trajectory:
         logps=[float(x) for x in np.asarray(d["logps"], np.float32).reshape(-1)],
         versions=[int(x) for x in np.asarray(d["versions"]).reshape(-1)],
         finished=bool(d["finished"]), draws=int(d.get("draws", 0)), meta=dict(d.get("meta") or {}),
+        history=[dict(e) for e in d.get("history") or []],  # absent in checkpoints of earlier versions
     )

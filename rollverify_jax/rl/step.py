@@ -16,8 +16,9 @@ from rollverify_jax.rl.buffer import Group
 from rollverify_jax.rl.filters import FilterConfig, FilterInputs, apply_filter
 from rollverify_jax.verify.ops import token_ops
 
-# (tokens [N, T], attention mask [N, T]) -> log-probs [N, T] on the host
-LogProbFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+# The learner's batch (padded to whole batches, packed by `learner.pack_for_learner`) -> log-probs [N, T] on the
+# host: `learner.make_logprob_fn`'s pass, the train step's packed forward
+LogProbFn = Callable[[dict], np.ndarray]
 
 
 @dataclasses.dataclass
@@ -28,20 +29,25 @@ class Scored:
     advantages: np.ndarray  # [N]
     uniform: np.ndarray  # bool[N]: the trajectory's group has all-equal rewards (zero advantage)
     metrics: dict
+    rewards: np.ndarray | None = None  # [N], overlong penalty included
+    records: list | None = None  # [N] each trajectory's group record (prompt, answer, data_source, ...)
 
 
 def score(groups: Sequence[Group], decode: Callable[[list[int]], str], scorer, advantage: str) -> Scored:
-    """Rewards of every trajectory, each graded against its own group's record, then group advantages (whatever
-    versions sampled the members). Groups hold ``group_size`` finished members each."""
+    """Rewards of every trajectory, each graded against its own group's record (the reward sees the whole record:
+    its answer, data_source, extra_info and prompt), then group advantages (whatever versions sampled the members).
+    Groups hold ``group_size`` finished members each."""
     pairs = [(g.finished[uid], g.record) for g in groups for uid in sorted(g.finished)]  # (group, uid) order
     trajs = [t for t, _ in pairs]
-    rewards, metrics = scorer.score([decode(t.tokens) for t in trajs], [record["answer"] for _, record in pairs],
-                                    [t.num_tokens for t in trajs])
+    records = [record for _, record in pairs]
+    rewards, metrics = scorer.score([decode(t.tokens) for t in trajs], [record["answer"] for record in records],
+                                    [t.num_tokens for t in trajs], records=records)
     rewards = np.asarray(rewards, np.float64).reshape(len(groups), -1)
     adv = np.asarray(adv_lib.compute_advantages(rewards, advantage)).reshape(-1)
     uniform = np.repeat((rewards == rewards[:, :1]).all(axis=1), rewards.shape[1])  # [N]
     return Scored(trajs, adv, uniform, {**metrics, "reward/mean": float(rewards.mean()),
-                                        "reward/uniform_group_fraction": float(uniform.mean())})
+                                        "reward/uniform_group_fraction": float(uniform.mean())},
+                  rewards=rewards.reshape(-1), records=records)
 
 
 def select(scored: Scored, learner: learner_lib.LearnerConfig, filter_cfg: FilterConfig, *, current_version: int,
@@ -50,12 +56,16 @@ def select(scored: Scored, learner: learner_lib.LearnerConfig, filter_cfg: Filte
     """The learner's batch, with the trajectories the filters drop masked out of the loss: the configured filter
     of the registry, and DAPO's group filter when it is on. ``policy_logp`` scores with the step's starting params
     (the OPS filter and the pi_old ablation share one pass); ``ref_logp`` adds the reference log-probs for the KL.
+    Both score the learner's own packed layout (every trajectory with a response for the step-start pass, the kept
+    ones for the reference), so each costs the train step's forward, not an unpacked pass at full context.
     ``rows``: B x G (more groups pad to whole batches); ``width``: the packed layout's fixed width."""
     # Packed steps run the model on packed rows only, so the [B, T] layout can be the engine's fixed maximum
     # (one packed width, few compiled shapes); unpacked steps pad to the batch's power-of-two bucket.
     batch = build_batch(scored.trajs, scored.advantages, max_len=width if learner.pack_sequences else None)
     response = batch["loss_mask"] > 0
-    step_start_logp = functools.cache(lambda: policy_logp(batch["tokens"], batch["attention_mask"]))
+    n = len(scored.trajs)
+    step_start_logp = functools.cache(
+        lambda: policy_logp(learner_lib.pack_for_learner(pad_rows(batch, rows), learner, mesh))[:n])
     inputs = FilterInputs(
         versions=[t.versions for t in scored.trajs], current_version=current_version,
         behavior_logp=batch["behavior_logp"], response_mask=response, current_logp=step_start_logp)
@@ -69,9 +79,9 @@ def select(scored: Scored, learner: learner_lib.LearnerConfig, filter_cfg: Filte
         metrics["ops/token_mean"] = float(np.asarray(token_ops(pi_old, batch["behavior_logp"]))[response].mean())
         batch["behavior_logp"] = np.where(response, pi_old, batch["behavior_logp"])
     batch["loss_mask"] *= keep[:, None].astype(np.float32)
-    if ref_logp is not None:
-        batch["ref_logp"] = ref_logp(batch["tokens"], batch["attention_mask"])
     batch = pad_rows(batch, rows)  # more than B groups: whole batches' shapes
     batch = learner_lib.pack_for_learner(batch, learner, mesh)
+    if ref_logp is not None:  # on the packed rows of the kept trajectories (0 on the skipped ones: outside the loss)
+        batch["ref_logp"] = np.asarray(ref_logp(batch), np.float32)
     return batch, {**metrics, "filter/kept_fraction": float(keep.mean()),
                    **learner_lib.packing_stats(batch, learner)}

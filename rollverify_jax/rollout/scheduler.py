@@ -255,7 +255,9 @@ class Scheduler:
             keep = np.clip(keep, 0, lengths[idx])
             keeps[idx] = keep
             for i, k, n in zip(idx, keep.tolist(), lengths[idx].tolist(), strict=True):
-                (self.verified_finished if batch[i][1].traj.finished else self.verified).append((k, n))
+                t = batch[i][1].traj
+                (self.verified_finished if t.finished else self.verified).append((k, n))
+                t.history.append({"event": "verify", "version": self.engine.version, "kept": k, "of": n})
         return keeps
 
     def _append(self, t: Trajectory, token: int, logp: float, version: int) -> None:
@@ -406,6 +408,10 @@ class Scheduler:
         self.slots.clear()
         paused = [t for _, t in running] + [p.traj for p in self.queue]
         self.queue.clear()
+        for t in paused:  # one pause per stretch it ran (one resumed but never admitted again adds none)
+            last = t.history[-1] if t.history else {}
+            if t.num_tokens and not t.finished and (last.get("event"), last.get("tokens")) != ("pause", t.num_tokens):
+                t.history.append({"event": "pause", "version": self.engine.version, "tokens": t.num_tokens})
         return paused
 
     def take_finished(self) -> list[Trajectory]:

@@ -22,6 +22,9 @@ class Trajectory:
     finished: bool = False
     draws: int = 0  # verification cuts so far: each cut starts a fresh draw of the suffix
     meta: dict = dataclasses.field(default_factory=dict)
+    # What happened to it between phases, oldest first: {"event": "pause", "version", "tokens"} when a phase
+    # ended with it unfinished, {"event": "verify", "version", "kept", "of"} when a resume verified it.
+    history: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -53,26 +53,43 @@ def make_mesh(spec: RunSpec, devices=None):
     return mesh_lib.make_mesh(**spec.mesh, **({"devices": devices} if devices is not None else {}))
 
 
-def prompt_lengths(tokenizer: Tokenizer, records: Sequence[dict], chat: bool, chunk: int = 4096) -> np.ndarray:
-    """Token counts of the prompts exactly as ``Policy.encode`` encodes them; each distinct prompt is encoded
-    once (DAPO-Math-17k repeats its problems), in batches (``tokenizers`` runs them in Rust)."""
-    texts = [record["prompt"] for record in records]
-    unique = list(dict.fromkeys(texts))
+def prompt_lengths(tokenizer: Tokenizer, records: Sequence[dict], chat: bool, chunk: int = 4096, *,
+                   system_prompt: str | None = None, enable_thinking: bool | None = None) -> np.ndarray:
+    """Token counts of the prompts exactly as ``Policy.encode`` encodes them (``Tokenizer.render_prompt``: a
+    record's own ``messages`` when it has them, the chat template, ``TrainConfig.system_prompt`` and
+    ``enable_thinking``); each distinct prompt is rendered and encoded once (DAPO-Math-17k repeats its problems),
+    in batches (``tokenizers`` runs them in Rust)."""
+    keys = [_prompt_key(record) for record in records]
+    unique = list(dict(zip(keys, records, strict=True)).items())
     counts: dict[str, int] = {}
     for start in range(0, len(unique), chunk):
         part = unique[start:start + chunk]
-        rendered = [tokenizer.apply_chat_template(t) if chat else t for t in part]
-        counts.update(zip(part, map(len, tokenizer.encode_batch(rendered)), strict=True))
-    return np.asarray([counts[t] for t in texts], dtype=np.int64)
+        rendered = [tokenizer.render_prompt(r["prompt"], chat=chat, messages=r.get("messages"), system=system_prompt,
+                                            enable_thinking=enable_thinking) for _, r in part]
+        counts.update(zip((k for k, _ in part), map(len, tokenizer.encode_batch(rendered)), strict=True))
+    return np.asarray([counts[k] for k in keys], dtype=np.int64)
 
 
-def load_prompts(role: str, name: str, kwargs: dict, tokenizer: Tokenizer, chat: bool, max_len: int) -> list[dict]:
-    """A dataset's records without the prompts longer than ``max_len`` tokens, dropped once here with a
-    warning: admitted mid-run, such a prompt would stop the run (the scheduler refuses it)."""
+def prompt_options(train) -> dict:
+    """The chat-prompt settings of a ``TrainConfig`` that ``prompt_lengths`` takes besides ``chat``."""
+    return {"system_prompt": train.system_prompt, "enable_thinking": train.enable_thinking}
+
+
+def _prompt_key(record: dict) -> str:
+    """What a prompt's rendering depends on: its text, and its chat messages when it has them."""
+    messages = record.get("messages")
+    return record["prompt"] if messages is None else json.dumps([record["prompt"], messages], sort_keys=True)
+
+
+def load_prompts(role: str, name: str, kwargs: dict, tokenizer: Tokenizer, chat: bool, max_len: int, *,
+                 system_prompt: str | None = None, enable_thinking: bool | None = None) -> list[dict]:
+    """A dataset's records without the prompts longer than ``max_len`` tokens (as ``prompt_lengths`` counts them),
+    dropped once here with a warning: admitted mid-run, such a prompt would stop the run (the scheduler refuses
+    it)."""
     records = list(get_dataset(name, **kwargs))
     if not records:
-        raise ValueError(f"{role.capitalize()} dataset {name!r} with {kwargs} is empty.")
-    lengths = prompt_lengths(tokenizer, records, chat)
+        raise ValueError(f"{role[0].upper() + role[1:]} dataset {name!r} with {kwargs} is empty.")
+    lengths = prompt_lengths(tokenizer, records, chat, system_prompt=system_prompt, enable_thinking=enable_thinking)
     kept, dropped = drop_long_prompts(records, lengths, max_len)
     where = (f"longer than {max_len} tokens (the room EngineConfig.max_seq_len - RolloutConfig.max_new_tokens "
              f"leaves; the longest has {int(lengths.max())})")
@@ -83,6 +100,16 @@ def load_prompts(role: str, name: str, kwargs: dict, tokenizer: Tokenizer, chat:
         print(f"warning: {role} dataset {name!r}: dropped {dropped} of {len(records)} prompts {where}; "
               f"{len(kept)} remain.", flush=True)
     return kept
+
+
+def load_eval_sets(spec: RunSpec, tokenizer: Tokenizer, chat: bool) -> dict[str, list[dict]]:
+    """The records of each ``TrainConfig.eval_sets`` entry, by name (its first ``size`` problems)."""
+    sets = {}
+    for name in spec.train.eval_sets:
+        dataset, kwargs, size = spec.eval_set_kwargs(name)
+        sets[name] = load_prompts(f"eval set {name!r}", dataset, kwargs, tokenizer, chat, spec.max_prompt_len(),
+                                  **prompt_options(spec.train))[:size]
+    return sets
 
 
 def load_policy(spec: RunSpec, train, mesh):
@@ -123,9 +150,10 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> P
     scorer = RewardScorer(**spec.reward)
     try:
         eval_records = load_prompts("eval", train.eval_dataset, spec.dataset_kwargs("eval"), tokenizer,
-                                    train.chat_template, spec.max_prompt_len())[: train.eval_size]
+                                    train.chat_template, spec.max_prompt_len(),
+                                    **prompt_options(train))[: train.eval_size]
         policy = Policy(spec=spec, tokenizer=tokenizer, model=model, mesh=mesh, engine=engine, scorer=scorer,
-                        eval_records=eval_records)
+                        eval_records=eval_records, eval_sets=load_eval_sets(spec, tokenizer, train.chat_template))
         if checkpoint is not None and not hf_checkpoint:
             step, params = restore_params(model, mesh, checkpoint, spec)
             engine.update_params(params, version=step)
@@ -157,15 +185,17 @@ def _training(policy: Policy, workdir: epath.Path) -> Trainer:
     train_state = learner_lib.init_train_state(model, optimizer, mesh, seed=spec.train.seed)
     train_step = learner_lib.make_train_step(graphdef, spec.learner, optimizer, mesh, shardings, spec.flash)
     ref_params = jax.tree.map(lambda x: x.copy(), train_state.params) if spec.loss.kl_coef > 0 else None
+    logprob_fn = learner_lib.make_logprob_fn(graphdef, spec.learner, mesh, shardings.params, spec.flash)
     records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"), policy.tokenizer,
-                           spec.train.chat_template, spec.max_prompt_len())
+                           spec.train.chat_template, spec.max_prompt_len(), **prompt_options(spec.train))
     iterator = PromptIterator(records, batch_size=1, seed=spec.train.seed)
     manager = RolloutManager(spec.rollout, Scheduler(engine), lambda: iterator.next_batch()[0], policy.encode,
                              seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
     checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
     trainer = Trainer(policy=policy, workdir=workdir, graphdef=graphdef, train_state=train_state,
                       train_step=train_step, manager=manager, iterator=iterator, checkpointer=checkpointer,
-                      ref_params=ref_params, inputs=input_identity(spec, records, policy.tokenizer))
+                      ref_params=ref_params, logprob_fn=logprob_fn,
+                      inputs=input_identity(spec, records, policy.tokenizer))
     try:
         _restore(trainer, learner_lib.abstract_train_state(model, optimizer, mesh))
     except BaseException:

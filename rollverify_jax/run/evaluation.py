@@ -1,8 +1,19 @@
-"""Held-out evaluation of a policy: avg@k / pass@k on an eval set with fixed seeds, and a few generations logged.
+"""Held-out evaluation of a policy: avg@k, pass@k and maj@k on one or more eval sets with fixed seeds, and a few
+generations logged.
 
 How evaluation samples is ``EvalConfig`` (temperature, top-p, samples per problem, response length); its
-defaults are training's settings, so evaluation matches the training sampler unless told otherwise. Every
-evaluation inside training writes a few of its generations to ``<workdir>/samples/step_<N>.jsonl``.
+defaults are training's settings, so evaluation matches the training sampler unless told otherwise. The eval
+sets are ``TrainConfig.eval_dataset`` (metrics ``eval/...``) and each of ``TrainConfig.eval_sets`` (metrics
+``eval/<name>/...``). Every evaluation inside training writes a few generations of each set to
+``<workdir>/samples/step_<N>.jsonl`` (each row names its set).
+
+With n samples per problem, c of them correct:
+- avg@n is the mean correctness (``eval/accuracy`` is avg@n);
+- pass@k = 1 - C(n-c, k) / C(n, k), the unbiased estimator of "one of k samples is correct" (Chen et al.,
+  2021); any-of-n for k = n, so earlier pass@n values are unchanged;
+- maj@k: the most frequent extracted answer of the first k samples (ties: the one that appears first) is
+  correct; samples with no extractable answer do not vote. Answers are extracted as the ``math`` reward does
+  (the last ``Answer:`` line, else the last ``\\boxed{}``).
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from rollverify_jax.data.rewards import RewardScorer
+from rollverify_jax.data.rewards import RewardScorer, extract_answer
 from rollverify_jax.infra import storage
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.sampling import SamplingConfig
@@ -40,7 +51,9 @@ class EvalConfig:
     samples_per_problem: int | None = None  # k of avg@k / pass@k; None: TrainConfig.eval_samples
     max_new_tokens: int | None = None  # None: RolloutConfig.max_new_tokens
     at_start: bool = True  # False: a fresh training run skips its step-0 evaluation
-    num_samples_logged: int = 16  # generations written per evaluation to samples/step_<N>.jsonl (0: none)
+    num_samples_logged: int = 16  # generations written per set and evaluation to samples/step_<N>.jsonl (0: none)
+    # The k of pass@k and maj@k besides the samples per problem n (always reported); each must be <= n.
+    at_k: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.temperature is not None and self.temperature < 0:
@@ -53,6 +66,8 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.{name}={value} must be >= 1 or None.")
         if self.num_samples_logged < 0:
             raise ValueError(f"EvalConfig.num_samples_logged={self.num_samples_logged} must be >= 0.")
+        if any(not isinstance(k, int) or k < 1 for k in self.at_k):
+            raise ValueError(f"EvalConfig.at_k={self.at_k} must hold integers >= 1.")
 
     def sampling(self, train: SamplingConfig) -> SamplingConfig:
         """Training's sampler with this config's temperature / top-p (top-k stays training's)."""
@@ -78,12 +93,63 @@ def _sampling(engine: Engine, sampling: SamplingConfig) -> Iterator[None]:
         engine.sampling = saved
 
 
+def pass_at_k(n: int, correct: np.ndarray, k: int) -> np.ndarray:
+    """Unbiased pass@k per problem from ``correct`` [P] correct samples out of n: 1 - C(n-c, k) / C(n, k), as the
+    product 1 - prod_{i=n-c+1..n} (1 - k / i), which stays exact where the binomials would overflow."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n = {n} samples per problem.")
+    out = np.ones(len(correct), np.float64)
+    for p, c in enumerate(np.asarray(correct, np.int64)):
+        if n - c >= k:
+            out[p] = 1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1))
+    return out
+
+
+def majority_correct(answers: Sequence[Sequence[str | None]], correct: np.ndarray, k: int) -> np.ndarray:
+    """bool[P]: the most frequent answer among each problem's first k samples is a correct one. ``answers`` [P][n]
+    are the extracted answers (None: none found, no vote); ``correct`` [P, n] the samples' grades."""
+    out = np.zeros(len(answers), bool)
+    for p, row in enumerate(answers):
+        votes: dict[str, list[int]] = {}
+        for j, answer in enumerate(row[:k]):
+            if answer is not None:
+                votes.setdefault(answer, []).append(j)
+        if votes:
+            winner = max(votes.values(), key=len)  # dicts keep insertion order: a tie goes to the first seen
+            out[p] = bool(correct[p, winner[0]])
+    return out
+
+
+def sample_metrics(correct: np.ndarray, answers: Sequence[Sequence[str | None]], at_k: Sequence[int],
+                   prefix: str = "eval/") -> dict[str, float]:
+    """avg@n (``accuracy``), pass@k and maj@k for k in ``at_k`` and n, from ``correct`` bool[P, n]."""
+    n = correct.shape[1]
+    too_big = [k for k in at_k if k > n]
+    if too_big:
+        raise ValueError(f"EvalConfig.at_k={tuple(at_k)} asks for k = {too_big} but each problem has {n} samples "
+                         "(EvalConfig.samples_per_problem, else TrainConfig.eval_samples); lower at_k or raise n.")
+    counts = correct.sum(axis=1)
+    out = {f"{prefix}accuracy": float(correct.mean()), f"{prefix}avg@{n}": float(correct.mean())}
+    for k in sorted({*at_k, n}):
+        out[f"{prefix}pass@{k}"] = float(pass_at_k(n, counts, k).mean())
+        out[f"{prefix}maj@{k}"] = float(majority_correct(answers, correct, k).mean())
+    return out
+
+
+def vote_key(response: str) -> str | None:
+    """The answer a response votes for in maj@k (whitespace-normalised); None when it gives none."""
+    answer = extract_answer(response)
+    return " ".join(answer.split()) if answer else None
+
+
 def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[dict], np.ndarray],
                     decode: Callable[[list[int]], str], scorer: RewardScorer, k: int, max_new_tokens: int,
-                    sampling: SamplingConfig | None = None) -> tuple[dict, list[dict]]:
+                    sampling: SamplingConfig | None = None, at_k: Sequence[int] = (),
+                    prefix: str = "eval/") -> tuple[dict, list[dict]]:
     """Samples k responses per record (fixed seeds, so evaluations at different steps see the same randomness)
-    with ``sampling`` (default: the engine's). Returns the metrics (avg@k, pass@k, mean response length) and one
-    row per response (problem, sample, prompt, response, answer, reward), problem by problem."""
+    with ``sampling`` (default: the engine's). Returns the metrics (avg@k, pass@k, maj@k, mean response length,
+    named ``prefix...``) and one row per response (problem, sample, prompt, response, answer, reward), problem by
+    problem."""
     sched = Scheduler(engine)
     trajs = []
     for i, rec in enumerate(records):
@@ -98,11 +164,12 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
         sched.run()
     done = sorted(sched.take_finished(), key=lambda t: t.uid)
     texts = [decode(t.tokens) for t in done]
-    rewards, _ = scorer.score(texts, [records[t.group_id]["answer"] for t in done], overlong_penalty=False)
-    correct = (np.asarray(rewards).reshape(len(records), k) > 0.5)
-    metrics = {"eval/accuracy": float(correct.mean()), f"eval/avg@{k}": float(correct.mean()),
-               f"eval/pass@{k}": float(correct.any(axis=1).mean()),
-               "eval/response_length": float(np.mean([t.num_tokens for t in done])),
+    graded = [records[t.group_id] for t in done]
+    rewards, _ = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False, records=graded)
+    correct = np.asarray(rewards).reshape(len(records), k) > 0.5
+    votes = [[vote_key(texts[i * k + j]) for j in range(k)] for i in range(len(records))]
+    metrics = {**sample_metrics(correct, votes, at_k, prefix),
+               f"{prefix}response_length": float(np.mean([t.num_tokens for t in done])),
                "time/eval": time.perf_counter() - t0}
     rows = [{"problem": t.group_id, "sample": t.uid % k, "prompt": records[t.group_id]["prompt"], "response": text,
              "answer": records[t.group_id]["answer"], "reward": float(r), "num_tokens": t.num_tokens}
@@ -123,34 +190,53 @@ def write_samples(path: storage.PathLike, rows: list[dict], step: int) -> None:
     storage.write_text_atomically(path, "".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
 
 
+def eval_sets(policy: Policy) -> list[tuple[str, list[dict], int]]:
+    """(name, records, samples per problem) of every eval set: the primary one named "" (metrics ``eval/...``),
+    then ``TrainConfig.eval_sets`` in order (``eval/<name>/...``); a set's own ``k`` overrides the default n."""
+    spec = policy.spec
+    k = spec.eval.samples_per_problem or spec.train.eval_samples
+    return [("", policy.eval_records, k), *((name, records, spec.train.eval_sets[name].get("k") or k)
+                                             for name, records in policy.eval_sets.items())]
+
+
 def eval_settings(policy: Policy) -> tuple[int, int, SamplingConfig]:
-    """(samples per problem, max new tokens, sampler) of a policy's evaluation: EvalConfig, else training's."""
+    """(samples per problem, max new tokens, sampler) of a policy's evaluation: EvalConfig, else training's. The
+    response length must leave room for the longest prompt of every eval set."""
     spec = policy.spec
     cfg = spec.eval
     k = cfg.samples_per_problem or spec.train.eval_samples
     max_new = cfg.max_new_tokens or spec.rollout.max_new_tokens
-    longest = max(len(policy.encode(record)) for record in policy.eval_records)
-    if longest + max_new > policy.engine.config.max_seq_len:
-        raise ValueError(f"EvalConfig.max_new_tokens={max_new} (else RolloutConfig.max_new_tokens) leaves no room "
-                         f"for the longest eval prompt ({longest} tokens) in EngineConfig.max_seq_len="
-                         f"{policy.engine.config.max_seq_len}.")
+    for name, records, _ in eval_sets(policy):
+        longest = max(len(policy.encode(record)) for record in records)
+        if longest + max_new > policy.engine.config.max_seq_len:
+            where = f"eval set {name!r}" if name else "eval"
+            raise ValueError(f"EvalConfig.max_new_tokens={max_new} (else RolloutConfig.max_new_tokens) leaves no "
+                             f"room for the longest {where} prompt ({longest} tokens) in EngineConfig.max_seq_len="
+                             f"{policy.engine.config.max_seq_len}.")
     return k, max_new, cfg.sampling(policy.engine.sampling)
 
 
 def evaluate_run(policy: Policy, workdir: storage.PathLike | None = None,
                  samples_path: storage.PathLike | None = None) -> dict:
-    """Held-out evaluation of a built policy as its engine holds it (eval set from TrainConfig, sampling from
-    EvalConfig).
+    """Held-out evaluation of a built policy as its engine holds it, on every eval set (``eval_sets``), sampling
+    from EvalConfig. ``time/eval`` is the whole evaluation's time.
 
-    ``EvalConfig.num_samples_logged`` generations go to ``samples_path`` (default: the run's
-    ``samples/step_<N>.jsonl`` under ``workdir`` when there is one, else nowhere)."""
-    k, max_new, sampling = eval_settings(policy)
-    metrics, rows = evaluate_policy(policy.engine, policy.eval_records, policy.encode, policy.decode, policy.scorer,
-                                    k, max_new, sampling)
+    ``EvalConfig.num_samples_logged`` generations of each set go to ``samples_path`` (default: the run's
+    ``samples/step_<N>.jsonl`` under ``workdir`` when there is one, else nowhere); rows of a named set carry
+    ``eval_set``."""
+    _, max_new, sampling = eval_settings(policy)
+    metrics, logged = {"time/eval": 0.0}, []
+    n = policy.spec.eval.num_samples_logged
+    for name, records, k in eval_sets(policy):
+        prefix = f"eval/{name}/" if name else "eval/"
+        result, rows = evaluate_policy(policy.engine, records, policy.encode, policy.decode, policy.scorer, k,
+                                       max_new, sampling, policy.spec.eval.at_k, prefix)
+        metrics["time/eval"] += result.pop("time/eval")
+        metrics.update(result)
+        logged += [{"eval_set": name, **row} if name else row for row in logged_rows(rows, n)]
     step = policy.engine.version
     if samples_path is None and workdir is not None:
         samples_path = storage.as_path(workdir) / "samples" / f"step_{step}.jsonl"
-    n = policy.spec.eval.num_samples_logged
     if samples_path is not None and n and jax.process_index() == 0:  # one writer on several hosts
-        write_samples(samples_path, logged_rows(rows, n), step)
+        write_samples(samples_path, logged, step)
     return metrics

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import sys
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,11 +41,31 @@ log = logging.getLogger(__name__)
 
 PROGRESS_STYLES = ("auto", "bar", "lines", "none")
 WANDB_INSTALL = "pip install -e '.[wandb]'"
+WANDB_RUN_ID_FILE = "wandb_run_id"
+PLOT_INSTALL = "pip install -e '.[plot]'"
 
 
 class MissingExtraError(ImportError, ValueError):
     """An optional package a setting needs is not installed: a configuration error (the CLI's one-line
     ``error:``, exit status 2), still an ImportError for code that catches those."""
+
+
+def pyplot(cli: bool = False) -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed: SSH, SLURM, CI), imported on first
+    use: plotting is the optional ``plot`` extra, which training never needs. Without matplotlib: a
+    ``MissingExtraError`` naming the extra, or with ``cli`` (the scripts) that message and exit status 2."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        message = f"plotting needs matplotlib, which is not installed: {PLOT_INSTALL}"
+        if cli:
+            print(f"error: {message}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise MissingExtraError(message) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _wandb_installed() -> bool:
@@ -58,18 +79,36 @@ class MetricsConfig:
     """How a run reports besides ``metrics.jsonl`` and TensorBoard (``TrainConfig.metrics_tensorboard``).
 
     progress: 'auto' (a bar when stdout and stderr are terminals, else one line per step), 'bar', 'lines', 'none'.
-    wandb_project: a Weights & Biases project to log every record to (None: off); each invocation is one W&B run,
-    named ``wandb_run_name`` or the workdir's name, with its files under ``<workdir>/wandb``.
+    wandb_project: a Weights & Biases project to log every record to (None: off). A workdir is one W&B run, named
+    ``wandb_run_name`` or the workdir's name, with its files under ``<workdir>/wandb``: its id is kept in
+    ``<workdir>/wandb_run_id``, so a resumed run continues the same W&B run.
+    profile_steps: ``(first, last)``: a ``jax.profiler`` trace of training steps first..last (inclusive) into
+    ``<workdir>/profile`` (``rollverify_jax/run/profiler.py``); None: no trace.
     """
 
     progress: str = "auto"
     wandb_project: str | None = None
-    wandb_entity: str | None = None
-    wandb_run_name: str | None = None
+    wandb_entity: str | None = None  # the W&B team or user (None: wandb's default)
+    wandb_run_name: str | None = None  # the W&B run's name (None: the workdir's name)
+    profile_steps: tuple[int, int] | None = None
+    # Every N training steps (0: never), this many of the step's trajectories to samples/rollout_step_<N>.jsonl:
+    # prompt, response, reward, advantage, versions and pause / verification history (run/rollout_samples.py).
+    rollout_samples_every: int = 0
+    rollout_samples_logged: int = 8
 
     def __post_init__(self):
         if self.progress not in PROGRESS_STYLES:
             raise ValueError(f"MetricsConfig.progress={self.progress!r}; choose one of {list(PROGRESS_STYLES)}.")
+        if self.profile_steps is not None:
+            window = tuple(self.profile_steps) if isinstance(self.profile_steps, list | tuple) else ()
+            if len(window) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in window) \
+                    or not 1 <= window[0] <= window[1]:
+                raise ValueError(f"MetricsConfig.profile_steps={self.profile_steps!r} must be (first, last) training "
+                                 "steps with 1 <= first <= last, e.g. (3, 4), or None.")
+            object.__setattr__(self, "profile_steps", window)  # gin may give a list: kept hashable
+        if self.rollout_samples_every < 0 or self.rollout_samples_logged < 0:
+            raise ValueError(f"MetricsConfig.rollout_samples_every={self.rollout_samples_every} and "
+                             f"rollout_samples_logged={self.rollout_samples_logged} must be >= 0 (0: off).")
         if self.wandb_project is not None and not _wandb_installed():  # checked before any work is done
             raise MissingExtraError(f"MetricsConfig.wandb_project={self.wandb_project!r} needs the wandb package, "
                                     f"which is not installed: {WANDB_INSTALL}")
@@ -371,9 +410,24 @@ def open_progress(config: MetricsConfig, total_steps: int | None = None, start_s
     return ProgressBar(total_steps=total_steps, start_step=start_step, disable=style == "none", force=style == "bar")
 
 
+def wandb_run_id(workdir: storage.PathLike) -> str:
+    """The W&B run id of this workdir: read from ``<workdir>/wandb_run_id``, or made and written there (atomically,
+    once) by the first launch that logs to W&B, so every later launch resumes the same W&B run."""
+    path = storage.as_path(workdir) / WANDB_RUN_ID_FILE
+    if path.exists():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    run_id = uuid.uuid4().hex[:16]  # W&B ids: letters and digits
+    storage.as_path(workdir).mkdir(parents=True, exist_ok=True)
+    storage.write_text_atomically(path, run_id + "\n")
+    return run_id
+
+
 def open_wandb(config: MetricsConfig, workdir: storage.PathLike, start_step: int = 0, gin_text: str = "") -> Any:
     """A W&B run for ``MetricsWriter(wandb_run=...)``, or None when ``wandb_project`` is unset or off process 0.
-    wandb is imported only here, so runs without it never need the package."""
+    The workdir's run id (``wandb_run_id``) with ``resume='allow'``: a resume continues the W&B run, a fresh
+    workdir starts one. wandb is imported only here, so runs without it never need the package."""
     if config.wandb_project is None or not _is_primary():
         return None
     try:
@@ -385,6 +439,7 @@ def open_wandb(config: MetricsConfig, workdir: storage.PathLike, start_step: int
     # wandb keeps its files on a local disk: beside the run when the workdir is local, else in wandb's default.
     return wandb.init(project=config.wandb_project, entity=config.wandb_entity,
                       name=config.wandb_run_name or where.name, dir=str(workdir) if storage.is_local(workdir) else None,
+                      id=wandb_run_id(workdir), resume="allow",
                       config={"workdir": str(where), "start_step": int(start_step),
                               "gin": gin_text})
 
@@ -409,12 +464,19 @@ def run_summary(metrics: list[dict]) -> list[str]:
     """What the run showed, the lines a person checks first after a run: the held-out accuracy from the first
     evaluation to the last, the steps in partial mode (and the switch), slot utilization per mode, where the time
     went and the acceptance."""
-    evals = [m for m in metrics if "eval/accuracy" in m]
     lines = []
-    if evals:
-        first, last = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-        lines.append(f"held-out accuracy: {first:.3f} (step {evals[0]['step']}) -> {last:.3f} (step "
-                     f"{evals[-1]['step']}), {100 * (last - first):+.1f} points")
+    sets = sorted({k[len("eval/"):-len("/accuracy")] for m in metrics for k in m
+                   if k.startswith("eval/") and k.endswith("/accuracy") and k != "eval/accuracy"})
+    for name in ["", *sets]:
+        key = f"eval/{name}/" if name else "eval/"
+        evals = [m for m in metrics if f"{key}accuracy" in m]
+        if evals:
+            first, last = evals[0][f"{key}accuracy"], evals[-1][f"{key}accuracy"]
+            at_k = ", ".join(f"{k[len(key):]} {v:.3f}" for k, v in sorted(evals[-1].items())
+                             if k.startswith(key) and k[len(key):].split("@")[0] in ("pass", "maj"))
+            lines.append(f"held-out accuracy{f' ({name})' if name else ''}: {first:.3f} (step {evals[0]['step']}) -> "
+                         f"{last:.3f} (step {evals[-1]['step']}), {100 * (last - first):+.1f} points"
+                         + (f"; last: {at_k}" if at_k else ""))
     steps = [m for m in metrics if "time/step" in m]
     if not steps:
         return lines

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,27 +50,39 @@ class TrainConfig:
     SwitchConfig, CheckpointConfig, RewardScorer, make_mesh)."""
 
     run_name: str | None = None  # workdir = runs_root/run_name (default: the first gin file's stem)
-    runs_root: str = "runs"
+    runs_root: str = "runs"  # where workdirs go: a local directory or e.g. gs://bucket/runs
     policy_path: str | None = "assets/tiny_policy"  # HF-layout dir with tokenizer; None: random model_config()
     tokenizer_path: str | None = None  # defaults to policy_path
-    param_dtype: str | None = None
-    compute_dtype: str | None = None
-    num_steps: int = 40
-    seed: int = 0
-    advantage: str = "grpo"
+    param_dtype: str | None = None  # params' dtype, e.g. 'bfloat16' (None: the checkpoint's, else float32)
+    compute_dtype: str | None = None  # activations' dtype (None: param_dtype)
+    num_steps: int = 40  # training steps (rollout + update) of the whole run, over all its launches
+    seed: int = 0  # params of a random policy, data order, sampling keys
+    advantage: str = "grpo"  # group advantage: 'grpo', 'drgrpo' or 'rloo'
     # DAPO's group filter (without re-sampling): groups whose rewards are all equal have zero advantage, so
     # they leave the loss and its normaliser, and the packed train step skips their forward pass.
     skip_uniform_groups: bool = False
-    train_dataset: str = "synthetic"
-    train_dataset_kwargs: dict = dataclasses.field(default_factory=dict)
-    eval_dataset: str = "synthetic"
-    eval_dataset_kwargs: dict = dataclasses.field(default_factory=lambda: {"split": "test"})
-    eval_size: int = 64
-    eval_samples: int = 4
+    train_dataset: str = "synthetic"  # a name in data/datasets.py's DATASETS
+    train_dataset_kwargs: dict = dataclasses.field(default_factory=dict)  # its loader's arguments, e.g. {'path': ...}
+    eval_dataset: str = "synthetic"  # the held-out set (a DATASETS name)
+    eval_dataset_kwargs: dict = dataclasses.field(default_factory=lambda: {"split": "test"})  # its arguments
+    eval_size: int = 64  # problems of the held-out set evaluated (its first ones)
+    eval_samples: int = 4  # samples per problem (k of avg@k, pass@k) unless EvalConfig sets it
     eval_every: int = 10  # 0: never (besides the start and the end)
-    time_budget_s: float = 0.0  # > 0: stop after the first step that ends past this wall-clock (for comparisons)
-    chat_template: bool = False
-    metrics_tensorboard: bool = True
+    # More eval sets, each reported under its own name (eval/<name>/...): name -> {'name': dataset, 'size': problems
+    # (default eval_size), 'k': samples per problem (default EvalConfig's n), and the dataset's arguments}, e.g.
+    # {'aime24': {'name': 'aime_parquet', 'path': '/data/aime24.parquet', 'k': 16}}.
+    eval_sets: dict = dataclasses.field(default_factory=dict)
+    # > 0: stop (evaluate, checkpoint) after the first step that ends this many seconds into this launch's training
+    # loop. It bounds one sitting: a resume gets a fresh budget (time/wall still counts the run's every launch).
+    time_budget_s: float = 0.0
+    chat_template: bool = False  # render prompts with the checkpoint's chat template (instruct models)
+    # Chat prompts only (chat_template=True): a system message for the records that bring none of their own (a
+    # record's own system message, in its `messages`, takes precedence).
+    system_prompt: str | None = None
+    # Chat prompts only: Qwen3's thinking switch, passed to the chat template as its `enable_thinking` variable
+    # (False: Qwen3 answers without reasoning; None: left undefined, the template's default).
+    enable_thinking: bool | None = None
+    metrics_tensorboard: bool = True  # TensorBoard events under <workdir>/tensorboard besides metrics.jsonl
     # A resume refuses settings that differ from the checkpoint's run (mode, thresholds, loss, B, G, ...);
     # True (or --allow_changed_settings) continues with the new ones, listing each difference.
     allow_changed_settings: bool = False
@@ -86,7 +99,31 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.max_skipped_steps={self.max_skipped_steps} must be >= 1.")
         if self.eval_size < 1:  # a negative size would slice problems off the end in silence
             raise ValueError(f"TrainConfig.eval_size={self.eval_size} must be >= 1.")
+        for name, entry in self.eval_sets.items():
+            _check_eval_set(name, entry)
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"TrainConfig.system_prompt must be a string or None, got {self.system_prompt!r}.")
+        if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
+            raise ValueError(f"TrainConfig.enable_thinking must be True, False or None, got {self.enable_thinking!r}.")
+        for name in ("system_prompt", "enable_thinking"):
+            if getattr(self, name) is not None and not self.chat_template:
+                raise ValueError(f"TrainConfig.{name} shapes the chat prompt: set TrainConfig.chat_template = True "
+                                 "(a raw prompt has no system turn and no thinking switch), or leave it None.")
         adv_lib.get_advantage_fn(self.advantage)
+
+
+def _check_eval_set(name: Any, entry: Any) -> None:
+    """One ``TrainConfig.eval_sets`` entry: a metric-safe name and a dict naming its dataset."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"TrainConfig.eval_sets: set name {name!r} must be letters, digits, '_', '.' or '-' (it "
+                         "names the set's metrics, eval/<name>/...).")
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+        raise ValueError(f"TrainConfig.eval_sets[{name!r}] must be a dict with the dataset's 'name' (and its "
+                         f"arguments), e.g. {{'name': 'aime_parquet', 'path': ...}}; got {entry!r}.")
+    for key in ("size", "k"):
+        value = entry.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"TrainConfig.eval_sets[{name!r}]['{key}']={value!r} must be an integer >= 1.")
 
 
 def _freeze(value: Any) -> Any:
@@ -162,7 +199,7 @@ NOT_RUN_DEFINING_PARTS = frozenset({"checkpoint", "eval", "metrics", "aot", "com
                                     "cost_model", "roofline"})
 NOT_RUN_DEFINING = frozenset({
     "train.run_name", "train.runs_root", "train.num_steps", "train.time_budget_s", "train.eval_size",
-    "train.eval_samples", "train.eval_every", "train.eval_dataset", "train.eval_dataset_kwargs",
+    "train.eval_samples", "train.eval_every", "train.eval_dataset", "train.eval_dataset_kwargs", "train.eval_sets",
     "train.metrics_tensorboard", "train.allow_changed_settings", "train.max_skipped_steps",
     "train.restart_from_scratch", "train.tokenizer_path",  # the tokenizer itself is compared by its hash
     "train.train_dataset", "train.train_dataset_kwargs",  # compared with the records' hash (Trainer.inputs)
@@ -327,6 +364,16 @@ class RunSpec:
         if name == "synthetic":
             kwargs = {**self.synthetic_task, **kwargs}
         return kwargs
+
+    def eval_set_kwargs(self, name: str) -> tuple[str, dict, int]:
+        """(dataset, its arguments, problems) of ``TrainConfig.eval_sets[name]``; a synthetic set gets the synthetic
+        task's bindings like ``dataset_kwargs``."""
+        entry = dict(self.train.eval_sets[name])
+        dataset, size = entry.pop("name"), entry.pop("size", None) or self.train.eval_size
+        entry.pop("k", None)
+        if dataset == "synthetic":
+            entry = {**self.synthetic_task, **entry}
+        return dataset, entry, size
 
     def axis_rules_dict(self) -> dict[str, tuple[str, ...]]:
         return mesh_lib.logical_axis_rules(**self.axis_rules)

@@ -13,7 +13,6 @@ from etils import epath
 
 from rollverify_jax.data.datasets import PromptIterator
 from rollverify_jax.infra import distributed
-from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl import step as step_lib
 from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
 from rollverify_jax.run.checkpoint import Checkpointer
@@ -30,11 +29,18 @@ class Policy:
     mesh: Any
     engine: Any
     scorer: Any
-    eval_records: list
+    eval_records: list  # the primary eval set (TrainConfig.eval_dataset)
+    eval_sets: dict = dataclasses.field(default_factory=dict)  # name -> records of TrainConfig.eval_sets
 
     def encode(self, record: dict) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode_prompt(record["prompt"], chat=self.spec.train.chat_template),
-                          np.int32)
+        """A record's prompt ids: its ``prompt``, or with ``TrainConfig.chat_template`` its own ``messages`` when it
+        has them, in the chat template with ``system_prompt`` (unless the record brings a system message) and
+        ``enable_thinking``; ``builder.prompt_lengths`` counts the same rendering."""
+        train = self.spec.train
+        return np.asarray(self.tokenizer.encode_prompt(record["prompt"], chat=train.chat_template,
+                                                       system=train.system_prompt,
+                                                       enable_thinking=train.enable_thinking,
+                                                       messages=record.get("messages")), np.int32)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -56,6 +62,7 @@ class Trainer:
     iterator: PromptIterator
     checkpointer: Checkpointer
     ref_params: Any = None
+    logprob_fn: Any = None  # learner.make_logprob_fn: the packed log-prob pass of select (step start, reference)
     inputs: dict = dataclasses.field(default_factory=dict)  # what the run reads (data, tokenizer): its hashes
     wall_offset: float = 0.0
     step: int = 0
@@ -99,9 +106,10 @@ class Trainer:
         return self.manager.end_cycle(self.step, phase_metrics)
 
     def _logp(self, params):
-        def logp(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
-            return distributed.fetch(learner_lib.compute_logprobs(self.graphdef, params(), tokens, mask,
-                                                                  self.spec.learner.temperature))
+        """The learner's packed forward (`learner.make_logprob_fn`) of ``params()`` on a packed batch, on the
+        host."""
+        def logp(batch: dict) -> np.ndarray:
+            return distributed.fetch(self.logprob_fn(params(), batch))
         return logp
 
     # State ------------------------------------------------------------------------------------------------
