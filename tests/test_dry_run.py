@@ -96,6 +96,16 @@ def test_dry_run_fails_on_broken_files_naming_each(tmp_path, capsys):
     assert "every prompt is longer than 120 tokens" in line
     line = dry_run_fails(capsys, ["TrainConfig.train_dataset_kwargs = {'n': 4, 'colour': 'red'}"])
     assert "TrainConfig.train_dataset_kwargs={'n': 4, 'colour': 'red'} do not fit the loader" in line
+    # Every eval set is opened too, each named, beside the primary one.
+    sets = {"good": {"name": "aime_parquet", "path": write_aime_parquet(tmp_path / "g.parquet", [short(2)]),
+                     "apply_template": False},
+            "gone": {"name": "aime_parquet", "path": str(tmp_path / "gone.parquet")}}
+    line = dry_run_fails(capsys, [f"TrainConfig.eval_sets = {sets}"])
+    assert line.startswith("error: dry run found 1 problem(s): (1) eval set 'gone' data 'aime_parquet'")
+    assert "dataset file not found" in line
+    del sets["gone"]
+    report, out = dry_run(capsys, [f"TrainConfig.eval_sets = {sets}"])
+    assert report["data"]["eval_sets"]["good"]["records"] == 1 and "eval set 'good' data 'aime_parquet'" in out
 
 
 def test_missing_checkpoint_is_said_and_the_preset_labelled(tmp_path, capsys):

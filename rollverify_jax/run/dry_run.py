@@ -68,6 +68,13 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     tokenizer = load_tokenizer(train_cfg, cfg.vocab_size, problems)
     data = {role: check_dataset(role, spec, tokenizer, spec.max_prompt_len(), problems)
             for role in ("train", "eval")}
+    if spec.train.eval_sets:
+        data["eval_sets"] = {}
+        for set_name in spec.train.eval_sets:
+            dataset, kwargs, _ = spec.eval_set_kwargs(set_name)
+            data["eval_sets"][set_name] = check_dataset(
+                f"eval set {set_name!r}", spec, tokenizer, spec.max_prompt_len(), problems,
+                source=(dataset, kwargs, f"TrainConfig.eval_sets[{set_name!r}]"))
     if problems:
         raise ValueError(f"dry run found {len(problems)} problem(s): "
                          + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, start=1)))
@@ -144,15 +151,18 @@ def load_tokenizer(train_cfg, vocab_size: int, problems: list[str]) -> Tokenizer
         return None
 
 
-def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len: int, problems: list[str]) -> dict:
-    """Opens a dataset as training will (every row's schema checked) and measures its prompts."""
+def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len: int, problems: list[str],
+                  source: tuple[str, dict, str] | None = None) -> dict:
+    """Opens a dataset as training will (every row's schema checked) and measures its prompts: the ``role``'s
+    (train, eval) or ``source`` = (dataset, its arguments, the binding that set them), e.g. an eval set's."""
     train_cfg = spec.train
-    name, kwargs = getattr(train_cfg, f"{role}_dataset"), spec.dataset_kwargs(role)
+    name, kwargs, binding = source or (getattr(train_cfg, f"{role}_dataset"), spec.dataset_kwargs(role),
+                                       f"TrainConfig.{role}_dataset_kwargs")
     label = f"{role} data {name!r}" + (f" ({kwargs['path']})" if "path" in kwargs else "")
     try:
         records = list(get_dataset(name, **kwargs))
     except TypeError as e:  # a keyword the loader does not take
-        problems.append(f"{label}: TrainConfig.{role}_dataset_kwargs={kwargs} do not fit the loader: {message(e)}")
+        problems.append(f"{label}: {binding}={kwargs} do not fit the loader: {message(e)}")
         return {"dataset": name, "error": message(e)}
     except (ValueError, FileNotFoundError) as e:  # DatasetSchemaError is a ValueError
         problems.append(f"{label}: {message(e)}")
