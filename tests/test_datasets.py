@@ -20,7 +20,7 @@ from rollverify_jax.data.datasets import (
     get_dataset,
     load_tfds,
 )
-from rollverify_jax.data.sources import BOXED_INSTRUCTION
+from rollverify_jax.data.sources import BOXED_INSTRUCTION, scalar_text
 
 PROBLEMS = [f"What is {i} + {i}?" for i in range(12)]
 
@@ -430,3 +430,9 @@ def test_mixture_shares_follow_the_weights_deterministically(tmp_path):
         get_dataset("mixture", sources=[{"name": "gsm8k", "path": gsm8k}])
     with pytest.raises(TypeError, match=r"mixture source 0 \('gsm8k_jsonl'\): arguments .* do not fit the loader"):
         get_dataset("mixture", sources=[{"name": "gsm8k_jsonl", "path": gsm8k, "nope": 1}])
+
+
+def test_a_missing_numeric_gold_answer_is_no_answer():
+    """A float column's missing value (NaN, as JSON and pandas write it) is no gold answer, not the text 'nan'."""
+    assert [scalar_text(v) for v in (33.0, 7, " 12 ", float("nan"), float("inf"), True)] == ["33", "7", "12", None,
+                                                                                             None, None]

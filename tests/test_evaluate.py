@@ -120,6 +120,12 @@ def test_eval_config_sets_k_temperature_and_length_apart_from_training(eval_run,
             evaluation.evaluate_run(_respec(eval_run))
     finally:
         gin.clear_config()
+    _gin(["EvalConfig.at_k = (1, 3)"])  # 2 samples per problem: refused before anything is sampled
+    try:
+        with pytest.raises(ValueError, match=r"at_k=\(1, 3\) asks for k = \[3\] but the primary eval set has 2 "):
+            evaluation.eval_settings(_respec(eval_run))
+    finally:
+        gin.clear_config()
 
 
 def _cli(args, extra=()):

@@ -476,6 +476,20 @@ def test_each_resume_batch_is_verified_by_its_own_keep_function(engine):
                                             + [(0, lengths[t.uid]) for t in paused[1:]])
 
 
+def test_a_finished_trajectory_resumed_unverified_is_finished_at_once(engine):
+    """A finished member queued for re-verification and paused before its turn, resumed without verification, is
+    handed back as finished without a slot (admitted again, it would decode past its end)."""
+    done = Trajectory(uid=0, group_id=0, prompt=np.arange(4, 9, dtype=np.int32), seed=1, max_new_tokens=8,
+                      tokens=[5, 3], logps=[-1.0, -2.0], versions=[0, 0], finished=True)
+    paused = Trajectory(uid=1, group_id=0, prompt=np.arange(4, 9, dtype=np.int32), seed=2, max_new_tokens=8,
+                        tokens=[6], logps=[-1.0], versions=[0])
+    sched = Scheduler(engine)
+    sched.resume([done, paused])
+    assert sched.take_finished() == [done] and [p.traj for p in sched.queue] == [paused]
+    assert done.tokens == [5, 3]
+    sched.queue.clear()
+
+
 def test_regeneration_counts_compare_each_position_with_the_token_it_replaces(engine):
     """After a cut at ``keep``, the k-th regenerated token is compared with the k-th removed one, for as many
     positions as both have; a trajectory that ends early leaves no state behind."""

@@ -126,3 +126,13 @@ def test_the_spec_of_every_shipped_config_builds(spec_of):
         gin.clear_config()
         spec_lib.parse_gin([str(path)], [])
         assert isinstance(RunSpec.from_gin(), RunSpec), path
+
+
+def test_eval_sets_are_checked_and_a_synthetic_one_is_held_out_by_default(spec_of):
+    spec = spec_of("TrainConfig.eval_sets = {'more': {'name': 'synthetic', 'n': 8, 'size': 3, 'k': 2}}")
+    assert spec.eval_set_kwargs("more") == ("synthetic", {**spec.synthetic_task, "split": "test", "n": 8}, 3)
+    for bad, message in [("{'a/b': {'name': 'synthetic'}}", "set name 'a/b' must be"),
+                         ("{'x': {'path': 'f.parquet'}}", r"must be a dict with the dataset's 'name'"),
+                         ("{'x': {'name': 'synthetic', 'k': 0}}", r"\['k'\]=0 must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            spec_of(f"TrainConfig.eval_sets = {bad}")

@@ -120,8 +120,10 @@ def boxed_gold(solution: str) -> str | None:
 
 def scalar_text(value: Any) -> str | None:
     """A gold answer given as a string or a number, as text: an integral float (``33.0``, as pandas writes an
-    integer column holding a null) is the integer; None for other types."""
+    integer column holding a null) is the integer; None for other types and for NaN / inf (a missing value)."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)

@@ -211,6 +211,7 @@ class RolloutManager:
         sched, cfg = self.scheduler, self.config
         resumed = self.cache.take_for_resume(include_finished=self.verifying and self.verify_cfg.verify_finished)
         sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
+        self._collect_finished()  # finished members resumed unverified are back in their groups at once
         while self.cache.num_complete() < cfg.batch_groups:
             fresh_queued = sched.num_new_queued()
             while fresh_queued < self._queue_target() * cfg.group_size:

@@ -24,6 +24,7 @@ from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.run.checkpoint import Checkpointer
+from rollverify_jax.run.evaluation import eval_settings
 from rollverify_jax.run.fresh_start import check_fresh_start
 from rollverify_jax.run.spec import RunSpec, check_resume_settings
 from rollverify_jax.run.trainer import Policy, Trainer
@@ -154,6 +155,7 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> P
                                     **prompt_options(train))[: train.eval_size]
         policy = Policy(spec=spec, tokenizer=tokenizer, model=model, mesh=mesh, engine=engine, scorer=scorer,
                         eval_records=eval_records, eval_sets=load_eval_sets(spec, tokenizer, train.chat_template))
+        eval_settings(policy)  # a bad evaluation setting fails here, not after hours of training or sampling
         if checkpoint is not None and not hf_checkpoint:
             step, params = restore_params(model, mesh, checkpoint, spec)
             engine.update_params(params, version=step)

@@ -206,12 +206,19 @@ def eval_settings(policy: Policy) -> tuple[int, int, SamplingConfig]:
     cfg = spec.eval
     k = cfg.samples_per_problem or spec.train.eval_samples
     max_new = cfg.max_new_tokens or spec.rollout.max_new_tokens
-    for name, records, _ in eval_sets(policy):
+    for name, records, n in eval_sets(policy):
+        where = f"eval set {name!r}" if name else "the primary eval set"
+        too_big = [a for a in cfg.at_k if a > n]
+        if too_big:
+            source = f"TrainConfig.eval_sets[{name!r}]['k']" if name and spec.train.eval_sets[name].get("k") else \
+                "EvalConfig.samples_per_problem, else TrainConfig.eval_samples"
+            raise ValueError(f"EvalConfig.at_k={tuple(cfg.at_k)} asks for k = {too_big} but {where} has "
+                             f"{n} samples per problem ({source}); lower at_k or raise the samples.")
         longest = max(len(policy.encode(record)) for record in records)
         if longest + max_new > policy.engine.config.max_seq_len:
-            where = f"eval set {name!r}" if name else "eval"
+            label = f"eval set {name!r}" if name else "eval"
             raise ValueError(f"EvalConfig.max_new_tokens={max_new} (else RolloutConfig.max_new_tokens) leaves no "
-                             f"room for the longest {where} prompt ({longest} tokens) in EngineConfig.max_seq_len="
+                             f"room for the longest {label} prompt ({longest} tokens) in EngineConfig.max_seq_len="
                              f"{policy.engine.config.max_seq_len}.")
     return k, max_new, cfg.sampling(policy.engine.sampling)
 

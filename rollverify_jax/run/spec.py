@@ -371,8 +371,8 @@ class RunSpec:
         entry = dict(self.train.eval_sets[name])
         dataset, size = entry.pop("name"), entry.pop("size", None) or self.train.eval_size
         entry.pop("k", None)
-        if dataset == "synthetic":
-            entry = {**self.synthetic_task, **entry}
+        if dataset == "synthetic":  # held out unless told otherwise, as the primary eval set's default
+            entry = {**self.synthetic_task, "split": "test", **entry}
         return dataset, entry, size
 
     def axis_rules_dict(self) -> dict[str, tuple[str, ...]]:
