@@ -305,7 +305,7 @@ def main() -> None:
         else:
             out = ARCHIVE.parent / f"{args.name}.md"
             command = f"python scripts/phenomenon.py report --rows {' '.join(args.rows)} --steps {args.steps} " \
-                      f"--name {args.name}"
+                      f"--name {args.name}" + (f" --claims {' '.join(args.claims)}" if args.claims else "")
             out.write_text(f"# {args.name}\n\nCommand: `{command}`\n\n" +
                            report(args.rows, args.steps, args.name, args.reference, args.claims))
             print(f"wrote {out.relative_to(ROOT)}")
