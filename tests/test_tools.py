@@ -248,7 +248,8 @@ print(open('/tmp/{marker}').read())
     assert result.status == ToolStatus.OK, result
     lines = result.output.splitlines()
     assert lines[:5] == ["no read FileNotFoundError"] * 5, result.output  # not in the jail at all
-    assert lines[5:8] == ["no write FileNotFoundError", "no write OSError", "no write OSError"], result.output
+    # Not there (FileNotFoundError) or read-only (OSError): which, depends on where the interpreter is bound from.
+    assert [line.split()[:2] for line in lines[5:8]] == [["no", "write"]] * 3, result.output
     assert lines[-1] == "inside the jail only"
     assert not (tmp_path / "written.txt").exists() and not Path(f"/tmp/{marker}").exists()
     assert not Path(f"/usr/{marker}").exists() and not Path(f"/work/{marker}").exists()

@@ -299,7 +299,9 @@ def _build_jail(spec: dict) -> None:
     for path, mode in _WRITABLE:
         os.makedirs("." + path, exist_ok=True)
         os.chmod("." + path, mode)
-        _mount("." + path, "." + path, None, MS_BIND)  # its own mount, left writable when the root is not
+        # Its own mount, left writable when the root is not; recursive, so a read-only bind already made inside
+        # it (an interpreter whose venv lies under /tmp) stays visible instead of being covered.
+        _mount("." + path, "." + path, None, MS_BIND | MS_REC)
     for fd in handles.values():
         os.close(fd)
     _forbid_nested_user_namespaces()
