@@ -361,98 +361,78 @@ def finish(records: list[Record], path: str, max_rows: int | None, deduplicate: 
 # -- loaders ----------------------------------------------------------------------------------------------
 
 
-def _dapo(rows: Iterator[tuple[str, Row]], path: str, template: str, data_source: str | None) -> list[Record]:
+def _dapo(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
     """DAPO-Math-17k (verl's layout): ``prompt`` and ``reward_model.ground_truth``; the data_source kept."""
-    records = []
-    for where, row in rows:
-        problem = prompt_text(get_field(row, "prompt", path, where), path, where)
-        answer = answer_text(get_field(row, "reward_model.ground_truth", path, where), "reward_model.ground_truth",
-                             path, where)
-        records.append(make_record(problem, answer, template, _source_of(row, data_source, path, where)))
-    return records
+    problem = prompt_text(get_field(row, "prompt", path, where), path, where)
+    answer = answer_text(get_field(row, "reward_model.ground_truth", path, where), "reward_model.ground_truth",
+                         path, where)
+    return make_record(problem, answer, template, _source_of(row, data_source, path, where))
 
 
-def _aime(rows: Iterator[tuple[str, Row]], path: str, template: str, data_source: str | None) -> list[Record]:
+def _aime(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
     """AIME 2024 / 2025 (``problem``/``answer``, ``Problem``/``Answer``, or ``question``/``answer``)."""
-    records = []
-    for where, row in rows:
-        field, problem = first_field(row, PROBLEM_FIELDS, path, where)
-        problem = text_field(problem, field, path, where)
-        field, value = first_field(row, ANSWER_FIELDS, path, where)
-        answer = aime_gold(answer_text(value, field, path, where))
-        records.append(make_record(problem, answer, template, _source_of(row, data_source, path, where)))
-    return records
+    field, problem = first_field(row, PROBLEM_FIELDS, path, where)
+    problem = text_field(problem, field, path, where)
+    field, value = first_field(row, ANSWER_FIELDS, path, where)
+    answer = aime_gold(answer_text(value, field, path, where))
+    return make_record(problem, answer, template, _source_of(row, data_source, path, where))
 
 
-def _gsm8k(rows: Iterator[tuple[str, Row]], path: str, template: str, data_source: str | None) -> list[Record]:
+def _gsm8k(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
     """GSM8K: ``question``, and ``answer`` the worked solution ending in ``#### 42`` (kept as
     ``extra_info.solution``)."""
-    records = []
-    for i, (where, row) in enumerate(rows):
-        problem = text_field(get_field(row, "question", path, where), "question", path, where)
-        solution = text_field(get_field(row, "answer", path, where), "answer", path, where)
-        gold = extracted(gsm8k_gold(solution), "answer", path, where, "a worked solution ending in '#### <answer>'")
-        info = _other_columns(row, ("question",), i, path, where, renamed={"answer": "solution"})
-        records.append(make_record(problem, gold, template, _source_of(row, data_source, path, where),
-                                   extra_info=info))
-    return records
+    problem = text_field(get_field(row, "question", path, where), "question", path, where)
+    solution = text_field(get_field(row, "answer", path, where), "answer", path, where)
+    gold = extracted(gsm8k_gold(solution), "answer", path, where, "a worked solution ending in '#### <answer>'")
+    info = _other_columns(row, ("question",), i, path, where, renamed={"answer": "solution"})
+    return make_record(problem, gold, template, _source_of(row, data_source, path, where), extra_info=info)
 
 
-def _math(rows: Iterator[tuple[str, Row]], path: str, template: str, data_source: str | None) -> list[Record]:
+def _math(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
     """MATH: ``problem`` and ``solution``, whose last ``\\boxed{}`` is the gold answer."""
-    records = []
-    for i, (where, row) in enumerate(rows):
-        field, problem = first_field(row, PROBLEM_FIELDS, path, where)
-        problem = text_field(problem, field, path, where)
-        sfield, solution = first_field(row, SOLUTION_FIELDS, path, where)
-        gold = extracted(boxed_gold(text_field(solution, sfield, path, where)), sfield, path, where,
-                         "a worked solution with a final \\boxed{...}")
-        info = _other_columns(row, (field,), i, path, where)
-        records.append(make_record(problem, gold, template, _source_of(row, data_source, path, where),
-                                   extra_info=info))
-    return records
+    field, problem = first_field(row, PROBLEM_FIELDS, path, where)
+    problem = text_field(problem, field, path, where)
+    sfield, solution = first_field(row, SOLUTION_FIELDS, path, where)
+    gold = extracted(boxed_gold(text_field(solution, sfield, path, where)), sfield, path, where,
+                     "a worked solution with a final \\boxed{...}")
+    info = _other_columns(row, (field,), i, path, where)
+    return make_record(problem, gold, template, _source_of(row, data_source, path, where), extra_info=info)
 
 
-def _math500(rows: Iterator[tuple[str, Row]], path: str, template: str, data_source: str | None) -> list[Record]:
+def _math500(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
     """MATH-500: ``problem``, ``answer`` (the gold answer, curated) and ``solution`` (kept in extra_info)."""
-    records = []
-    for i, (where, row) in enumerate(rows):
-        field, problem = first_field(row, PROBLEM_FIELDS, path, where)
-        problem = text_field(problem, field, path, where)
-        afield, value = first_field(row, ANSWER_FIELDS, path, where)
-        answer = answer_text(value, afield, path, where)
-        info = _other_columns(row, (field, afield), i, path, where)
-        records.append(make_record(problem, answer, template, _source_of(row, data_source, path, where),
-                                   extra_info=info))
-    return records
+    field, problem = first_field(row, PROBLEM_FIELDS, path, where)
+    problem = text_field(problem, field, path, where)
+    afield, value = first_field(row, ANSWER_FIELDS, path, where)
+    answer = answer_text(value, afield, path, where)
+    info = _other_columns(row, (field, afield), i, path, where)
+    return make_record(problem, answer, template, _source_of(row, data_source, path, where), extra_info=info)
 
 
-def _verl(rows: Iterator[tuple[str, Row]], path: str, template: str, data_source: str | None) -> list[Record]:
+def _verl(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
     """verl's RL parquet: ``prompt`` (chat messages, system ones included), ``data_source``,
     ``reward_model.ground_truth``, ``extra_info``; all of it reaches the reward (``ability`` and
     ``reward_model.style``, which verl never hands a reward function either, are dropped)."""
-    records = []
-    for where, row in rows:
-        problem, messages = prompt_messages(get_field(row, "prompt", path, where), path, where)
-        answer = answer_text(get_field(row, "reward_model.ground_truth", path, where), "reward_model.ground_truth",
-                             path, where)
-        source = _source_of(row, data_source, path, where)
-        if source is None:
-            raise DatasetSchemaError(f"{path}: {where}: missing field 'data_source' (verl's reward routing needs "
-                                     "it; pass data_source=... to name the rows that have none)")
-        info = row.get("extra_info")
-        if info is not None and not isinstance(info, dict):
-            raise DatasetSchemaError(f"{path}: {where}: field 'extra_info' must be a dict, got {type(info).__name__}")
-        if messages is not None:
-            json_value(messages, "prompt", path, where)
-        records.append(make_record(problem, answer, template, source, messages,
-                                   None if info is None else json_value(info, "extra_info", path, where)))
-    return records
+    problem, messages = prompt_messages(get_field(row, "prompt", path, where), path, where)
+    answer = answer_text(get_field(row, "reward_model.ground_truth", path, where), "reward_model.ground_truth",
+                         path, where)
+    source = _source_of(row, data_source, path, where)
+    if source is None:
+        raise DatasetSchemaError(f"{path}: {where}: missing field 'data_source' (verl's reward routing needs "
+                                 "it; pass data_source=... to name the rows that have none)")
+    info = row.get("extra_info")
+    if info is not None and not isinstance(info, dict):
+        raise DatasetSchemaError(f"{path}: {where}: field 'extra_info' must be a dict, got {type(info).__name__}")
+    if messages is not None:
+        json_value(messages, "prompt", path, where)
+    return make_record(problem, answer, template, source, messages,
+                       None if info is None else json_value(info, "extra_info", path, where))
 
 
-# preset -> (row reader, its default template, its default data_source, parquet columns: required, optional;
-# None: every column). Each is registered as '<preset>_jsonl' and '<preset>_parquet'.
-PRESETS: dict[str, tuple[Callable[..., list[Record]], str, str | None, tuple[str, ...], tuple[str, ...] | None]] = {
+# preset -> (row parser: (row, index, path, where, template, data_source) -> Record, its default template, its
+# default data_source, parquet columns: required, optional; None: every column). Each is registered as
+# '<preset>_jsonl' and '<preset>_parquet'.
+PRESETS: dict[str, tuple[Callable[..., Record], str, str | None, tuple[str, ...], tuple[str, ...] | None]] = {
     "dapo": (_dapo, "dapo", DAPO_SOURCE, ("prompt", "reward_model"), ("data_source",)),
     "aime": (_aime, "dapo", AIME_SOURCE, (), None),
     "gsm8k": (_gsm8k, "boxed", GSM8K_SOURCE, ("question", "answer"), None),
@@ -466,11 +446,13 @@ def load_preset(preset: str, fmt: str, path: str, template: str | None = None, a
                 data_source: str | None = None, deduplicate: bool = False, max_rows: int | None = None
                 ) -> list[Record]:
     """Records of a ``preset`` file in ``fmt`` ('jsonl' or 'parquet'), see the module docstring."""
-    reader, default_template, default_source, required, optional = PRESETS[preset]
+    parse, default_template, default_source, required, optional = PRESETS[preset]
     text = resolve_template(template, apply_template, default_template)
     path = check_file(path)
     rows = iter_rows(path, fmt, required, optional)
-    return finish(reader(rows, path, text, data_source or default_source), path, max_rows, deduplicate)
+    source = data_source or default_source
+    records = [parse(row, i, path, where, text, source) for i, (where, row) in enumerate(rows)]
+    return finish(records, path, max_rows, deduplicate)
 
 
 def _loader(preset: str, fmt: str) -> Callable[..., list[Record]]:
