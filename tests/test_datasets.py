@@ -397,6 +397,113 @@ def test_old_records_hash_as_before():
     assert datasets.records_fingerprint([{**old[0], "extra_info": {"a": 1}}, *old[1:]]) != before
 
 
+# -- verl's multi-turn / tool-agent files ------------------------------------------------------------------------
+
+
+def tool_agent_rows() -> list[dict]:
+    """The three shapes of verl's multi-turn RL files: a tool agent row as gsm8k_tool_agent_loop.py writes it
+    (agent_name, system turn, tools_kwargs with the ground truth, interaction_kwargs, need_tools_kwargs); a ReTool
+    row (agent_name, no extra_info); a row as dapo_multiturn_w_tool.py writes it (no agent_name, tools_kwargs of
+    another tool), whose prompt also holds an earlier tool call and its reply."""
+    system = {"role": "system", "content": "Call calc_gsm8k_reward before answering. Answer as '#### <answer>'."}
+    return [
+        {"data_source": "openai/gsm8k", "agent_name": "tool_agent",
+         "prompt": [system, {"role": "user", "content": "What is 2 + 3?"}],
+         "ability": "math", "reward_model": {"style": "rule", "ground_truth": "5"},
+         "extra_info": {"split": "train", "index": 0, "need_tools_kwargs": True,
+                        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "5"}}},
+                        "interaction_kwargs": {"query": "What is 2 + 3?", "ground_truth": "5"}}},
+        {"data_source": "aime_2024", "agent_name": "tool_agent",
+         "prompt": [{"role": "user", "content": "Find x."}], "reward_model": {"ground_truth": "204"}},
+        {"data_source": "math_dapo",
+         "prompt": [{"role": "user", "content": "What is 1 + 1?"},
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": "code_interpreter",
+                                                                       "arguments": '{"code": "print(1 + 1)"}'}}]},
+                    {"role": "tool", "content": "2"},
+                    {"role": "user", "content": "And 2 + 2?"}],
+         "reward_model": {"ground_truth": "4"},
+         "extra_info": {"index": 2, "need_tools_kwargs": True,
+                        "tools_kwargs": {"code_interpreter": {"create_kwargs": {"ground_truth": "4"}}}}},
+    ]
+
+
+def test_verl_tool_agent_files_keep_agent_name_and_their_multi_turn_fields(tmp_path):
+    """agent_name is kept on the record and extra_info whole (tools_kwargs, interaction_kwargs, need_tools_kwargs),
+    from jsonl as the file holds it and from parquet with the nulls parquet writes for keys other rows have; the
+    prompt's tool turns are kept in the messages; each record says which agent loop it asks for; a tool agent's
+    record round-trips through a paused group's checkpoint."""
+    from rollverify_jax.data.plugins import agent_of
+    from rollverify_jax.rl.buffer import Group, PausedCache
+    from rollverify_jax.run.checkpoint import decode_extra, encode_extra
+
+    rows = tool_agent_rows()
+    records = get_dataset("verl_jsonl", path=write_jsonl(tmp_path / "tools.jsonl", rows))
+    assert records[0] == {"prompt": "What is 2 + 3?", "answer": "5", "data_source": "openai/gsm8k",
+                          "agent_name": "tool_agent", "messages": rows[0]["prompt"],
+                          "extra_info": rows[0]["extra_info"]}
+    assert records[1] == {"prompt": "Find x.", "answer": "204", "data_source": "aime_2024", "agent_name": "tool_agent",
+                          "messages": rows[1]["prompt"]}
+    assert "agent_name" not in records[2] and records[2]["messages"] == rows[2]["prompt"]
+    assert records[2]["prompt"] == "And 2 + 2?" and records[2]["extra_info"] == rows[2]["extra_info"]
+    assert [agent_of(r) for r in records] == ["tool_agent"] * 3  # the last by its tools_kwargs, as verl ran it
+    from_parquet = get_dataset("verl_parquet", path=write_parquet(tmp_path / "tools.parquet", rows))
+    assert [r.get("agent_name") for r in from_parquet] == ["tool_agent", "tool_agent", None]
+    tools = from_parquet[2]["extra_info"]["tools_kwargs"]
+    assert tools == {"calc_gsm8k_reward": None, "code_interpreter": {"create_kwargs": {"ground_truth": "4"}}}
+    assert from_parquet[2]["messages"][1]["tool_calls"] == rows[2]["prompt"][1]["tool_calls"]
+    assert from_parquet[0]["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"] == {
+        "create_kwargs": {"ground_truth": "5"}}
+    assert [agent_of(r) for r in from_parquet] == ["tool_agent"] * 3
+    single = get_dataset("verl_jsonl", path=write_jsonl(tmp_path / "single.jsonl", [
+        {**rows[1], "agent_name": "single_turn_agent"}, {k: v for k, v in rows[1].items() if k != "agent_name"}]))
+    assert [agent_of(r) for r in single] == ["single_turn_agent", "single_turn_agent"]
+    assert single[1] == {k: v for k, v in records[1].items() if k != "agent_name"}  # nothing added to a plain row
+    cache = PausedCache()
+    cache.add_group(Group(group_id=3, size=2, record=from_parquet[0]))
+    restored = PausedCache.from_dict(decode_extra(json.loads(json.dumps(encode_extra(cache.to_dict())))))
+    assert restored.groups[3].record == from_parquet[0]
+    # agent_name is hashed (a file edited to another agent loop does not resume on it); a row without one adds nothing.
+    assert datasets.records_fingerprint(single[1:]) != datasets.records_fingerprint(records[1:2])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(agent_name="react_agent"),
+     r"field 'agent_name' is 'react_agent'; supported agent loops: 'single_turn_agent' \(one response\) and "
+     r"'tool_agent'"),
+    (lambda r: r.update(agent_name=3), r"field 'agent_name' is 3; supported agent loops"),
+    (lambda r: r["extra_info"].update(tools_kwargs=["calc_gsm8k_reward"]),
+     r"field 'extra_info.tools_kwargs' must be a dict \{tool name"),
+    (lambda r: r["extra_info"]["tools_kwargs"].update(calc_gsm8k_reward="5"),
+     r"field 'extra_info.tools_kwargs.calc_gsm8k_reward' must be a dict with keys among \['create_kwargs'"),
+    (lambda r: r["extra_info"]["tools_kwargs"].update(calc_gsm8k_reward={"create_kwarg": {"ground_truth": "5"}}),
+     r"field 'extra_info.tools_kwargs.calc_gsm8k_reward' has unknown key\(s\) \['create_kwarg'\]"),
+    (lambda r: r["extra_info"]["tools_kwargs"].update(calc_gsm8k_reward={"create_kwargs": "5"}),
+     r"field 'extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs' must be a dict of the tool's arguments"),
+    (lambda r: r["extra_info"].update(need_tools_kwargs="yes"),
+     r"field 'extra_info.need_tools_kwargs' must be true or false, got 'yes'"),
+    (lambda r: r["extra_info"].pop("tools_kwargs"),
+     r"field 'extra_info.need_tools_kwargs' is true but 'extra_info.tools_kwargs' gives no tool's arguments"),
+    (lambda r: r["extra_info"].update(interaction_kwargs="gsm8k"),
+     r"field 'extra_info.interaction_kwargs' must be a dict, got 'gsm8k'"),
+    (lambda r: r["extra_info"]["interaction_kwargs"].update(name=""),
+     r"field 'extra_info.interaction_kwargs.name' must be a non-empty string"),
+    (lambda r: r["prompt"].append({"role": "assistant", "content": None, "tool_calls": []}),
+     r"field 'prompt': message 2 \('assistant'\) must have a string 'content', got None \(a turn that only calls a "
+     r"tool writes \"\" as its content"),
+    (lambda r: r["prompt"][0].pop("role"), r"field 'prompt': message 0 has no 'role'"),
+    (lambda r: r["prompt"].append({"role": "assistant", "content": "", "tool_calls": "calc"}),
+     r"field 'prompt': message 2: 'tool_calls' must be a list, got str"),
+    (lambda r: r.update(prompt=[r["prompt"][0]]), r"field 'prompt' has no user message \(roles: \['system'\]\)"),
+])
+def test_malformed_multi_turn_rows_are_refused_naming_file_row_and_field(tmp_path, edit, message):
+    rows = tool_agent_rows()
+    edit(rows[0])
+    rows = [rows[1], rows[0]]  # the bad row is row 1
+    with pytest.raises(DatasetSchemaError, match=r"bad\.jsonl: row 1 \(line 2\): " + message):
+        get_dataset("verl_jsonl", path=write_jsonl(tmp_path / "bad.jsonl", rows))
+
+
 # -- mixtures --------------------------------------------------------------------------------------------------
 
 

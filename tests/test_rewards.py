@@ -464,3 +464,93 @@ def test_a_verl_reward_file_sees_the_whole_verl_record_in_the_pool(tmp_path, mon
     with pytest.raises(ValueError, match="defines no function 'missing'"):
         RewardScorer(f"{reward_file}:missing")
     assert RewardScorer(str(reward_file)).spec.style.style == "verl"  # a bare file path: its compute_score
+
+
+# -- multi-turn trajectories: what the reward sees --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spans, num_tokens, expected", [
+    ([], 7, (2, 0)),  # single turn: the prompt and one response, verl's single_turn_agent_loop says 2
+    ([], 0, (2, 0)),  # an empty response was still one generation
+    ([(5, 9)], 15, (4, 1)),  # call, reply, final answer: user + assistant + tool + assistant
+    ([(5, 9), (12, 14)], 20, (6, 2)),
+    ([(5, 9), (9, 12)], 20, (4, 2)),  # two replies back to back answer calls made together: one round, as in verl
+    ([(12, 14), (5, 9)], 20, (6, 2)),  # order does not matter
+    ([(5, 9)], 9, (3, 1)),  # the response ends on the reply (the budget ran out): no generation after it
+])
+def test_num_turns_counts_as_verl_counts(spans, num_tokens, expected):
+    from rollverify_jax.data.plugins import interaction_turns
+
+    assert interaction_turns(spans, num_tokens) == expected
+
+
+def test_with_interaction_adds_num_turns_and_tool_calls_only_to_multi_turn_trajectories():
+    """A single-turn run's records reach the reward untouched (the same object); a tool agent's record, a response
+    with a tool reply, or any record of a multi-turn rollout gets a copy whose extra_info adds num_turns and
+    tool_calls (replacing a value the file holds under those names, as verl does); the record itself is unchanged."""
+    from rollverify_jax.data.plugins import with_interaction
+
+    plain = {"prompt": "1+1?", "answer": "2", "data_source": "s", "extra_info": {"index": 0, "num_turns": 9}}
+    bare = {"prompt": "1+1?", "answer": "2"}
+    agent = {"prompt": "1+1?", "answer": "2", "agent_name": "tool_agent"}
+    single = {**agent, "agent_name": "single_turn_agent", "extra_info": {"tools_kwargs": {"t": {}}}}
+    assert with_interaction(plain, [], 5) is plain and with_interaction(bare, [], 5) is bare
+    assert with_interaction(single, [], 5) is single  # named single-turn: its tools_kwargs do not make it a tool's
+    assert with_interaction(agent, [], 5) == {**agent, "extra_info": {"num_turns": 2, "tool_calls": 0}}
+    assert with_interaction(plain, [(2, 4)], 6)["extra_info"] == {"index": 0, "num_turns": 4, "tool_calls": 1}
+    assert with_interaction(bare, [], 5, multi_turn=True)["extra_info"] == {"num_turns": 2, "tool_calls": 0}
+    assert plain["extra_info"] == {"index": 0, "num_turns": 9} and "extra_info" not in agent
+
+
+def test_old_rewards_see_single_turn_records_as_before_and_multi_turn_ones_see_the_interaction(monkeypatch):
+    """Inline, every convention: a verl compute_score gets extra_info None for a record without one (as before),
+    the record's own extra_info for a single-turn one, and num_turns / tool_calls added for a multi-turn one; a TRL
+    function gets them as columns of their own; a rollverify function sees the response only."""
+    from rollverify_jax.data.plugins import with_interaction
+
+    seen = []
+
+    def verl_fn(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
+        return 1.0
+
+    def trl_fn(prompts, completions, answer, **kwargs):
+        seen.append({k: v for k, v in kwargs.items() if k in ("num_turns", "tool_calls")})
+        return [1.0]
+
+    for name, fn in (("t_verl_turns", verl_fn), ("t_trl_turns", trl_fn)):
+        monkeypatch.setitem(rewards._REGISTRY, name, None)
+        monkeypatch.setitem(rewards.REWARDS, name, None)
+        rewards.register_reward(name, fn, isolated=False)
+    records = [{"prompt": "p", "answer": "2", "data_source": "v"},
+               {"prompt": "p", "answer": "2", "data_source": "v", "extra_info": {"index": 1}},
+               {"prompt": "p", "answer": "2", "data_source": "v", "agent_name": "tool_agent"},
+               {"prompt": "p", "answer": "2", "data_source": "t", "agent_name": "tool_agent"},
+               {"prompt": "p", "answer": "2", "data_source": "t"}]
+    spans = [[], [], [(3, 6), (9, 10)], [(3, 6)], []]
+    graded = [with_interaction(r, s, 12) for r, s in zip(records, spans, strict=True)]
+    s = RewardScorer("exact", by_data_source={"v": "t_verl_turns", "t": "t_trl_turns"})
+    got, metrics = s.score(["x"] * 5, ["2"] * 5, overlong_penalty=False, records=graded)
+    np.testing.assert_array_equal(got, [1.0] * 5)
+    assert metrics["reward/grader_errors"] == 0.0
+    assert seen == [None, {"index": 1}, {"num_turns": 6, "tool_calls": 2}, {"num_turns": [4], "tool_calls": [1]}, {}]
+
+
+def test_a_retool_style_reward_file_reads_num_turns_in_the_pool(tmp_path):
+    """ReTool's reward (verl's recipe: extra_info without a default, ``**kwargs``, ``extra_info["num_turns"]`` to
+    soften the penalty of a wrong answer that called tools) graded in the grader pool on tool agent records."""
+    from rollverify_jax.data.plugins import with_interaction
+
+    (tmp_path / "retool_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs):\n"
+        "    score = 1.0 if solution_str.strip().endswith(ground_truth) else -1.0\n"
+        "    if score < 0:\n"
+        "        score = min(-0.6, score + (extra_info['num_turns'] - 2) / 2 * 0.1)\n"
+        "    return {'score': score, 'pred': solution_str[-3:]}\n")
+    record = {"prompt": "Find x.", "answer": "204", "data_source": "aime_2024", "agent_name": "tool_agent"}
+    cases = [("so 204", []), ("so 7", []), ("so 7", [(2, 4)]), ("so 7", [(2, 4), (5, 6), (7, 8), (9, 10)])]
+    graded = [with_interaction(record, spans, 12) for _, spans in cases]
+    with RewardScorer(f"{tmp_path / 'retool_reward.py'}:compute_score", num_workers=1, timeout_s=30) as s:
+        got, metrics = s.score([text for text, _ in cases], ["204"] * 4, overlong_penalty=False, records=graded)
+    np.testing.assert_allclose(got, [1.0, -1.0, -0.9, -0.6])
+    assert metrics["reward/grader_errors"] == 0.0

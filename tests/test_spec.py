@@ -117,6 +117,41 @@ def test_every_reward_is_graded_against_its_own_trajectorys_record():
     assert scored.metrics["reward/mean"] == pytest.approx(4 / 6)
 
 
+class _SeenScorer:
+    """Keeps the records the reward receives and grades 1 when the response ends with the answer."""
+
+    def __init__(self):
+        self.records = []
+
+    def score(self, texts, answers, lengths, records=None):
+        self.records += records
+        return [float(t.endswith(a)) for t, a in zip(texts, answers, strict=True)], {}
+
+
+def test_the_reward_sees_the_whole_interaction_of_a_multi_turn_trajectory():
+    """score hands the reward each trajectory's record with num_turns and tool_calls in its extra_info (verl's
+    count, from the trajectory's tool replies) for a tool agent's record or with multi_turn; a single-turn record is
+    handed over as it is, and the records kept with the batch (checkpointed, logged) are never changed."""
+    tool = _group(0, "11", {0: "c<r>1</r>11", 1: "11"})
+    tool.record = {"prompt": "p0", "answer": "11", "agent_name": "tool_agent", "extra_info": {"index": 0}}
+    tool.finished[0].env_spans = [(1, 9)]  # '<r>1</r>' is the tool's reply
+    plain = _group(1, "22", {2: "c<r>2</r>22", 3: "21"})
+    plain.finished[2].env_spans = [(1, 9)]
+    decode = lambda tokens: "".join(map(chr, tokens))  # noqa: E731
+    seen = _SeenScorer()
+    scored = score([tool, plain], decode, seen, "grpo")
+    np.testing.assert_array_equal(scored.rewards, [1, 1, 1, 0])
+    assert [r.get("extra_info") for r in seen.records] == [
+        {"index": 0, "num_turns": 4, "tool_calls": 1}, {"index": 0, "num_turns": 2, "tool_calls": 0},
+        {"num_turns": 4, "tool_calls": 1}, None]
+    assert seen.records[3] is plain.record and scored.records == [tool.record] * 2 + [plain.record] * 2
+    assert tool.record["extra_info"] == {"index": 0} and "extra_info" not in plain.record
+    seen = _SeenScorer()
+    score([plain], decode, seen, "grpo", multi_turn=True)  # tools on for every record: all of them counted
+    assert [r["extra_info"] for r in seen.records] == [{"num_turns": 4, "tool_calls": 1},
+                                                        {"num_turns": 2, "tool_calls": 0}]
+
+
 def test_the_spec_of_every_shipped_config_builds(spec_of):
     """Every config under configs/ (the tiny ones, the real-scale ones, the phenomenon rows) parses into a spec."""
     root = PACKAGE.parent

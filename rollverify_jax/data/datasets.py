@@ -17,6 +17,8 @@ checkpointed with the paused groups):
   messages included, its last user turn with the template applied (verl's ``prompt`` column);
 * optional ``extra_info: dict`` -- kept whole (verl's ``extra_info``; a preset's other columns, e.g. MATH's
   ``solution``, ``level``): a reward function receives it.
+* optional ``agent_name: str`` -- verl's agent loop for the row, ``"single_turn_agent"`` or ``"tool_agent"``
+  (a verl multi-turn file's top-level column; its tool arguments stay in ``extra_info``: ``sources``).
 
 Keys that are not set are absent, never null, so a record of the two original keys hashes as before
 (``records_fingerprint``).

@@ -15,6 +15,10 @@ Three calling conventions, told apart by the function's parameter names (as verl
   treats a chat dataset: ``prompts`` holds the messages and each completion is ``[{"role": "assistant",
   "content": ...}]``; otherwise both are strings.
 
+What the reward sees of a multi-turn (tool-using) trajectory: the decoded response, tool calls and replies
+included, and in ``extra_info`` verl's ``num_turns`` and the number of ``tool_calls`` (``with_interaction``); a
+single-turn run's rewards see what they always saw.
+
 A name ``'package.module:function'`` imports the module; ``'/path/to/file.py:function'`` (verl's
 ``custom_reward_function.path`` and ``.name``; a bare ``'/path/to/file.py'`` means ``compute_score``) loads the
 file. A function defined in a file cannot be pickled by reference into spawned workers, so ``FileFunction``
@@ -31,7 +35,7 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 STYLES = ("rollverify", "verl", "trl")
@@ -46,6 +50,74 @@ def data_source_of(record: Mapping[str, Any] | None) -> str:
     """A record's ``data_source``, or ``UNKNOWN_SOURCE`` for one that names none."""
     value = record.get("data_source") if record is not None else None
     return value if isinstance(value, str) and value else UNKNOWN_SOURCE
+
+
+# -- multi-turn records and what their reward sees ----------------------------------------------------------
+
+# The agent loops a record may name in verl's top-level ``agent_name`` column (verl registers them under these
+# names: verl/experimental/agent_loop/single_turn_agent_loop.py, tool_agent_loop.py): one response, or a response
+# with tool calls and their replies in it.
+SINGLE_TURN_AGENT = "single_turn_agent"
+TOOL_AGENT = "tool_agent"
+AGENTS = (SINGLE_TURN_AGENT, TOOL_AGENT)
+# extra_info keys of verl's multi-turn files (tool arguments per row, the interaction's arguments, and the flag
+# that says the row needs tool arguments): a row that names no agent but carries one of them is a tool agent's
+# (verl's gsm8k_multiturn_w_tool.py writes them without agent_name; its rollout turned multi-turn on globally).
+MULTI_TURN_KEYS = ("tools_kwargs", "need_tools_kwargs", "interaction_kwargs")
+
+
+def agent_of(record: Mapping[str, Any] | None) -> str:
+    """The agent loop a record asks for: its ``agent_name``; without one, ``TOOL_AGENT`` when its extra_info holds
+    tool or interaction arguments (``MULTI_TURN_KEYS``, set and not empty), else ``SINGLE_TURN_AGENT``."""
+    if record is None:
+        return SINGLE_TURN_AGENT
+    name = record.get("agent_name")
+    if isinstance(name, str) and name:
+        return name
+    extra = record.get("extra_info")
+    if isinstance(extra, Mapping) and any(extra.get(key) for key in MULTI_TURN_KEYS):
+        return TOOL_AGENT
+    return SINGLE_TURN_AGENT
+
+
+def interaction_turns(env_spans: Sequence[tuple[int, int]], num_tokens: int) -> tuple[int, int]:
+    """(num_turns, tool_calls) of a response whose ``env_spans`` ([start, end) positions) the environment wrote.
+
+    ``num_turns`` is verl's count (verl/experimental/agent_loop/tool_agent_loop.py: ``user_turns +
+    assistant_turns + 1``): the prompt, plus each stretch the policy generated (an assistant turn, at least one),
+    plus each round of tool replies (a user turn; replies that follow each other with nothing generated between
+    them answer calls made together and count once). A single-turn response is 2, as verl's
+    single_turn_agent_loop.py says; one tool call answered and a final answer is 4. ``tool_calls`` is the number of
+    replies appended (one per answered call)."""
+    rounds: list[list[int]] = []
+    for start, end in sorted((int(a), int(b)) for a, b in env_spans):
+        if rounds and start <= rounds[-1][1]:
+            rounds[-1][1] = max(rounds[-1][1], end)
+        else:
+            rounds.append([start, end])
+    generated, pos = 0, 0
+    for start, end in rounds:
+        generated += start > pos
+        pos = max(pos, end)
+    generated += num_tokens > pos
+    return 1 + max(generated, 1) + len(rounds), len(env_spans)
+
+
+def with_interaction(record: Mapping[str, Any], env_spans: Sequence[tuple[int, int]], num_tokens: int,
+                     multi_turn: bool = False) -> Mapping[str, Any]:
+    """The record a trajectory's reward sees. In a multi-turn rollout (``multi_turn``: tools on for every record),
+    for a tool agent's record (``agent_of``) or for a response that called a tool: a copy whose ``extra_info`` adds
+    ``num_turns`` and ``tool_calls`` (``interaction_turns``), as verl's reward managers add ``num_turns``
+    (verl/workers/reward_manager/naive.py sets ``extra_info["num_turns"]`` from the rollout's ``__num_turns__``;
+    a value the file holds under these names is replaced, as there). Any other record is returned as it is, so a
+    single-turn run's rewards see exactly what they saw before. The record itself (checkpointed with its group,
+    hashed for resumes) is never changed."""
+    if not (multi_turn or env_spans or agent_of(record) == TOOL_AGENT):
+        return record
+    num_turns, tool_calls = interaction_turns(env_spans, num_tokens)
+    extra = record.get("extra_info")
+    extra = dict(extra) if isinstance(extra, Mapping) else {}
+    return {**record, "extra_info": {**extra, "num_turns": num_turns, "tool_calls": tool_calls}}
 
 
 # -- loading --------------------------------------------------------------------------------------------------

@@ -278,8 +278,10 @@ _INIT_ERROR: BaseException | None = None
 _KILL_AFTER_S = 0.2  # from pebble's SIGTERM (ignored by the workers) to its SIGKILL
 
 
-# The record a grader's warm-up grade sees (a verl or TRL function reads these keys).
-_WARMUP_CONTEXT = {"data_source": "warmup", "extra_info": {}, "prompt": "What is 1/2?", "messages": None}
+# The record a grader's warm-up grade sees (a verl or TRL function reads these keys; a multi-turn reward such as
+# ReTool's reads extra_info["num_turns"], which a single-turn response has as 2: plugins.with_interaction).
+_WARMUP_CONTEXT = {"data_source": "warmup", "extra_info": {"num_turns": 2, "tool_calls": 0}, "prompt": "What is 1/2?",
+                   "messages": None}
 
 
 def _init_worker(barrier, memory_limit_bytes: int, graders_bytes: bytes, warmup_s: float) -> None:

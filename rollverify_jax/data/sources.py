@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollverify_jax.data.plugins import AGENTS, SINGLE_TURN_AGENT, TOOL_AGENT
 from rollverify_jax.data.rewards import extract_boxed
 
 Record = dict[str, Any]
@@ -50,6 +51,10 @@ AIME_SOURCE = "aime"
 PROBLEM_FIELDS = ("problem", "Problem", "question", "Question")
 ANSWER_FIELDS = ("answer", "Answer")
 SOLUTION_FIELDS = ("solution", "Solution")
+# What a tool's entry in verl's extra_info.tools_kwargs may hold: the keyword arguments of the tool's create,
+# execute, calc_reward and release (verl/workers/rollout/sglang_rollout/sglang_rollout.py reads all four;
+# verl/experimental/agent_loop/tool_agent_loop.py reads create_kwargs).
+TOOL_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 
 
 class DatasetSchemaError(ValueError):
@@ -252,19 +257,37 @@ def extracted(gold: str | None, field: str, path: str, where: str, expected: str
 
 def prompt_messages(value: Any, path: str, where: str) -> tuple[str, list[dict[str, Any]] | None]:
     """(problem text, chat messages or None) of a ``prompt`` field: a string, or chat messages whose last user
-    turn is the problem (system and earlier turns are kept in the messages)."""
+    turn is the problem (system, tool and earlier turns are kept in the messages, with their other keys:
+    ``tool_calls``, ``tool_call_id``, ``name``, ... as the chat template reads them). A bad message is refused
+    naming its index and key."""
     if isinstance(value, str):
         return value, None
-    if isinstance(value, list | tuple):
-        messages = [m for m in value if isinstance(m, dict)]
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if (len(messages) == len(value) and users and isinstance(messages[users[-1]].get("content"), str)
-                and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
-            return messages[users[-1]]["content"], [dict(m) for m in messages]
-    raise DatasetSchemaError(
-        f"{path}: {where}: field 'prompt' must be a string or a list of chat messages "
-        f'[{{"role": "user", "content": ...}}], got {type(value).__name__}'
-    )
+    if not isinstance(value, list | tuple):
+        raise DatasetSchemaError(
+            f"{path}: {where}: field 'prompt' must be a string or a list of chat messages "
+            f'[{{"role": "user", "content": ...}}], got {type(value).__name__}'
+        )
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise DatasetSchemaError(f"{path}: {where}: field 'prompt': message {i} must be a dict with 'role' and "
+                                     f"'content', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise DatasetSchemaError(f"{path}: {where}: field 'prompt': message {i} has no 'role' (a non-empty "
+                                     f"string), got {m.get('role')!r:.80}")
+        if not isinstance(m.get("content"), str):
+            raise DatasetSchemaError(
+                f"{path}: {where}: field 'prompt': message {i} ({m['role']!r}) must have a string 'content', got "
+                f"{m.get('content')!r:.80} (a turn that only calls a tool writes \"\" as its content, the calls in "
+                "'tool_calls')")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list | tuple):
+            raise DatasetSchemaError(f"{path}: {where}: field 'prompt': message {i}: 'tool_calls' must be a list, "
+                                     f"got {type(m['tool_calls']).__name__}")
+    users = [i for i, m in enumerate(value) if m["role"] == "user"]
+    if not users:
+        raise DatasetSchemaError(f"{path}: {where}: field 'prompt' has no user message (roles: "
+                                 f"{[m['role'] for m in value]}); its last user turn is the problem")
+    messages = [dict(m) for m in value]
+    return messages[users[-1]]["content"], messages
 
 
 def prompt_text(value: Any, path: str, where: str) -> str:
@@ -300,7 +323,8 @@ def _has_nan(value: Any) -> bool:
 
 
 def make_record(problem: str, answer: str, template: str, data_source: str | None = None,
-                messages: list[dict[str, Any]] | None = None, extra_info: dict | None = None) -> Record:
+                messages: list[dict[str, Any]] | None = None, extra_info: dict | None = None,
+                agent_name: str | None = None) -> Record:
     """A record: the templated problem, the gold answer, and the optional keys that are set (absent keys are
     not written: a two-field record hashes as before they existed). In ``messages`` the last user turn gets
     the template too."""
@@ -313,6 +337,8 @@ def make_record(problem: str, answer: str, template: str, data_source: str | Non
         record["messages"] = messages
     if extra_info is not None:
         record["extra_info"] = extra_info
+    if agent_name is not None:
+        record["agent_name"] = agent_name
     return record
 
 
@@ -409,10 +435,66 @@ def _math500(row: Row, i: int, path: str, where: str, template: str, data_source
     return make_record(problem, answer, template, _source_of(row, data_source, path, where), extra_info=info)
 
 
+def _agent_name(row: Row, path: str, where: str) -> str | None:
+    """verl's top-level ``agent_name`` (the agent loop that runs the row): one this project runs, or None."""
+    name = row.get("agent_name")
+    if name is None:
+        return None
+    if name not in AGENTS:
+        raise DatasetSchemaError(
+            f"{path}: {where}: field 'agent_name' is {name!r:.80}; supported agent loops: "
+            f"{SINGLE_TURN_AGENT!r} (one response) and {TOOL_AGENT!r} (a response with tool calls and their "
+            "replies); leave the field out for the run's default")
+    return name
+
+
+def _check_multi_turn(info: dict[str, Any], path: str, where: str) -> None:
+    """verl's multi-turn keys of ``extra_info``, refused when malformed (a tool created without its arguments
+    would grade every response wrong without a word): ``tools_kwargs`` maps a tool's name to its
+    ``create_kwargs`` / ``execute_kwargs`` / ``calc_reward_kwargs`` / ``release_kwargs`` (dicts);
+    ``need_tools_kwargs`` is a boolean, and true needs a tool's arguments; ``interaction_kwargs`` is a dict whose
+    ``name``, if set, is a non-empty string. A null is absent (parquet writes one for a key another row has)."""
+    def bad(field: str, expected: str, value: Any) -> DatasetSchemaError:
+        return DatasetSchemaError(f"{path}: {where}: field 'extra_info.{field}' must be {expected}, got "
+                                  f"{value!r:.80}")
+
+    tools = info.get("tools_kwargs")
+    if tools is not None:
+        if not isinstance(tools, dict):
+            raise bad("tools_kwargs", "a dict {tool name: {'create_kwargs': {...}, ...}}", tools)
+        for tool, entry in tools.items():
+            if entry is None:
+                continue
+            if not isinstance(entry, dict):
+                raise bad(f"tools_kwargs.{tool}", f"a dict with keys among {list(TOOL_KWARGS_KEYS)}", entry)
+            unknown = sorted(set(entry) - set(TOOL_KWARGS_KEYS))
+            if unknown:
+                raise DatasetSchemaError(f"{path}: {where}: field 'extra_info.tools_kwargs.{tool}' has unknown "
+                                         f"key(s) {unknown}; a tool's arguments are {list(TOOL_KWARGS_KEYS)}")
+            for kind, value in entry.items():
+                if value is not None and not isinstance(value, dict):
+                    raise bad(f"tools_kwargs.{tool}.{kind}", "a dict of the tool's arguments", value)
+    need = info.get("need_tools_kwargs")
+    if need is not None and not isinstance(need, bool):
+        raise bad("need_tools_kwargs", "true or false", need)
+    if need and not any(entry for entry in (tools or {}).values()):
+        raise DatasetSchemaError(f"{path}: {where}: field 'extra_info.need_tools_kwargs' is true but "
+                                 "'extra_info.tools_kwargs' gives no tool's arguments (e.g. "
+                                 "{'my_tool': {'create_kwargs': {'ground_truth': ...}}})")
+    interaction = info.get("interaction_kwargs")
+    if interaction is not None:
+        if not isinstance(interaction, dict):
+            raise bad("interaction_kwargs", "a dict", interaction)
+        name = interaction.get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise bad("interaction_kwargs.name", "a non-empty string (the interaction's name)", name)
+
+
 def _verl(row: Row, i: int, path: str, where: str, template: str, data_source: str | None) -> Record:
-    """verl's RL parquet: ``prompt`` (chat messages, system ones included), ``data_source``,
-    ``reward_model.ground_truth``, ``extra_info``; all of it reaches the reward (``ability`` and
-    ``reward_model.style``, which verl never hands a reward function either, are dropped)."""
+    """verl's RL parquet: ``prompt`` (chat messages, system and tool ones included), ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info`` (its multi-turn keys checked: ``_check_multi_turn``) and
+    ``agent_name``; all of it reaches the reward (``ability`` and ``reward_model.style``, which verl never hands a
+    reward function either, are dropped)."""
     problem, messages = prompt_messages(get_field(row, "prompt", path, where), path, where)
     answer = answer_text(get_field(row, "reward_model.ground_truth", path, where), "reward_model.ground_truth",
                          path, where)
@@ -423,10 +505,13 @@ def _verl(row: Row, i: int, path: str, where: str, template: str, data_source: s
     info = row.get("extra_info")
     if info is not None and not isinstance(info, dict):
         raise DatasetSchemaError(f"{path}: {where}: field 'extra_info' must be a dict, got {type(info).__name__}")
+    if info is not None:
+        _check_multi_turn(info, path, where)
+    agent = _agent_name(row, path, where)
     if messages is not None:
         json_value(messages, "prompt", path, where)
     return make_record(problem, answer, template, source, messages,
-                       None if info is None else json_value(info, "extra_info", path, where))
+                       None if info is None else json_value(info, "extra_info", path, where), agent)
 
 
 # preset -> (row parser: (row, index, path, where, template, data_source) -> Record, its default template, its
@@ -438,7 +523,7 @@ PRESETS: dict[str, tuple[Callable[..., Record], str, str | None, tuple[str, ...]
     "gsm8k": (_gsm8k, "boxed", GSM8K_SOURCE, ("question", "answer"), None),
     "math": (_math, "boxed", MATH_SOURCE, (), None),
     "math500": (_math500, "boxed", MATH500_SOURCE, (), None),
-    "verl": (_verl, "none", None, ("prompt", "reward_model"), ("data_source", "extra_info")),
+    "verl": (_verl, "none", None, ("prompt", "reward_model"), ("data_source", "extra_info", "agent_name")),
 }
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rollverify_jax.data.plugins import with_interaction
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.batch import build_batch, pad_rows
@@ -33,15 +34,19 @@ class Scored:
     records: list | None = None  # [N] each trajectory's group record (prompt, answer, data_source, ...)
 
 
-def score(groups: Sequence[Group], decode: Callable[[list[int]], str], scorer, advantage: str) -> Scored:
+def score(groups: Sequence[Group], decode: Callable[[list[int]], str], scorer, advantage: str, *,
+          multi_turn: bool = False) -> Scored:
     """Rewards of every trajectory, each graded against its own group's record (the reward sees the whole record:
-    its answer, data_source, extra_info and prompt), then group advantages (whatever versions sampled the members).
-    Groups hold ``group_size`` finished members each."""
+    its answer, data_source, extra_info and prompt; and the whole interaction: the response with its tool calls and
+    replies, and in a multi-turn rollout ``num_turns`` and ``tool_calls`` in extra_info, ``plugins.with_interaction``),
+    then group advantages (whatever versions sampled the members). Groups hold ``group_size`` finished members each.
+    ``multi_turn``: the rollout runs tools for every record."""
     pairs = [(g.finished[uid], g.record) for g in groups for uid in sorted(g.finished)]  # (group, uid) order
     trajs = [t for t, _ in pairs]
     records = [record for _, record in pairs]
+    graded = [with_interaction(record, getattr(t, "env_spans", []), t.num_tokens, multi_turn) for t, record in pairs]
     rewards, metrics = scorer.score([decode(t.tokens) for t in trajs], [record["answer"] for record in records],
-                                    [t.num_tokens for t in trajs], records=records)
+                                    [t.num_tokens for t in trajs], records=graded)
     rewards = np.asarray(rewards, np.float64).reshape(len(groups), -1)
     adv = np.asarray(adv_lib.compute_advantages(rewards, advantage)).reshape(-1)
     uniform = np.repeat((rewards == rewards[:, :1]).all(axis=1), rewards.shape[1])  # [N]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from rollverify_jax.data.plugins import with_interaction
 from rollverify_jax.data.rewards import RewardScorer, extract_answer
 from rollverify_jax.infra import storage
 from rollverify_jax.rollout.engine import Engine
@@ -164,7 +165,8 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
         sched.run()
     done = sorted(sched.take_finished(), key=lambda t: t.uid)
     texts = [decode(t.tokens) for t in done]
-    graded = [records[t.group_id] for t in done]
+    # The reward sees the whole interaction: num_turns and tool_calls of a multi-turn trajectory, as in training.
+    graded = [with_interaction(records[t.group_id], getattr(t, "env_spans", []), t.num_tokens) for t in done]
     rewards, _ = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False, records=graded)
     correct = np.asarray(rewards).reshape(len(records), k) > 0.5
     votes = [[vote_key(texts[i * k + j]) for j in range(k)] for i in range(len(records))]
