@@ -103,6 +103,7 @@ def _traj_to_dict(t: Trajectory) -> dict:
         "max_new_tokens": t.max_new_tokens, "tokens": np.asarray(t.tokens, np.int32),
         "logps": np.asarray(t.logps, np.float32), "versions": np.asarray(t.versions, np.int32),
         "finished": bool(t.finished), "draws": t.draws, "meta": t.meta, "history": t.history,
+        "env_spans": [[int(a), int(b)] for a, b in t.env_spans],
     }
 
 
@@ -115,4 +116,5 @@ def _traj_from_dict(d: dict) -> Trajectory:
         versions=[int(x) for x in np.asarray(d["versions"]).reshape(-1)],
         finished=bool(d["finished"]), draws=int(d.get("draws", 0)), meta=dict(d.get("meta") or {}),
         history=[dict(e) for e in d.get("history") or []],  # absent in checkpoints of earlier versions
+        env_spans=[(int(a), int(b)) for a, b in d.get("env_spans") or []],  # likewise (single-turn: none)
     )

@@ -298,16 +298,100 @@ def _insert_fn(static: EngineStatic, params, state: DecodeState, prefix: Prefix,
     model = nnx.merge(static.graphdef, params)
     h = prefix.hidden[prefix.row[rows], prefix.start[rows] + sample_pos]  # [n, H]
     tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, static.sampling)
+    state = _activate_slots(static, state, tok, slots, sample_pos + 1, gen_index, seeds, max_new, page_rows,
+                            row_valid)
+    return state, (tok, logp)
+
+
+def _activate_slots(static: EngineStatic, state: DecodeState, tok, slots, lengths, gen_index, seeds, max_new,
+                    page_rows, row_valid) -> DecodeState:
+    """Slots ``slots`` [n] decode on from their sampled token ``tok`` with ``lengths`` tokens cached (rows not
+    ``row_valid`` are padding, dropped); one that sampled a stop token or reached its cap stays inactive."""
     done = jnp.isin(tok, jnp.asarray(static.eos_ids, jnp.int32)) | (gen_index + 1 >= max_new)
     slot = jnp.where(row_valid, slots, state.tokens.shape[0])  # out-of-range rows are dropped
 
     def put(arr, val):
         return arr.at[slot].set(val.astype(arr.dtype), mode="drop")
-    state = dataclasses.replace(
+    return dataclasses.replace(
         state, page_table=put(state.page_table, page_rows), tokens=put(state.tokens, tok),
-        lengths=put(state.lengths, sample_pos + 1), generated=put(state.generated, gen_index + 1),
+        lengths=put(state.lengths, lengths), generated=put(state.generated, gen_index + 1),
         max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, ~done),
     )
+
+
+class _ExtendAttention:
+    """New tokens appended to sequences whose history is cached in their slot's pages (a tool reply): each row's
+    tokens are written into its pages at their positions, then attend over those pages up to their own position
+    (the history, then the reply so far), so the history is never prefilled again. Each device attends over the
+    pages it holds; over a pool split between devices the partial softmaxes (max, sum, weighted values) are
+    combined across them, so a row may live on any device."""
+
+    def __init__(self, pages: paged_cache.KVPages, page_rows, positions, valid, layout: PoolLayout):
+        self.k, self.v = list(pages.k), list(pages.v)
+        self.page_rows, self.positions, self.valid, self.layout = page_rows, positions, valid, layout
+
+    def __call__(self, layer_idx, q, k, v):
+        lay = self.layout
+
+        def local(q, k, v, kp, vp, table, positions, valid):
+            offset = lay.shard_offset(kp.shape[1])
+            kp = paged_cache.write_kv(kp, k, positions, table, valid, offset)
+            vp = paged_cache.write_kv(vp, v, positions, table, valid, offset)
+            out = _attend_own_pages(q.astype(jnp.float32) * q.shape[-1] ** -0.5, kp, vp, table - offset, positions,
+                                    lay.pool_axes)
+            return out.astype(q.dtype), kp, vp
+
+        rows = lay.heads_spec(slots=False)
+        rep = PartitionSpec()
+        local = lay.shard_map(local, (rows, rows, rows, lay.pages_spec(), lay.pages_spec(), rep, rep, rep),
+                              (rows, lay.pages_spec(), lay.pages_spec()))
+        out, self.k[layer_idx], self.v[layer_idx] = local(q, k, v, self.k[layer_idx], self.v[layer_idx],
+                                                          self.page_rows, self.positions, self.valid)
+        return out
+
+
+def _attend_own_pages(q, k_pages, v_pages, table, positions, pool_axes: tuple[str, ...]):
+    """q: float32[n, W, Hq, D] (scaled); k/v_pages: [Hkv, P, S, D], the pages this device holds; table: int32[n, pps]
+    local page ids (outside [0, P): held elsewhere); positions: int32[n, W]. Each query attends over its row's
+    keys at positions <= its own -> float32[n, W, Hq, D]; with ``pool_axes`` the per-device partial softmaxes are
+    merged (flash-decoding's combine), so the result is the same wherever the pages lie."""
+    n, w, hq, d = q.shape
+    hkv, held, size, _ = k_pages.shape
+    owned = (table >= 0) & (table < held)  # [n, pps]
+    idx = jnp.where(owned, table, 0)
+    k = k_pages[:, idx].reshape(hkv, n, -1, d).astype(jnp.float32)  # [Hkv, n, T, D]
+    v = v_pages[:, idx].reshape(hkv, n, -1, d).astype(jnp.float32)
+    key_pos = jnp.arange(k.shape[2])  # [T]
+    visible = jnp.repeat(owned, size, axis=1)[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
+    scores = jnp.einsum("nwhgd,hntd->nwhgt", q.reshape(n, w, hkv, hq // hkv, d), k)
+    visible = visible[:, :, None, None, :]  # [n, W, 1, 1, T]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)  # -inf where this device holds no key of the row
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(visible, jnp.exp(scores - m_safe), 0.0)
+    s = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("nwhgt,hntd->nwhgd", p, v)
+    if pool_axes:
+        top = jax.lax.pmax(m, pool_axes)
+        scale = jnp.where(jnp.isfinite(m), jnp.exp(m_safe - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+        s = jax.lax.psum(s * scale, pool_axes)
+        o = jax.lax.psum(o * scale, pool_axes)
+    return (o / jnp.maximum(s, jnp.finfo(jnp.float32).tiny)).reshape(n, w, hq, d)
+
+
+def _extend_fn(static: EngineStatic, params, state: DecodeState, tokens, positions, valid, sample_at, slots,
+               gen_index, seeds, max_new, page_rows, row_valid):
+    """Appends ``tokens`` [n, W] (valid where ``valid``) to the sequences of ``slots`` at ``positions`` (each row
+    continues its slot's cache), then each samples its next token from its last appended position (``sample_at``
+    [n]) and decodes on from there. What a tool reply costs: its own tokens, not the history's."""
+    model = nnx.merge(static.graphdef, params)
+    attn = _ExtendAttention(state.pages, page_rows, positions, valid, static.layout)
+    hidden, _ = model.hidden_states(tokens, positions=positions, attention=attn, mesh=static.layout.mesh)
+    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
+    rows = jnp.arange(tokens.shape[0])
+    tok, logp = sample_tokens(model.logits_from_hidden(hidden[rows, sample_at]), seeds, gen_index, static.sampling)
+    state = _activate_slots(static, state, tok, slots, positions[rows, sample_at] + 1, gen_index, seeds, max_new,
+                            page_rows, row_valid)
     return state, (tok, logp)
 
 
@@ -382,6 +466,7 @@ _prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 4), donate_argnums=(2,), 
 _insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 _prefill_insert_jit = jax.jit(_prefill_insert_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 _generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,), compiler_options=_EXACT)
+_extend_jit = jax.jit(_extend_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 
 
 def lower_prefill(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: bool = True):
@@ -483,9 +568,11 @@ class Engine:
 
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, sampling: SamplingConfig,
                  eos_ids: tuple[int, ...] = (), mesh: Mesh | None = None, flash: FlashConfig = DEFAULT_FLASH,
-                 attention: Mapping[str, Any] | None = None):
+                 attention: Mapping[str, Any] | None = None, stop_ids: tuple[int, ...] = ()):
         """``flash``: the prefill's attention kernel; ``attention``: ``paged_attention``'s knobs for decode (both
-        part of what the compiled functions are cached on)."""
+        part of what the compiled functions are cached on). ``stop_ids``: tokens that end a policy turn without
+        ending the sequence (a tool call's closing tag): decode stops there like at an EOS, and the host decides
+        what follows (``extend`` with the tool's reply)."""
         self.config = config
         self.sampling = sampling
         self.flash = flash
@@ -496,6 +583,7 @@ class Engine:
         self.mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
         self.params = self._place_params(params)
         self.eos_ids = tuple(sorted(set(eos_ids))) or (-1,)
+        self.stop_ids = tuple(sorted(set(stop_ids) - set(self.eos_ids)))
         self.layout = PoolLayout.for_mesh(self.mesh, config.num_slots, model.cfg.num_key_value_heads,
                                           model.cfg.num_attention_heads, config.megacore)
         num_pages = pool_pages(model.cfg, config, self.layout.num_shards)
@@ -530,8 +618,8 @@ class Engine:
         return self.config.compute_dtype or self.model_config.dtype
 
     def _static(self) -> EngineStatic:
-        return EngineStatic(self.graphdef, self.sampling, self.eos_ids, self.layout, self.config.logits_chunk,
-                            self.flash, self.attention)
+        return EngineStatic(self.graphdef, self.sampling, tuple(sorted(self.eos_ids + self.stop_ids)), self.layout,
+                            self.config.logits_chunk, self.flash, self.attention)
 
     @property
     def version(self) -> int:
@@ -627,6 +715,30 @@ class Engine:
         self.state, out = _prefill_insert_jit(
             self._static(), self.params, self.state, packed, copy_src, copy_dst, rows,
             _pad([len(s) - 1 for s in sequences], nb, np.int32), *self._slot_args(nb, slots, gen_index, seeds, max_new))
+        tok, logp = distributed.fetch(out)
+        return tok[:n], logp[:n]
+
+    def extend(self, slots: list[int], sequences: list[np.ndarray], cached: list[int], gen_index: list[int],
+               seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Continues the sequences held (inactive) in ``slots``: ``sequences[i]`` is slot i's whole sequence, of
+        which the first ``cached[i]`` tokens are in its pages; the rest (a tool call's closing tag, the reply) is
+        written after them, attending over the cache, and each slot samples its next token (index ``gen_index``)
+        from its last position and decodes on. The slots' pages must cover the sequences. Returns (tokens, log
+        mu) of the sampled tokens."""
+        n = len(slots)
+        news = [np.asarray(seq[c:], np.int32) for seq, c in zip(sequences, cached, strict=True)]
+        if any(len(x) == 0 for x in news):
+            raise ValueError("Engine.extend: every sequence needs at least one token past its cached prefix.")
+        width = _bucket(max(len(x) for x in news), 1, self.config.max_seq_len)
+        nb = _bucket(n, 1, max(self.config.num_slots, n))
+        tokens, positions = np.zeros((nb, width), np.int32), np.zeros((nb, width), np.int32)
+        valid, sample_at = np.zeros((nb, width), bool), np.zeros((nb,), np.int32)
+        for i, (x, c) in enumerate(zip(news, cached, strict=True)):
+            tokens[i, : len(x)], valid[i, : len(x)] = x, True
+            positions[i] = c + np.minimum(np.arange(width), len(x) - 1)  # padding repeats the last position
+            sample_at[i] = len(x) - 1
+        self.state, out = _extend_jit(self._static(), self.params, self.state, tokens, positions, valid, sample_at,
+                                      *self._slot_args(nb, slots, gen_index, seeds, max_new))
         tok, logp = distributed.fetch(out)
         return tok[:n], logp[:n]
 

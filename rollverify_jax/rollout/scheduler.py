@@ -15,6 +15,7 @@ import numpy as np
 
 from rollverify_jax.infra import distributed
 from rollverify_jax.rollout.engine import Engine, PendingDecode
+from rollverify_jax.rollout.tool_use import ToolCall, ToolRunner
 from rollverify_jax.rollout.trajectory import Trajectory
 
 # keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]
@@ -50,6 +51,16 @@ class _InFlight:
 
 
 @dataclasses.dataclass
+class _ToolWait:
+    """A slot holding a trajectory whose tool call runs: its pages hold the first ``cached`` tokens of prompt +
+    response; the rest (the closing tag, then the reply) is written by ``Engine.extend`` when the reply comes."""
+
+    traj: Trajectory
+    call: ToolCall
+    cached: int
+
+
+@dataclasses.dataclass
 class RolloutStats:
     """Counters since the last ``reset``; slot utilization = useful token-steps / (slots x decode steps)."""
 
@@ -68,6 +79,9 @@ class RolloutStats:
     # a diagnostic of whether regeneration is a fresh draw (it is when the rate matches fresh samples').
     regen_tokens: int = 0
     regen_equal: int = 0
+    tool_wait_slot_steps: int = 0  # slots x decode steps spent holding a trajectory whose tool call runs
+    tool_blocked_time: float = 0.0  # seconds with nothing to decode while tool calls ran
+    extend_tokens: int = 0  # tokens appended to running slots (tool replies), never a re-prefill of the history
 
     def slot_utilization(self, num_slots: int) -> float:
         return self.useful_token_steps / max(1, num_slots * self.decode_steps)
@@ -85,8 +99,12 @@ class Scheduler:
     find trajectories at other lengths. Between steps one dispatch may be in flight; ``pause_all`` drops its
     tokens, so paused trajectories end where the host last read them."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, tools: ToolRunner | None = None):
+        """``tools``: multi-turn tool use; a turn that ends at the call-end token (one of ``engine.stop_ids``) waits
+        in its slot for the reply, which is appended without re-prefilling the history."""
         self.engine = engine
+        self.tools = tools
+        self.waits: dict[int, _ToolWait] = {}
         self.dispatch_ahead = engine.config.dispatch_ahead
         self._inflight: _InFlight | None = None
         self._eos = set(engine.eos_ids)
@@ -126,7 +144,7 @@ class Scheduler:
 
     @property
     def free_slots(self) -> list[int]:
-        return [s for s in range(self.engine.config.num_slots) if s not in self.slots]
+        return [s for s in range(self.engine.config.num_slots) if s not in self.slots and s not in self.waits]
 
     def num_new_queued(self) -> int:
         """Queued requests that have not started: new prompts (not resumed, no tokens yet)."""
@@ -134,7 +152,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.slots and not self.queue
+        return not self.slots and not self.queue and not self.waits
 
     # ------------------------------------------------------------------------------------------------
     # One dispatch
@@ -158,7 +176,7 @@ class Scheduler:
         while self.queue and free:
             p = self.queue[0]
             need = self._tokens_to_reserve(p.traj)
-            busy = [*self.slots, *(s for s, _ in batch)]
+            busy = [*self.slots, *self.waits, *(s for s, _ in batch)]
             slot = alloc.slot_with_room(free, need, busy, alloc.page_size if incremental else 0)
             if slot is None:
                 break
@@ -184,7 +202,9 @@ class Scheduler:
         seqs = [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]).astype(np.int32) for t in trajs]
         self.stats.prefill_sequences += len(seqs)
         plens = [len(t.prompt) for t in trajs]
-        if not any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch):  # nothing to verify: one call
+        verify = any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch)
+        awaiting = self.tools is not None and any(self.tools.awaits_reply(t) for t in trajs)
+        if not verify and not awaiting:  # nothing to verify, every one samples next: one call
             source = _shared_prompts(trajs)
             shared = sum(len(s) for i, s in enumerate(seqs) if source[i] != i)
             self.stats.prefill_tokens += sum(len(s) for s in seqs) - shared
@@ -195,16 +215,19 @@ class Scheduler:
             self._activate(list(zip(slots, trajs, strict=True)), tok, logp)
             return
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
-        prefix = engine.prefill(seqs, slots, plens, with_logp=True)
-        keeps = self._verify(batch, prefix.response_logp)
+        prefix = engine.prefill(seqs, slots, plens, with_logp=verify)
+        keeps = self._verify(batch, prefix.response_logp) if verify else [t.num_tokens for t in trajs]
         go, done = [], []
         for (slot, _), t, k in zip(batch, trajs, keeps, strict=True):
             if t.finished and k >= t.num_tokens:
                 done.append((slot, t))  # a finished member of an unfinished group survived verification
+                continue
+            if k < t.num_tokens:
+                self._cut_suffix[t.uid] = (int(k), t.tokens[int(k):])
+            t.truncate(int(k))
+            if self.tools is not None and self.tools.awaits_reply(t):  # paused at a tool call: run it again
+                self._start_tool(slot, t, len(t.prompt) + t.num_tokens)
             else:
-                if k < t.num_tokens:
-                    self._cut_suffix[t.uid] = (int(k), t.tokens[int(k):])
-                t.truncate(int(k))
                 go.append((slot, t))
         for slot, t in done:
             engine.allocator.release(slot)
@@ -219,17 +242,60 @@ class Scheduler:
         self._activate(go, tok, logp)
 
     def _activate(self, go: list[tuple[int, Trajectory]], tok: np.ndarray, logp: np.ndarray) -> None:
-        """Records each admitted sequence's first sampled token; it then decodes in its slot, or has finished."""
+        """Records each admitted (or extended) sequence's first sampled token; it then decodes in its slot, has
+        finished, or waits for a tool's reply."""
         version = self.engine.version
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):
             self._append(t, int(y), float(lp), version)
-            if self._is_done(t):
-                self._finish(slot, t)
+            self.slots[slot] = t
+            self._settle(slot, t)
+
+    def _settle(self, slot: int, t: Trajectory) -> None:
+        """After new tokens of the running ``t``: it finishes, waits for a tool's reply, or decodes on."""
+        if self._is_done(t):
+            self._finish(slot, t)
+        elif self.tools is not None and self.tools.awaits_reply(t):
+            self._start_tool(slot, t, len(t.prompt) + t.num_tokens - 1)  # the closing tag is not cached yet
+
+    def _start_tool(self, slot: int, t: Trajectory, cached: int) -> None:
+        """Runs ``t``'s tool call; its slot keeps the pages (decode already stopped it at the closing tag)."""
+        self.slots.pop(slot, None)
+        self.waits[slot] = _ToolWait(t, self.tools.start(t), cached)
+
+    def _serve_replies(self) -> None:
+        """Appends every finished call's reply to its trajectory and continues those slots with one ``extend``
+        (their history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills,
+        reply included, when pages free up."""
+        ready = []
+        for slot, w in list(self.waits.items()):
+            t = w.traj
+            reply = self.tools.reply(w.call, t.max_new_tokens - t.num_tokens - 1)
+            if reply is None:
+                continue
+            del self.waits[slot]
+            t.append_env(reply, self.engine.version)
+            if self.engine.allocator.grow(slot, self._tokens_to_reserve(t)):
+                ready.append((slot, w))
             else:
-                self.slots[slot] = t
+                self.engine.allocator.release(slot)
+                self.queue.appendleft(_Pending(t, None))
+                self.stats.preemptions += 1
+        if not ready:
+            return
+        trajs = [w.traj for _, w in ready]
+        seqs = [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]) for t in trajs]
+        self.stats.extend_tokens += sum(len(s) - w.cached for s, (_, w) in zip(seqs, ready, strict=True))
+        t0 = time.perf_counter()
+        tok, logp = self.engine.extend([s for s, _ in ready], seqs, [w.cached for _, w in ready],
+                                       [t.num_tokens for t in trajs], [t.sample_seed for t in trajs],
+                                       [t.max_new_tokens for t in trajs])
+        self.stats.prefill_time += time.perf_counter() - t0
+        self._activate([(s, w.traj) for s, w in ready], tok, logp)
 
     def _verify(self, batch: list[tuple[int, _Pending]], response_logp) -> np.ndarray:
-        """Keep lengths per admitted trajectory (everything for new prompts and ``keep=None``)."""
+        """Keep lengths per admitted trajectory (everything for new prompts and ``keep=None``). Verification sees
+        the policy's tokens only: a tool reply's tokens are left out of the OPS, the segments and the acceptance,
+        and a cut lands on a policy token (everything after it, later calls and replies included, goes)."""
         keeps = np.asarray([p.traj.num_tokens for _, p in batch], np.int64)
         rows = [i for i, (_, p) in enumerate(batch) if p.keep_fn is not None and p.traj.num_tokens > 0]
         if not rows:
@@ -242,20 +308,31 @@ class Scheduler:
         logp = distributed.fetch(response_logp)  # whole on every host: each decides the same cuts
         new_logp_all = np.zeros((max(logp.shape[0], self.engine.config.num_slots), logp.shape[1]), np.float32)
         new_logp_all[: logp.shape[0]] = logp
+        policy_at = {}  # row -> response positions of its policy tokens, for rows with tool replies
+        for i in rows:
+            t = batch[i][1].traj
+            if t.env_spans:
+                policy_at[i] = np.flatnonzero(t.policy_mask())
+                new_logp_all[i] = 0.0
+                new_logp_all[i, : len(policy_at[i])] = logp[i, policy_at[i]]
         for idx in by_fn.values():
             behavior = np.zeros(new_logp_all.shape, np.float32)
             versions = np.zeros(new_logp_all.shape, np.int32)
             lengths = np.zeros(new_logp_all.shape[0], np.int32)
             for i in idx:
                 t = batch[i][1].traj
-                behavior[i, : t.num_tokens] = t.logps
-                versions[i, : t.num_tokens] = t.versions
-                lengths[i] = t.num_tokens
+                at = policy_at.get(i)
+                n = t.num_tokens if at is None else len(at)
+                behavior[i, :n] = t.logps if at is None else np.asarray(t.logps, np.float32)[at]
+                versions[i, :n] = t.versions if at is None else np.asarray(t.versions, np.int32)[at]
+                lengths[i] = n
             keep = np.asarray(batch[idx[0]][1].keep_fn(new_logp_all, behavior, versions, lengths))[idx]
             keep = np.clip(keep, 0, lengths[idx])
-            keeps[idx] = keep
             for i, k, n in zip(idx, keep.tolist(), lengths[idx].tolist(), strict=True):
                 t = batch[i][1].traj
+                at = policy_at.get(i)
+                # As a response index: the first policy token cut (everything when none is).
+                keeps[i] = t.num_tokens if k >= n else (k if at is None else int(at[k]))
                 (self.verified_finished if t.finished else self.verified).append((k, n))
                 t.history.append({"event": "verify", "version": self.engine.version, "kept": k, "of": n})
         return keeps
@@ -274,7 +351,10 @@ class Scheduler:
         t.versions.append(version)
 
     def _is_done(self, t: Trajectory) -> bool:
-        return t.num_tokens >= t.max_new_tokens or t.tokens[-1] in self._eos
+        """At its cap or an EOS; or at a tool call past the tools' budget (no reply can follow)."""
+        if t.num_tokens >= t.max_new_tokens or t.tokens[-1] in self._eos:
+            return True
+        return self.tools is not None and self.tools.ends_call(t) and not self.tools.can_reply(t)
 
     def _finish(self, slot: int, t: Trajectory) -> None:
         self._cut_suffix.pop(t.uid, None)  # finished before regenerating the whole cut suffix
@@ -306,23 +386,31 @@ class Scheduler:
             self.engine.sync_page_table()
 
     def _pack_slots(self) -> None:
-        """Moves running sequences above the smallest slot bucket that could hold them all into free slots
-        below it, so decode runs over that bucket only (the long tail of a batch decodes on a few slots)."""
+        """Moves sequences (running, or waiting for a tool) above the smallest slot bucket that could hold them all
+        into free slots below it, so decode runs over that bucket only (the long tail of a batch decodes on a few
+        slots)."""
         engine = self.engine
-        target = next(b for b in engine.live_slot_buckets() if b >= len(self.slots))
-        high = sorted(s for s in self.slots if s >= target)
+        held = [*self.slots, *self.waits]
+        target = next(b for b in engine.live_slot_buckets() if b >= len(held))
+        high = sorted(s for s in held if s >= target)
         if not high:
             return
-        low = [s for s in range(target) if s not in self.slots][: len(high)]
+        low = [s for s in range(target) if s not in self.slots and s not in self.waits][: len(high)]
         engine.move_slots(high, low)
         for a, b in zip(high, low, strict=True):
-            self.slots[b] = self.slots.pop(a)
+            if a in self.slots:
+                self.slots[b] = self.slots.pop(a)
+            else:
+                self.waits[b] = self.waits.pop(a)
 
     def step(self) -> int:
         """Admit into free slots, then one ``generate`` dispatch. Returns tokens generated (read): that dispatch's,
         or with ``dispatch_ahead`` the one before it, which is read once this one is on its way."""
         t0 = time.perf_counter()
-        prefill_before, decode_before = self.stats.prefill_time, self.stats.decode_time
+        prefill_before, decode_before, blocked_before = (self.stats.prefill_time, self.stats.decode_time,
+                                                         self.stats.tool_blocked_time)
+        if self.waits:
+            self._serve_replies()
         self._admit()
         self._grow_or_preempt()
         new = None
@@ -332,13 +420,18 @@ class Scheduler:
             new = _InFlight(self.engine.dispatch_generate(), list(self.slots.items()),
                             self.engine.config.steps_per_dispatch)
             self.stats.decode_time += time.perf_counter() - t1
+            self.stats.tool_wait_slot_steps += len(self.waits) * self.engine.config.steps_per_dispatch
+        elif self.waits and self._inflight is None:  # nothing to decode until a tool replies: block, not spin
+            t1 = time.perf_counter()
+            ToolRunner.wait([w.call for w in self.waits.values()], timeout=0.05)
+            self.stats.tool_blocked_time += time.perf_counter() - t1
         done, self._inflight = self._inflight, None
         if not self.dispatch_ahead:
             done, new = new, None
         n = self._read(done) if done is not None else 0
         self._inflight = new
         self.stats.host_time += (time.perf_counter() - t0) - (self.stats.prefill_time - prefill_before) - (
-            self.stats.decode_time - decode_before)
+            self.stats.decode_time - decode_before) - (self.stats.tool_blocked_time - blocked_before)
         return n
 
     def _all_end_in_flight(self) -> bool:
@@ -373,8 +466,7 @@ class Scheduler:
                 t.logps.extend(logps[:m, slot].tolist())
                 t.versions.extend([version] * m)
             n += m
-            if self._is_done(t):
-                self._finish(cur, t)
+            self._settle(cur, t)
         self.stats.dispatches += 1
         self.stats.decode_steps += tokens.shape[0]
         self.stats.useful_token_steps += n
@@ -406,7 +498,18 @@ class Scheduler:
         for slot, _ in running:
             self.engine.allocator.release(slot)
         self.slots.clear()
-        paused = [t for _, t in running] + [p.traj for p in self.queue]
+        waiting = []
+        for slot, w in self.waits.items():  # a reply already in is kept; a call still running is run again
+            t = w.traj
+            reply = self.tools.reply(w.call, t.max_new_tokens - t.num_tokens - 1) if w.call.future.done() else None
+            if reply is None:
+                w.call.future.cancel()
+            else:
+                t.append_env(reply, self.engine.version)
+            self.engine.allocator.release(slot)
+            waiting.append(t)
+        self.waits.clear()
+        paused = [t for _, t in running] + waiting + [p.traj for p in self.queue]
         self.queue.clear()
         for t in paused:  # one pause per stretch it ran (one resumed but never admitted again adds none)
             last = t.history[-1] if t.history else {}
@@ -420,6 +523,8 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.stats = RolloutStats()
+        if self.tools is not None:
+            self.tools.reset_stats()
         self.verified = []
         self.verified_finished = []
 

@@ -25,10 +25,34 @@ class Trajectory:
     # What happened to it between phases, oldest first: {"event": "pause", "version", "tokens"} when a phase
     # ended with it unfinished, {"event": "verify", "version", "kept", "of"} when a resume verified it.
     history: list[dict] = dataclasses.field(default_factory=list)
+    # [start, end) response positions the environment wrote (tool replies), in order: the policy did not sample
+    # them, so they carry no log mu (0.0), stay out of the OPS, verification and the loss, and a cut never lands
+    # on one. Empty for a single-turn trajectory.
+    env_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def tool_calls(self) -> int:
+        """Tool calls answered so far (each reply is one environment span)."""
+        return len(self.env_spans)
+
+    def policy_mask(self) -> np.ndarray:
+        """bool[num_tokens]: True where the policy sampled the token, False on tool replies."""
+        mask = np.ones((len(self.tokens),), bool)
+        for start, end in self.env_spans:
+            mask[start:end] = False
+        return mask
+
+    def append_env(self, tokens: list[int], version: int) -> None:
+        """Appends a tool reply: tokens the policy reads but did not sample (log mu 0.0, outside every OPS)."""
+        if tokens:
+            self.env_spans.append((len(self.tokens), len(self.tokens) + len(tokens)))
+            self.tokens.extend(tokens)
+            self.logps.extend([0.0] * len(tokens))
+            self.versions.extend([version] * len(tokens))
 
     @property
     def sample_seed(self) -> int:
@@ -44,5 +68,6 @@ class Trajectory:
         regenerates its suffix with a new draw."""
         if keep < len(self.tokens):
             del self.tokens[keep:], self.logps[keep:], self.versions[keep:]
+            self.env_spans = [(a, min(b, keep)) for a, b in self.env_spans if a < keep]
             self.finished = False
             self.draws += 1

@@ -23,6 +23,7 @@ from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
+from rollverify_jax.rollout.tool_use import ToolRunner
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import eval_settings
 from rollverify_jax.run.fresh_start import check_fresh_start
@@ -146,21 +147,25 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> P
     if tok_path is None:
         raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
     tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=model.cfg.vocab_size)
+    tools = ToolRunner.for_tokenizer(spec.tool_use, tokenizer) if spec.tool_use.enabled else None
     engine = Engine(model, spec.engine, spec.sampling, eos_ids=tokenizer.eos_ids, mesh=mesh, flash=spec.flash,
-                    attention=spec.attention)
+                    attention=spec.attention, stop_ids=(tools.call_end_id,) if tools else ())
     scorer = RewardScorer(**spec.reward)
     try:
         eval_records = load_prompts("eval", train.eval_dataset, spec.dataset_kwargs("eval"), tokenizer,
                                     train.chat_template, spec.max_prompt_len(),
                                     **prompt_options(train))[: train.eval_size]
         policy = Policy(spec=spec, tokenizer=tokenizer, model=model, mesh=mesh, engine=engine, scorer=scorer,
-                        eval_records=eval_records, eval_sets=load_eval_sets(spec, tokenizer, train.chat_template))
+                        eval_records=eval_records, eval_sets=load_eval_sets(spec, tokenizer, train.chat_template),
+                        tools=tools)
         eval_settings(policy)  # a bad evaluation setting fails here, not after hours of training or sampling
         if checkpoint is not None and not hf_checkpoint:
             step, params = restore_params(model, mesh, checkpoint, spec)
             engine.update_params(params, version=step)
     except BaseException:
         scorer.close()
+        if tools is not None:
+            tools.close()
         raise
     return policy
 
@@ -191,8 +196,8 @@ def _training(policy: Policy, workdir: epath.Path) -> Trainer:
     records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"), policy.tokenizer,
                            spec.train.chat_template, spec.max_prompt_len(), **prompt_options(spec.train))
     iterator = PromptIterator(records, batch_size=1, seed=spec.train.seed)
-    manager = RolloutManager(spec.rollout, Scheduler(engine), lambda: iterator.next_batch()[0], policy.encode,
-                             seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
+    manager = RolloutManager(spec.rollout, Scheduler(engine, policy.tools), lambda: iterator.next_batch()[0],
+                             policy.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
     checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
     trainer = Trainer(policy=policy, workdir=workdir, graphdef=graphdef, train_state=train_state,
                       train_step=train_step, manager=manager, iterator=iterator, checkpointer=checkpointer,

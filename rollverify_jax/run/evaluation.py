@@ -34,6 +34,7 @@ from rollverify_jax.infra import storage
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.rollout.scheduler import Scheduler
+from rollverify_jax.rollout.tool_use import ToolRunner
 from rollverify_jax.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -146,12 +147,12 @@ def vote_key(response: str) -> str | None:
 def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[dict], np.ndarray],
                     decode: Callable[[list[int]], str], scorer: RewardScorer, k: int, max_new_tokens: int,
                     sampling: SamplingConfig | None = None, at_k: Sequence[int] = (),
-                    prefix: str = "eval/") -> tuple[dict, list[dict]]:
+                    prefix: str = "eval/", tools: ToolRunner | None = None) -> tuple[dict, list[dict]]:
     """Samples k responses per record (fixed seeds, so evaluations at different steps see the same randomness)
     with ``sampling`` (default: the engine's). Returns the metrics (avg@k, pass@k, maj@k, mean response length,
     named ``prefix...``) and one row per response (problem, sample, prompt, response, answer, reward), problem by
-    problem."""
-    sched = Scheduler(engine)
+    problem. ``tools``: multi-turn tool use, as in training."""
+    sched = Scheduler(engine, tools)
     trajs = []
     for i, rec in enumerate(records):
         prompt = np.asarray(encode(rec), np.int32)
@@ -166,15 +167,18 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
     done = sorted(sched.take_finished(), key=lambda t: t.uid)
     texts = [decode(t.tokens) for t in done]
     # The reward sees the whole interaction: num_turns and tool_calls of a multi-turn trajectory, as in training.
-    graded = [with_interaction(records[t.group_id], getattr(t, "env_spans", []), t.num_tokens) for t in done]
+    graded = [with_interaction(records[t.group_id], t.env_spans, t.num_tokens, tools is not None) for t in done]
     rewards, _ = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False, records=graded)
     correct = np.asarray(rewards).reshape(len(records), k) > 0.5
     votes = [[vote_key(texts[i * k + j]) for j in range(k)] for i in range(len(records))]
     metrics = {**sample_metrics(correct, votes, at_k, prefix),
                f"{prefix}response_length": float(np.mean([t.num_tokens for t in done])),
                "time/eval": time.perf_counter() - t0}
+    if tools is not None:
+        metrics[f"{prefix}tool_calls"] = float(np.mean([t.tool_calls for t in done]))
     rows = [{"problem": t.group_id, "sample": t.uid % k, "prompt": records[t.group_id]["prompt"], "response": text,
-             "answer": records[t.group_id]["answer"], "reward": float(r), "num_tokens": t.num_tokens}
+             "answer": records[t.group_id]["answer"], "reward": float(r), "num_tokens": t.num_tokens,
+             **({"tool_calls": t.tool_calls} if t.env_spans else {})}
             for t, text, r in zip(done, texts, rewards, strict=True)]
     return metrics, rows
 
@@ -239,7 +243,7 @@ def evaluate_run(policy: Policy, workdir: storage.PathLike | None = None,
     for name, records, k in eval_sets(policy):
         prefix = f"eval/{name}/" if name else "eval/"
         result, rows = evaluate_policy(policy.engine, records, policy.encode, policy.decode, policy.scorer, k,
-                                       max_new, sampling, policy.spec.eval.at_k, prefix)
+                                       max_new, sampling, policy.spec.eval.at_k, prefix, policy.tools)
         metrics["time/eval"] += result.pop("time/eval")
         metrics.update(result)
         logged += [{"eval_set": name, **row} if name else row for row in logged_rows(rows, n)]

@@ -34,6 +34,7 @@ from rollverify_jax.rl.partial_rollout import RolloutConfig
 from rollverify_jax.rollout.attention import paged_attention
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.sampling import SamplingConfig
+from rollverify_jax.rollout.tool_use import ToolUseConfig
 from rollverify_jax.run.checkpoint import CheckpointConfig
 from rollverify_jax.run.evaluation import EvalConfig
 from rollverify_jax.run.metrics import MetricsConfig
@@ -183,6 +184,7 @@ PARTS: dict[str, tuple[str, Any]] = {
     "model": ("model_config", qwen3.model_config),
     "moe": ("expert_parallel_chunk", qwen3.expert_parallel_chunk),
     "synthetic_task": ("SyntheticTask", SyntheticTask),
+    "tool_use": ("ToolUseConfig", ToolUseConfig),
     "compile_cache": ("compilation_cache", compile_cache.compilation_cache),
     "distributed": ("initialize", distributed.initialize),
     "sim": ("SimConfig", SimConfig),
@@ -294,6 +296,7 @@ class RunSpec:
     model: Bindings  # model_config's preset, dtypes and overrides (the random-init policy)
     moe: Bindings  # expert_parallel_chunk's tokens
     synthetic_task: Bindings  # SyntheticTask's bindings, merged into the synthetic datasets' arguments
+    tool_use: ToolUseConfig  # multi-turn tool use in the rollout (off by default)
     compile_cache: Bindings
     distributed: Bindings
     sim: SimConfig

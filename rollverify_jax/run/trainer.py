@@ -31,6 +31,7 @@ class Policy:
     scorer: Any
     eval_records: list  # the primary eval set (TrainConfig.eval_dataset)
     eval_sets: dict = dataclasses.field(default_factory=dict)  # name -> records of TrainConfig.eval_sets
+    tools: Any = None  # a rollout.tool_use.ToolRunner when ToolUseConfig.enabled (multi-turn tool use)
 
     def encode(self, record: dict) -> np.ndarray:
         """A record's prompt ids: its ``prompt``, or with ``TrainConfig.chat_template`` its own ``messages`` when it
@@ -47,6 +48,8 @@ class Policy:
 
     def close(self) -> None:
         self.scorer.close()
+        if self.tools is not None:
+            self.tools.close()
 
 
 @dataclasses.dataclass
@@ -78,7 +81,8 @@ class Trainer:
         return self.manager.run_phase()
 
     def score(self, groups) -> step_lib.Scored:
-        return step_lib.score(groups, self.policy.decode, self.policy.scorer, self.spec.train.advantage)
+        return step_lib.score(groups, self.policy.decode, self.policy.scorer, self.spec.train.advantage,
+                              multi_turn=self.policy.tools is not None)
 
     def select(self, scored: step_lib.Scored) -> tuple[dict, dict]:
         spec = self.spec

@@ -1,0 +1,170 @@
+"""Multi-turn tool use in the rollout (ReTool-style): when a policy turn ends at a tool call's closing token,
+the call is parsed from that turn's text, run off the decode loop (a thread pool: the calculator is in process,
+the python tool a sandboxed subprocess), and its reply comes back as tokens the policy reads but did not sample.
+
+The scheduler owns the slots; this module owns what happens between a turn's end and the reply's tokens.
+JAX-free, so the rule that decides what a reply looks like is testable on its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from rollverify_jax.rollout.trajectory import Trajectory
+from rollverify_jax.tools import (
+    PythonTool,
+    SandboxConfig,
+    ToolResult,
+    ToolStatus,
+    call_tool,
+    format_tool_output,
+    get_tool,
+    parse_tool_call,
+    register_tool,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolUseConfig:
+    """Multi-turn tool use in the rollout (off by default: one prompt, one sampled response).
+
+    call_end_token: the one token that closes a tool call (e.g. Qwen3's ``</tool_call>``, the tiny tool policy's
+    ``</calculator>``); decoding stops there, the call is parsed from the turn (``parse_tool_call``: the
+    ``<tool_call>NAME ...</tool_call>`` or ``<NAME>...</NAME>`` forms) and run. The reply the policy reads is
+    ``reply_prefix + output + reply_suffix`` (for Qwen3's chat format the prefix closes the assistant turn and
+    opens a tool turn, the suffix opens the next assistant turn), at most ``max_reply_tokens`` tokens of output.
+    max_calls: tool calls per trajectory; a call past it ends the trajectory. timeout_s: a call's wall-clock
+    limit (the python tool's sandbox limit too); a call that overruns it gets an error reply, never a stuck slot.
+    workers: calls running at once."""
+
+    enabled: bool = False
+    tools: tuple[str, ...] = ("calculator",)
+    call_end_token: str = "</tool_call>"
+    reply_prefix: str = "<tool_response>"
+    reply_suffix: str = "</tool_response>"
+    max_calls: int = 4
+    max_reply_tokens: int = 256
+    timeout_s: float = 10.0
+    workers: int = 4
+
+    def __post_init__(self):
+        if not self.tools:
+            raise ValueError("ToolUseConfig.tools is empty: name at least one tool, e.g. ('calculator',).")
+        for name in ("max_calls", "max_reply_tokens", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ToolUseConfig.{name}={getattr(self, name)} must be >= 1.")
+        if not self.timeout_s > 0:
+            raise ValueError(f"ToolUseConfig.timeout_s={self.timeout_s} must be > 0.")
+
+
+@dataclasses.dataclass
+class ToolCall:
+    """One call in flight: the future of its reply tokens, and when it started."""
+
+    future: concurrent.futures.Future
+    started: float
+
+
+@dataclasses.dataclass
+class ToolStats:
+    calls: int = 0
+    errors: int = 0  # timeouts, tool errors, calls that did not parse
+    seconds: float = 0.0  # summed wall-clock of the calls (they overlap each other and decoding)
+
+
+class ToolRunner:
+    """Runs the tool calls of a rollout: ``start`` submits a trajectory's last call, ``reply`` reads its reply
+    tokens once done. Every fault (no parsable call, unknown tool, timeout, crash, huge output) becomes a short
+    error reply the policy reads."""
+
+    def __init__(self, config: ToolUseConfig, encode: Callable[[str], list[int]],
+                 decode: Callable[[Sequence[int]], str], call_end_id: int):
+        self.config = config
+        self.encode, self.decode = encode, decode
+        self.call_end_id = int(call_end_id)
+        self.stats = ToolStats()
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="tool")
+        for name in config.tools:
+            get_tool(name)  # an unknown name fails here, naming the known ones
+        if "python" in config.tools:  # the sandbox's own limit is the call's
+            register_tool(PythonTool(SandboxConfig(timeout_s=config.timeout_s)))
+
+    @classmethod
+    def for_tokenizer(cls, config: ToolUseConfig, tokenizer) -> ToolRunner:
+        """A runner over ``tokenizer`` (``models.tokenizer.Tokenizer``); the call-end token must be one of its
+        tokens, else decoding could never stop at it."""
+        try:
+            end = tokenizer.token_id(config.call_end_token)
+        except (KeyError, ValueError):
+            raise ValueError(f"ToolUseConfig.call_end_token={config.call_end_token!r} is not one token of the "
+                             "policy's tokenizer: name the token its tool calls end with (Qwen3: '</tool_call>')."
+                             ) from None
+        return cls(config, tokenizer.encode, lambda ids: tokenizer.decode(ids, skip_special_tokens=False), end)
+
+    def ends_call(self, t: Trajectory) -> bool:
+        """The trajectory's last token closes a tool call the policy wrote (not one quoted in a reply)."""
+        return bool(t.tokens) and t.tokens[-1] == self.call_end_id and not (
+            t.env_spans and t.env_spans[-1][1] == t.num_tokens)
+
+    def can_reply(self, t: Trajectory) -> bool:
+        """Within the budget: calls left, and room for a reply and one more policy token."""
+        return t.tool_calls < self.config.max_calls and t.num_tokens < t.max_new_tokens - 1
+
+    def awaits_reply(self, t: Trajectory) -> bool:
+        """An unfinished trajectory that stopped at a tool call within its budget: the reply comes next."""
+        return not t.finished and self.ends_call(t) and self.can_reply(t)
+
+    def start(self, t: Trajectory) -> ToolCall:
+        """Submits the call that ends ``t``'s current turn (the text since the last reply)."""
+        turn_start = t.env_spans[-1][1] if t.env_spans else 0
+        text = self.decode(t.tokens[turn_start:])
+        return ToolCall(self._pool.submit(self._run, text), time.perf_counter())
+
+    def _run(self, text: str) -> tuple[ToolResult, float]:
+        t0 = time.perf_counter()
+        call = parse_tool_call(text, names=self.config.tools)
+        if call is None:
+            result = ToolResult("", ToolStatus.ERROR, 0.0, "no tool call found before the closing tag")
+        elif call[0] not in self.config.tools:
+            result = ToolResult("", ToolStatus.ERROR, 0.0,
+                                f"unknown tool {call[0]!r}; available: {', '.join(self.config.tools)}")
+        else:
+            result = call_tool(*call)
+        return result, time.perf_counter() - t0
+
+    def reply(self, call: ToolCall, room: int) -> list[int] | None:
+        """The reply's tokens once the call is done (None while it runs), at most ``room`` of them (the reply's
+        frame is kept whole and the output cut first). A call past its timeout gets a timeout reply."""
+        if call.future.done():
+            result, seconds = call.future.result()
+        elif time.perf_counter() - call.started > self.config.timeout_s:
+            call.future.cancel()  # a thread cannot be killed: its result, when it comes, is dropped
+            result = ToolResult("", ToolStatus.TIMEOUT, self.config.timeout_s,
+                                f"the call ran past {self.config.timeout_s:g} s")
+            seconds = self.config.timeout_s
+        else:
+            return None
+        self.stats.calls += 1
+        self.stats.errors += result.status in (ToolStatus.ERROR, ToolStatus.TIMEOUT)
+        self.stats.seconds += seconds
+        return self.reply_tokens(result, room)
+
+    def reply_tokens(self, result: ToolResult, room: int) -> list[int]:
+        prefix, suffix = self.encode(self.config.reply_prefix), self.encode(self.config.reply_suffix)
+        body = self.encode(format_tool_output(result, tag=""))
+        body = body[: max(0, min(self.config.max_reply_tokens, room - len(prefix) - len(suffix)))]
+        return (prefix + body + suffix)[:room]
+
+    @staticmethod
+    def wait(calls: Sequence[ToolCall], timeout: float) -> None:
+        """Blocks until one of ``calls`` is done or ``timeout`` seconds pass (nothing else to do meanwhile)."""
+        concurrent.futures.wait([c.future for c in calls], timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def reset_stats(self) -> None:
+        self.stats = ToolStats()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,259 @@
+"""Multi-turn tool use in the rollout: replies appended without re-prefill, tool tokens outside verification,
+pause and resume across a call (checkpoint round-trip included), faults that never hold a slot."""
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.rl.batch import build_batch
+from rollverify_jax.rl.buffer import PausedCache
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rollout.tool_use import ToolRunner, ToolUseConfig
+from rollverify_jax.run.checkpoint import decode_extra, encode_extra
+from rollverify_jax.tools import ToolResult, ToolStatus
+from rollverify_jax.verify import two_stage_verify
+
+CALL_END = 63  # the tiny random policy samples it now and then: each time, a tool call ends its turn
+EOS = 3
+CFG = EngineConfig(num_slots=4, page_size=8, max_seq_len=96, steps_per_dispatch=3)
+TOOLS = ToolUseConfig(enabled=True, tools=("calculator",), call_end_token="<end>", reply_prefix="<r>",
+                      reply_suffix="</r>", max_calls=3, max_reply_tokens=5)
+
+
+def _encode(text: str) -> list[int]:
+    """Reply text to ids of the 64-token toy vocabulary, never the EOS nor the call-end id."""
+    return [10 + ord(c) % 50 for c in text]
+
+
+def _decode(ids) -> str:
+    return "".join(chr(48 + i % 60) for i in ids)
+
+
+class GatedRunner(ToolRunner):
+    """A runner whose calls wait for ``gate`` (a tool still running when the phase pauses)."""
+
+    def __init__(self, config=TOOLS, gate: threading.Event | None = None):
+        super().__init__(config, _encode, _decode, CALL_END)
+        self.gate = gate
+
+    def _run(self, text):
+        if self.gate is not None:
+            self.gate.wait(10)
+        return super()._run(text)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, CFG, SamplingConfig(temperature=1.0), eos_ids=(EOS,), stop_ids=(CALL_END,))
+
+
+def _requests(n=12, seed=0, max_new=60):
+    rng = np.random.default_rng(seed)
+    return [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 64, size=rng.integers(2, 10)).astype(np.int32),
+                       seed=70 + i, max_new_tokens=max_new) for i in range(n)]
+
+
+def _run_all(engine, trajs, tools=None):
+    sched = Scheduler(engine, tools or GatedRunner())
+    sched.submit(trajs)
+    sched.run()
+    assert engine.allocator.num_free == engine.allocator.capacity, "pages leaked"
+    return {t.uid: t for t in sched.take_finished()}
+
+
+def _teacher_forced_logp(model, t: Trajectory) -> np.ndarray:
+    seq = np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)])
+    logits = nnx.jit(lambda m, x: m(x))(model, seq[None])[0]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    p = len(t.prompt)
+    return np.asarray([logp[p + j - 1, y] for j, y in enumerate(t.tokens)])
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return _run_all(engine, _requests())
+
+
+def test_replies_are_appended_and_the_policy_reads_them_as_a_full_recompute_would(model, engine, reference):
+    called = [t for t in reference.values() if t.tool_calls]
+    assert len(called) >= 3 and any(t.tool_calls >= 2 for t in called)
+    reply = GatedRunner().reply_tokens(ToolResult("", ToolStatus.ERROR, 0.0, "no tool call found before the "
+                                                  "closing tag"), room=100)
+    for t in called:
+        mask = t.policy_mask()
+        for start, end in t.env_spans:
+            assert t.tokens[start - 1] == CALL_END and mask[start - 1]  # each reply follows a call's closing tag
+            assert t.tokens[start:end] == reply[: end - start] and not mask[start:end].any()
+            assert t.logps[start:end] == [0.0] * (end - start)
+        # Every sampled token's log mu is what the whole sequence recomputed from scratch gives: the reply's K/V
+        # written by Engine.extend (and the closing tag's) are the ones a full prefill computes.
+        np.testing.assert_allclose(np.asarray(t.logps)[mask], _teacher_forced_logp(model, t)[mask], atol=1e-4)
+    assert all(t.tool_calls <= TOOLS.max_calls for t in reference.values())
+
+
+def test_a_call_past_the_budget_ends_the_trajectory(engine, reference):
+    capped = _run_all(engine, _requests(), GatedRunner(ToolUseConfig(**{**_fields(TOOLS), "max_calls": 1})))
+    for uid, t in capped.items():
+        assert t.tool_calls <= 1
+        if reference[uid].tool_calls >= 2:  # the same samples up to the second call, which now ends it
+            assert t.tokens[-1] == CALL_END and t.finished
+
+
+def _fields(config):
+    return {f: getattr(config, f) for f in config.__dataclass_fields__}
+
+
+def test_replies_keep_history_cached_and_prefill_only_their_own_tokens(engine):
+    sched = Scheduler(engine, GatedRunner())
+    trajs = _requests()
+    sched.submit(trajs)
+    sched.run()
+    calls = sum(t.tool_calls for t in trajs)
+    reply_tokens = sum(b - a for t in trajs for a, b in t.env_spans)
+    assert sched.stats.extend_tokens == reply_tokens + calls  # each reply plus the closing tag before it
+    assert sched.stats.prefill_tokens <= sum(len(t.prompt) for t in trajs)  # no history is prefilled again
+    assert sched.tools.stats.calls == calls and sched.tools.stats.errors == calls  # random text: no valid call
+
+
+@pytest.mark.parametrize("dispatches", [2, 5, 9])
+def test_pause_mid_turn_or_while_a_tool_runs_then_a_checkpoint_then_resume_is_exact(engine, reference, dispatches):
+    gate = threading.Event()
+    sched = Scheduler(engine, GatedRunner(gate=gate))
+    sched.submit(_requests())
+    sched.run(max_dispatches=dispatches)
+    waiting = len(sched.waits)
+    paused = sched.pause_all()
+    assert engine.allocator.num_free == engine.allocator.capacity
+    cache = PausedCache()
+    cache.pause(paused)
+    restored = PausedCache.from_dict(decode_extra(json.loads(json.dumps(encode_extra(cache.to_dict())))))
+    gate.set()
+    sched.resume(restored.paused)
+    done = {**{t.uid: t for t in sched.take_finished()}, **_finish(sched)}
+    assert sorted(done) == sorted(reference)
+    for uid, t in reference.items():
+        assert done[uid].tokens == t.tokens and done[uid].env_spans == t.env_spans, uid
+        np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
+    if dispatches == 9:
+        assert waiting > 0  # a tool was still running at the pause: it ran again after the resume
+
+
+def _finish(sched):
+    sched.run()
+    assert sched.engine.allocator.num_free == sched.engine.allocator.capacity
+    return {t.uid: t for t in sched.take_finished()}
+
+
+def test_verification_reads_policy_tokens_only(engine):
+    """Same params at the resume: every policy token is on-policy (OPS ~ 0) and nothing is cut, though each
+    reply token's recorded log mu (0.0) is far from its log-prob: were reply tokens verified, they would be cut."""
+    sched = Scheduler(engine, GatedRunner())
+    sched.submit(_requests())
+    sched.run(max_dispatches=7)
+    paused = [t for t in sched.pause_all() if t.env_spans]
+    assert paused
+    seen = []
+
+    def keep_fn(new_logp, behavior, versions, lengths):
+        seen.append((np.array(new_logp), np.array(behavior), np.array(lengths)))
+        return two_stage_verify(new_logp, behavior, versions, lengths, 0.01, 2.0)
+
+    policy_tokens = {t.uid: int(t.policy_mask().sum()) for t in paused}
+    assert any(policy_tokens[t.uid] < t.num_tokens for t in paused)
+    sched.resume(paused, keep=keep_fn)
+    sched.run(max_dispatches=1)
+    assert sched.verified and all(k == n for k, n in sched.verified)  # acceptance 1: nothing cut
+    for t in paused:
+        event = [h for h in t.history if h["event"] == "verify"][-1]
+        assert event["of"] == event["kept"] == policy_tokens[t.uid]  # the acceptance counts policy tokens
+    for new, behavior, lengths in seen:  # the verifier saw each policy token's log pi beside its own log mu
+        for i in np.flatnonzero(lengths):
+            np.testing.assert_allclose(new[i, : lengths[i]], behavior[i, : lengths[i]], atol=1e-4)
+    _finish(sched)
+
+
+def test_a_cut_lands_on_a_policy_token_and_removes_every_later_turn(engine):
+    sched = Scheduler(engine, GatedRunner())
+    sched.submit(_requests())
+    sched.run()
+    t = max(sched.take_finished(), key=lambda t: t.tool_calls)
+    assert t.tool_calls >= 2
+    policy_at = np.flatnonzero(t.policy_mask())
+    first_end = t.env_spans[0][1]
+    cut = int(np.searchsorted(policy_at, first_end))  # the first policy token after the first reply
+    tokens, spans = list(t.tokens), list(t.env_spans)
+    sched.resume([t], keep=lambda new, behavior, versions, lengths: np.where(lengths > 0, cut, 0))
+    sched.step()  # admission: the resume prefill, the verification, the cut
+    assert sched.verified_finished == [(cut, len(policy_at))] and policy_at[cut] == first_end
+    assert t.num_tokens >= first_end + 1 and t.tokens[:first_end] == tokens[:first_end]
+    assert t.env_spans[0] == spans[0] and t.draws == 1  # the first turn and its reply stay, the rest is redrawn
+    _finish(sched)
+
+
+def test_a_tool_that_overruns_its_timeout_gets_an_error_reply_and_frees_its_slot(engine):
+    slow = GatedRunner(ToolUseConfig(**{**_fields(TOOLS), "timeout_s": 0.2}), gate=threading.Event())
+    t0 = time.perf_counter()
+    done = _run_all(engine, _requests(4), slow)
+    assert time.perf_counter() - t0 < 30
+    called = [t for t in done.values() if t.tool_calls]
+    assert called and slow.stats.errors == slow.stats.calls == sum(t.tool_calls for t in called)
+    timeout = slow.reply_tokens(ToolResult("", ToolStatus.TIMEOUT, 0.2, "the call ran past 0.2 s"), room=100)
+    assert called[0].tokens[slice(*called[0].env_spans[0])] == timeout[: called[0].env_spans[0][1]
+                                                                        - called[0].env_spans[0][0]]
+    slow.gate.set()
+
+
+def test_a_reply_is_cut_to_the_room_left_and_to_its_own_cap():
+    runner = GatedRunner()
+    long = ToolResult("9" * 100, ToolStatus.OK, 0.0)
+    frame = len(_encode("<r>")) + len(_encode("</r>"))
+    assert len(runner.reply_tokens(long, room=100)) == frame + TOOLS.max_reply_tokens
+    assert runner.reply_tokens(long, room=frame + 2) == _encode("<r>") + _encode("99") + _encode("</r>")
+    assert len(runner.reply_tokens(long, room=2)) == 2
+
+
+def test_the_loss_mask_leaves_tool_replies_out():
+    t = Trajectory(uid=0, group_id=0, prompt=np.asarray([5, 6], np.int32), seed=0, max_new_tokens=20,
+                   tokens=[9, 9, CALL_END], logps=[-1.0, -1.0, -1.0], versions=[0, 0, 0])
+    t.append_env([11, 12, 13], version=1)
+    t.tokens.append(9), t.logps.append(-0.5), t.versions.append(1)
+    batch = build_batch([t], np.asarray([1.0]))
+    np.testing.assert_array_equal(batch["loss_mask"][0, :8], [0, 0, 1, 1, 1, 0, 0, 0])
+    assert batch["loss_mask"][0, 8] == 1
+    t.truncate(4)  # inside the reply: its span is cut with it
+    assert t.env_spans == [(3, 4)] and t.policy_mask().tolist() == [True, True, True, False]
+
+
+def test_a_pool_split_over_devices_extends_as_one_device_does(model, engine, reference):
+    mesh = mesh_lib.make_mesh((2, 2, 2))
+    sharded = Engine(model, CFG, SamplingConfig(temperature=1.0), eos_ids=(EOS,), stop_ids=(CALL_END,), mesh=mesh)
+    assert sharded.allocator.num_shards == 4
+    done = _run_all(sharded, _requests())
+    for uid, t in reference.items():
+        assert done[uid].tokens == t.tokens, uid
+        np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
+
+
+def test_waiting_slots_are_packed_with_the_running_ones(model):
+    cfg = EngineConfig(num_slots=16, page_size=8, max_seq_len=96, steps_per_dispatch=3)
+    eng = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(EOS,), stop_ids=(CALL_END,))
+    small = Engine(model, CFG, SamplingConfig(temperature=1.0), eos_ids=(EOS,), stop_ids=(CALL_END,))
+    a, b = _run_all(eng, _requests(12, seed=3)), _run_all(small, _requests(12, seed=3))
+    assert any(t.tool_calls for t in a.values())
+    for uid in a:
+        assert a[uid].tokens == b[uid].tokens, uid
+
+
+def test_bad_tool_settings_are_refused():
+    with pytest.raises(ValueError, match="max_calls"):
+        ToolUseConfig(max_calls=0)
+    with pytest.raises(ValueError, match="tools is empty"):
+        ToolUseConfig(tools=())
+    with pytest.raises(ValueError, match="unknown tool|Unknown tool|known"):
+        ToolRunner(ToolUseConfig(tools=("nope",)), _encode, _decode, CALL_END)
