@@ -257,3 +257,32 @@ def test_bad_tool_settings_are_refused():
         ToolUseConfig(tools=())
     with pytest.raises(ValueError, match="unknown tool|Unknown tool|known"):
         ToolRunner(ToolUseConfig(tools=("nope",)), _encode, _decode, CALL_END)
+
+
+@pytest.mark.parametrize("loss_name", ["grpo", "gspo", "vespo"])
+def test_tool_replies_move_neither_the_loss_nor_the_train_time_ops(loss_name):
+    """The reply tokens' recorded log mu (0.0) is nothing like their log-prob under any policy: were they in the
+    loss mask, the loss, its gradient and the OPS metric would follow whatever they hold."""
+    from rollverify_jax.rl.losses import LossConfig, get_loss_fn
+
+    t = Trajectory(uid=0, group_id=0, prompt=np.asarray([5, 6], np.int32), seed=0, max_new_tokens=20,
+                   tokens=[9, 9, CALL_END], logps=[-1.0, -1.2, -0.9], versions=[0, 0, 0])
+    t.append_env([11, 12, 13], version=1)
+    t.tokens.extend([9, 3]), t.logps.extend([-0.5, -0.7]), t.versions.extend([1, 1])
+    batch = build_batch([t], np.asarray([1.0]))
+    new_logp = batch["behavior_logp"] + 0.05 * batch["loss_mask"]
+    loss_fn = get_loss_fn(loss_name)
+
+    def run(behavior):
+        return jax.value_and_grad(lambda lp: loss_fn(lp, behavior, batch["advantages"], batch["loss_mask"],
+                                                     LossConfig())[0])(new_logp), \
+            loss_fn(new_logp, behavior, batch["advantages"], batch["loss_mask"], LossConfig())[1]
+
+    (loss, grad), metrics = run(batch["behavior_logp"])
+    env = batch["loss_mask"] == 0
+    scrambled = np.where(env, -30.0, batch["behavior_logp"])  # any value on reply and prompt positions
+    (loss2, grad2), metrics2 = run(scrambled)
+    np.testing.assert_allclose(loss, loss2, rtol=1e-6)
+    np.testing.assert_allclose(grad, grad2, rtol=1e-6)
+    np.testing.assert_allclose(metrics["ops/token_mean"], metrics2["ops/token_mean"], rtol=1e-6)
+    assert np.all(np.asarray(grad)[env] == 0)
