@@ -118,6 +118,11 @@ def summarize(rows: list[dict]) -> dict:
         "entropy_end": last5("policy/entropy"), "ops_end": last5("ops/token_mean"),
         "kept": mean("filter/kept_fraction"),
         "regen_equal": sum(n * x for n, x in regen) / sum(n for n, _ in regen) if regen else float("nan"),
+        # Multi-turn tool use (NaN for single-turn runs: those columns are left out of the table).
+        "tool_calls": mean("tools/calls_per_trajectory"), "turns": mean("tools/turns_mean"),
+        "tool_share": mean("tools/time_share"), "tool_wait": mean("rollout/tool_wait_fraction"),
+        "tool_errors": (sum(r.get("tools/errors", 0) for r in train) / sum(r.get("tools/calls", 0) for r in train)
+                        if any(r.get("tools/calls") for r in train) else float("nan")),
     }
 
 
@@ -131,15 +136,21 @@ COLUMNS = [("seeds", "seeds", ".0f"), ("steps", "steps", ".0f"), ("acc0", "held-
            ("acceptance", "acceptance", ".3f"), ("regen_equal", "regen = cut", ".3f"), ("entropy", "entropy", ".3f"),
            ("entropy_end", "entropy (last 5)", ".3f"),
            ("switch", "switch step", ".1f")]
+TOOL_COLUMNS = [("tool_calls", "tool calls / traj", ".2f"), ("turns", "turns", ".2f"),
+                ("tool_errors", "tool error rate", ".3f"), ("tool_share", "tool time share", ".4f"),
+                ("tool_wait", "slot-steps waiting on tools", ".3f")]
 
 
 def table(summaries: dict[str, list[dict]], first: str) -> list[str]:
-    """Markdown rows, one per label, each cell the mean ± standard error over that label's runs."""
-    lines = [f"| {first} | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "| --- " * (len(COLUMNS) + 1) + "|"]
+    """Markdown rows, one per label, each cell the mean ± standard error over that label's runs (the tool columns
+    when some run used tools)."""
+    tools = any(not np.isnan(r.get("tool_calls", np.nan)) for runs in summaries.values() for r in runs)
+    columns = COLUMNS + (TOOL_COLUMNS if tools else [])
+    lines = [f"| {first} | " + " | ".join(h for _, h, _ in columns) + " |", "| --- " * (len(columns) + 1) + "|"]
     for label, runs in summaries.items():
         lines.append(f"| {label} | " + " | ".join(str(len(runs)) if k == "seeds"
                                                  else cell([r[k] for r in runs], fmt, se_of_one=True)
-                                                 for k, _, fmt in COLUMNS) + " |")
+                                                 for k, _, fmt in columns) + " |")
     return lines
 
 
