@@ -218,6 +218,15 @@ def test_a_reply_is_cut_to_the_room_left_and_to_its_own_cap():
     assert len(runner.reply_tokens(long, room=2)) == 2
 
 
+def test_a_reply_with_characters_the_vocabulary_lacks_drops_them():
+    def strict(text):
+        if "~" in text:
+            raise ValueError(f"cannot encode {text!r}")
+        return _encode(text)
+    runner = ToolRunner(TOOLS, strict, _decode, CALL_END)
+    assert runner.reply_tokens(ToolResult("1~2", ToolStatus.OK, 0.0), room=100) == strict("<r>12</r>")
+
+
 def test_the_loss_mask_leaves_tool_replies_out():
     t = Trajectory(uid=0, group_id=0, prompt=np.asarray([5, 6], np.int32), seed=0, max_new_tokens=20,
                    tokens=[9, 9, CALL_END], logps=[-1.0, -1.0, -1.0], versions=[0, 0, 0])

@@ -154,9 +154,23 @@ class ToolRunner:
 
     def reply_tokens(self, result: ToolResult, room: int) -> list[int]:
         prefix, suffix = self.encode(self.config.reply_prefix), self.encode(self.config.reply_suffix)
-        body = self.encode(format_tool_output(result, tag=""))
+        body = self._encode_leniently(format_tool_output(result, tag=""))
         body = body[: max(0, min(self.config.max_reply_tokens, room - len(prefix) - len(suffix)))]
         return (prefix + body + suffix)[:room]
+
+    def _encode_leniently(self, text: str) -> list[int]:
+        """A tool's output may hold characters a small vocabulary lacks (the tiny policies' tokenizers are
+        character-level): those are dropped, never a crash of the rollout."""
+        try:
+            return self.encode(text)
+        except ValueError:
+            out = []
+            for c in text:
+                try:
+                    out += self.encode(c)
+                except ValueError:
+                    continue
+            return out
 
     @staticmethod
     def wait(calls: Sequence[ToolCall], timeout: float) -> None:
