@@ -38,7 +38,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from rollverify_jax.data import mixture, synthetic
+from rollverify_jax.data import mixture, synthetic, synthetic_tools
 from rollverify_jax.data import sources as files
 from rollverify_jax.data.sources import (  # noqa: F401  (the names this module has always exported)
     DAPO_TEMPLATE,
@@ -58,6 +58,17 @@ def load_synthetic(n: int = 4096, seed: int = 0, split: str = "train", **task_kw
     return [
         {"prompt": r["prompt"], "answer": r["answer"]}
         for r in synthetic.make_split(n, seed, split=split, **task_kwargs)
+    ]
+
+
+def load_synthetic_tools(n: int = 4096, seed: int = 0, split: str = "train", **task_kwargs) -> list[Record]:
+    """Prompt/answer records of the tool variant of the synthetic task (``synthetic_tools``): the same records as
+    ``load_synthetic``'s, for a policy that calls the calculator (``ToolUseConfig``)."""
+    if n < 1:
+        raise ValueError(f"load_synthetic_tools needs n >= 1, got {n}")
+    return [
+        {"prompt": r["prompt"], "answer": r["answer"]}
+        for r in synthetic_tools.make_split(n, seed, split=split, **task_kwargs)
     ]
 
 
@@ -180,6 +191,7 @@ def load_tfds(
 
 DATASETS: dict[str, Callable[..., Sequence[Record]]] = {
     "synthetic": load_synthetic,
+    "synthetic_tools": load_synthetic_tools,
     **files.FILE_LOADERS,
     "tfds": load_tfds,
     "mixture": load_mixture,

@@ -433,8 +433,9 @@ def _default_pad(special_tokens: Sequence[str], eos_tokens: Sequence[str]) -> st
     return eos_tokens[0] if eos_tokens else None
 
 
-def _char_hf_tokenizer(chars: str, special_tokens: Sequence[str]) -> HFTokenizer:
-    """One id per character (in order of first appearance), then the special tokens as added tokens.
+def _char_hf_tokenizer(chars: str, special_tokens: Sequence[str], added_tokens: Sequence[str] = ()) -> HFTokenizer:
+    """One id per character (in order of first appearance), then the special tokens, then ``added_tokens``
+    (non-special: one id each, matched before characters, kept by ``decode(skip_special_tokens=True)``).
 
     Every character is its own pre-token (``[\\s\\S]`` also matches newlines) and ``Fuse`` joins tokens
     without spaces, so ``decode(encode(s)) == s`` for any ``s`` over the alphabet.
@@ -442,16 +443,19 @@ def _char_hf_tokenizer(chars: str, special_tokens: Sequence[str]) -> HFTokenizer
     alphabet = list(dict.fromkeys(chars))
     if not alphabet:
         raise ValueError("build_char_tokenizer needs a non-empty alphabet.")
-    clashes = [t for t in special_tokens if t in alphabet or not t]
-    if clashes or len(set(special_tokens)) != len(special_tokens):
+    tokens = [*special_tokens, *added_tokens]
+    clashes = [t for t in tokens if t in alphabet or not t]
+    if clashes or len(set(tokens)) != len(tokens):
         raise ValueError(
-            "Special tokens must be distinct, non-empty and not single alphabet characters; "
-            f"got {special_tokens}."
+            "Special and added tokens must be distinct, non-empty and not single alphabet characters; "
+            f"got {special_tokens} and {added_tokens}."
         )
     hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(alphabet)}, unk_token=None))
     hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     hf.decoder = decoders.Fuse()
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    if added_tokens:
+        hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     return hf
 
 
@@ -461,13 +465,14 @@ def build_char_tokenizer(
     path: str | os.PathLike[str],
     eos_tokens: Sequence[str] | None = None,
     pad_token: str | None = None,
+    added_tokens: Sequence[str] = (),
 ) -> Tokenizer:
     """Writes a character-level tokenizer (for the tiny default model) to ``path`` and loads it back.
 
     Files written: ``tokenizer.json``; ``tokenizer_config.json`` (eos_token = ``eos_tokens[0]``, pad_token,
     and a ChatML ``chat_template`` when ``<|im_start|>``/``<|im_end|>`` are special tokens, so HF
     ``AutoTokenizer`` renders the same prompts); ``generation_config.json`` (eos_token_id = all
-    ``eos_tokens``, pad_token_id). Ids: characters first, in order, then ``special_tokens`` in order.
+    ``eos_tokens``, pad_token_id). Ids: characters first, in order, then ``special_tokens``, then ``added_tokens``.
 
     Args:
       chars: the alphabet; duplicates are ignored. Text outside it cannot be encoded.
@@ -476,6 +481,8 @@ def build_char_tokenizer(
       eos_tokens: stop tokens; default ``<|im_end|>``, ``<|endoftext|>`` where present, else the first
         special token.
       pad_token: default ``<pad>``, else ``<|endoftext|>``, else the first eos token.
+      added_tokens: multi-character tokens that are text, not control (e.g. the tool tags ``<calculator>``):
+        one id each after the special tokens, and ``decode`` keeps them even with ``skip_special_tokens``.
     """
     special_tokens = list(special_tokens)
     eos_tokens = list(eos_tokens) if eos_tokens is not None else _default_eos(special_tokens)
@@ -483,7 +490,7 @@ def build_char_tokenizer(
     unknown = [t for t in [*eos_tokens, pad_token] if t is not None and t not in special_tokens]
     if unknown:
         raise ValueError(f"eos/pad tokens {unknown} must be among special_tokens {special_tokens}.")
-    hf = _char_hf_tokenizer(chars, special_tokens)
+    hf = _char_hf_tokenizer(chars, special_tokens, list(added_tokens))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     hf.save(str(out / TOKENIZER_FILE))
