@@ -295,3 +295,28 @@ def test_tool_replies_move_neither_the_loss_nor_the_train_time_ops(loss_name):
     np.testing.assert_allclose(grad, grad2, rtol=1e-6)
     np.testing.assert_allclose(metrics["ops/token_mean"], metrics2["ops/token_mean"], rtol=1e-6)
     assert np.all(np.asarray(grad)[env] == 0)
+
+
+@pytest.mark.parametrize("block_tokens", [8, 24, 4096])  # one page a block, three pages, the whole table at once
+def test_extend_attention_over_blocks_of_pages_equals_dense_attention(monkeypatch, block_tokens):
+    from rollverify_jax.rollout import engine as engine_lib
+
+    monkeypatch.setattr(engine_lib, "EXTEND_BLOCK_TOKENS", block_tokens)
+    rng = np.random.default_rng(0)
+    n, w, hq, hkv, d, pages, size, pps = 3, 4, 4, 2, 8, 12, 8, 5
+    q = rng.normal(size=(n, w, hq, d)).astype(np.float32)
+    k_pages = rng.normal(size=(hkv, pages, size, d)).astype(np.float32)
+    v_pages = rng.normal(size=(hkv, pages, size, d)).astype(np.float32)
+    table = np.stack([rng.permutation(np.arange(1, pages))[:pps] for _ in range(n)]).astype(np.int32)
+    positions = np.asarray([[10, 11, 12, 13], [0, 1, 2, 3], [35, 36, 37, 38]], np.int32)
+    out = np.asarray(engine_lib._attend_own_pages(*map(jax.numpy.asarray, (q, k_pages, v_pages, table, positions)),
+                                                  ()))
+    for i in range(n):
+        k = k_pages[:, table[i]].reshape(hkv, -1, d)  # [Hkv, T, D] of row i, in position order
+        v = v_pages[:, table[i]].reshape(hkv, -1, d)
+        for j in range(w):
+            keys = positions[i, j] + 1
+            for h in range(hq):
+                scores = k[h // (hq // hkv), :keys] @ q[i, j, h]
+                p = np.exp(scores - scores.max())
+                np.testing.assert_allclose(out[i, j, h], (p / p.sum()) @ v[h // (hq // hkv), :keys], atol=1e-5)

@@ -350,33 +350,53 @@ class _ExtendAttention:
         return out
 
 
+EXTEND_BLOCK_TOKENS = 2048  # keys per block of the extend attention: its memory is O(rows x reply x block)
+
+
 def _attend_own_pages(q, k_pages, v_pages, table, positions, pool_axes: tuple[str, ...]):
     """q: float32[n, W, Hq, D] (scaled); k/v_pages: [Hkv, P, S, D], the pages this device holds; table: int32[n, pps]
     local page ids (outside [0, P): held elsewhere); positions: int32[n, W]. Each query attends over its row's
-    keys at positions <= its own -> float32[n, W, Hq, D]; with ``pool_axes`` the per-device partial softmaxes are
-    merged (flash-decoding's combine), so the result is the same wherever the pages lie."""
+    keys at positions <= its own -> float32[n, W, Hq, D], one block of pages at a time with a running max and sum
+    (flash decoding's online softmax: never the whole gathered context, which at a real length does not fit).
+    With ``pool_axes`` the per-device partial softmaxes are merged the same way, so the result does not depend
+    on where the pages lie."""
     n, w, hq, d = q.shape
     hkv, held, size, _ = k_pages.shape
-    owned = (table >= 0) & (table < held)  # [n, pps]
-    idx = jnp.where(owned, table, 0)
-    k = k_pages[:, idx].reshape(hkv, n, -1, d).astype(jnp.float32)  # [Hkv, n, T, D]
-    v = v_pages[:, idx].reshape(hkv, n, -1, d).astype(jnp.float32)
-    key_pos = jnp.arange(k.shape[2])  # [T]
-    visible = jnp.repeat(owned, size, axis=1)[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
-    scores = jnp.einsum("nwhgd,hntd->nwhgt", q.reshape(n, w, hkv, hq // hkv, d), k)
-    visible = visible[:, :, None, None, :]  # [n, W, 1, 1, T]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)  # -inf where this device holds no key of the row
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(visible, jnp.exp(scores - m_safe), 0.0)
-    s = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("nwhgt,hntd->nwhgd", p, v)
-    if pool_axes:
+    pps = table.shape[1]
+    block = max(1, min(pps, EXTEND_BLOCK_TOKENS // size))
+    blocks = -(-pps // block)
+    table = jnp.pad(table, ((0, 0), (0, blocks * block - pps)), constant_values=-1)  # padding: held nowhere
+    table = table.reshape(n, blocks, block).transpose(1, 0, 2)  # [blocks, n, block]
+    qg = q.reshape(n, w, hkv, hq // hkv, d)
+
+    def body(carry, xs):
+        m, s, acc = carry  # running max, sum [n, W, Hkv, G] and numerator [n, W, Hkv, G, D]
+        i, cols = xs
+        owned = (cols >= 0) & (cols < held)  # [n, block]
+        idx = jnp.where(owned, cols, 0)
+        k = k_pages[:, idx].reshape(hkv, n, block * size, d).astype(jnp.float32)
+        v = v_pages[:, idx].reshape(hkv, n, block * size, d).astype(jnp.float32)
+        key_pos = i * block * size + jnp.arange(block * size)
+        visible = jnp.repeat(owned, size, axis=1)[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])
+        visible = visible[:, :, None, None, :]  # [n, W, 1, 1, T]
+        scores = jnp.where(visible, jnp.einsum("nwhgd,hntd->nwhgt", qg, k), -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: nothing to rescale
+        p = jnp.where(visible, jnp.exp(scores - safe[..., None]), 0.0)
+        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
+        acc = acc * corr[..., None] + jnp.einsum("nwhgt,hntd->nwhgd", p, v)
+        return (m_new, s * corr + p.sum(-1), acc), None
+
+    g = hq // hkv
+    init = (jnp.full((n, w, hkv, g), -jnp.inf, jnp.float32), jnp.zeros((n, w, hkv, g), jnp.float32),
+            jnp.zeros((n, w, hkv, g, d), jnp.float32))
+    (m, s, acc), _ = jax.lax.scan(body, init, (jnp.arange(blocks), table))
+    if pool_axes:  # -inf where this device holds no key of the row
         top = jax.lax.pmax(m, pool_axes)
-        scale = jnp.where(jnp.isfinite(m), jnp.exp(m_safe - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+        scale = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
         s = jax.lax.psum(s * scale, pool_axes)
-        o = jax.lax.psum(o * scale, pool_axes)
-    return (o / jnp.maximum(s, jnp.finfo(jnp.float32).tiny)).reshape(n, w, hq, d)
+        acc = jax.lax.psum(acc * scale[..., None], pool_axes)
+    return (acc / jnp.maximum(s, jnp.finfo(jnp.float32).tiny)[..., None]).reshape(n, w, hq, d)
 
 
 def _extend_fn(static: EngineStatic, params, state: DecodeState, tokens, positions, valid, sample_at, slots,
