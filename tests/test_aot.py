@@ -42,10 +42,12 @@ def test_three_programs_compile_for_the_topology(report):
 
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
-    """The same run with the tensor serving layout and kl_coef > 0: one more compile checks what each adds."""
+    """The same run with the tensor serving layout, kl_coef > 0 and tool use: one more compile checks what each
+    adds."""
     out = tmp_path_factory.mktemp("aot") / "variant.json"
     aot.main(["--gin_file=configs/tiny_rollverify.gin", *(f"--gin_param={p}" for p in PARAMS),
               "--gin_param=EngineConfig.serving_layout = 'tensor'", "--gin_param=LossConfig.kl_coef = 0.1",
+              "--gin_param=ToolUseConfig.enabled = True", "--gin_param=ToolUseConfig.max_reply_tokens = 48",
               f"--json={out}"])
     return json.loads(out.read_text())
 
@@ -132,7 +134,7 @@ def test_kl_compiles_the_reference_pass_and_counts_its_params(report, variant):
     reference params in the train state's layout), the reference params are resident through every program, and
     the report says so; without the KL (and no OPS filter or pi_old) there is no such pass."""
     assert set(report["programs"]) == {"train_step", "prefill", "decode"}
-    assert set(variant["programs"]) == {"train_step", "prefill", "decode", "logprobs"}
+    assert set(variant["programs"]) == {"train_step", "prefill", "decode", "logprobs", "extend"}
     assert variant["logprobs_for"] == ["reference"]
     res, logprobs = variant["resident"], variant["programs"]["logprobs"]
     assert res["ref_params"] == res["params"] == report["resident"]["params"] > 0
@@ -147,3 +149,12 @@ def test_kl_compiles_the_reference_pass_and_counts_its_params(report, variant):
     assert variant["peak_bytes_per_device"] > report["peak_bytes_per_device"]
     text = fit.format_report(variant)
     assert "logprobs" in text and "for reference" in text and "reference params" in text
+
+
+def test_tool_use_compiles_the_reply_extension_beside_the_engine(report, variant):
+    """ToolUseConfig.enabled: Engine.extend (every slot's reply at once, 64 tokens each) compiles with the TPU
+    layout, counted beside the train state like decode, within the plan (its keys come one block of pages at a
+    time)."""
+    extend, peaks = variant["programs"]["extend"], variant["peak_bytes_by_program"]
+    assert "extend" not in report["programs"] and extend["flops"] > 0
+    assert peaks["extend"] <= variant["peak_bytes_per_device"] <= variant["budget_bytes_per_device"]

@@ -499,6 +499,17 @@ def lower_decode(static: EngineStatic, params, state: DecodeState, steps: int):
     return _generate_jit.lower(static, params, state, steps)
 
 
+def lower_extend(static: EngineStatic, params, state: DecodeState, rows: int, width: int, sharding=None):
+    """``Engine.extend`` of ``rows`` slots at once, ``width`` new tokens each (tool replies), lowered for these
+    (abstract) arguments (``aot``); ``sharding``: the host arguments' (replicated) sharding."""
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    pps = state.page_table.shape[1]
+    return _extend_jit.lower(static, params, state, arg((rows, width), jnp.int32), arg((rows, width), jnp.int32),
+                             arg((rows, width), bool), *[arg((rows,), jnp.int32)] * 3, arg((rows,), jnp.uint32),
+                             arg((rows,), jnp.int32), arg((rows, pps), jnp.int32), arg((rows,), bool))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_page_table_fn(state: DecodeState, table: jax.Array) -> DecodeState:
     return dataclasses.replace(state, page_table=table)

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rollverify_jax import schedule_rules
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import Qwen3ForCausalLM
 from rollverify_jax.rl import learner as learner_lib
@@ -208,6 +209,10 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
         static, params, decode_state, packed))
     programs["decode"], decode_compiled = _compile("decode", lambda: engine_lib.lower_decode(
         static, params, decode_state, engine_cfg.steps_per_dispatch))
+    if spec.tool_use.enabled:  # every slot's reply at once: the reply cap plus 16 tokens of frame and closing tag
+        width = schedule_rules.pow2_bucket(spec.tool_use.max_reply_tokens + 16, 1, engine_cfg.max_seq_len)
+        programs["extend"], _ = _compile("extend", lambda: engine_lib.lower_extend(
+            static, params, decode_state, engine_cfg.num_slots, width, mesh_lib.replicated(mesh)))
 
     # Resident and peak bytes per device
     state_bytes, kv_bytes = _per_device_bytes(state), _per_device_bytes(decode_state.pages)
@@ -219,7 +224,7 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
     resident = state_bytes + kv_bytes + copy_bytes + ref_bytes
     engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
     outside = {"train_step": kv_bytes + copy_bytes + ref_bytes, "prefill": engine_outside + ref_bytes,
-               "decode": engine_outside + ref_bytes,
+               "decode": engine_outside + ref_bytes, "extend": engine_outside + ref_bytes,
                # its params argument is one of the resident sets (the reference's or the train state's)
                "logprobs": resident - param_bytes}
     peaks = {k: p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"] + outside[k]
