@@ -303,11 +303,16 @@ Task: `{json.dumps(report['task'])}`.
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return sft_argument_parser(__doc__.split("\n\n")[0], Path("assets/tiny_policy")).parse_args(argv)
+
+
+def sft_argument_parser(description: str, out: Path) -> argparse.ArgumentParser:
+    """The flags of a tiny policy's SFT (this script's, and the tool policy's, which adds its own)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--steps", type=int, default=450, help="SFT steps taken; fewer, lower accuracy")
     ap.add_argument("--schedule-steps", type=int, default=600, help="LR schedule horizon (>= --steps)")
     ap.add_argument("--seed", type=int, default=0, help="model init, train data and sampling seed")
-    ap.add_argument("--out", type=Path, default=Path("assets/tiny_policy"))
+    ap.add_argument("--out", type=Path, default=out)
     ap.add_argument("--batch-rows", type=int, default=16, help="packed rows per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-frac", type=float, default=0.05)
@@ -318,7 +323,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
     ap.add_argument("--model", type=json.loads, default=None, help="JSON overrides of the model config")
     ap.add_argument("--task", type=json.loads, default=None, help="JSON overrides of the task kwargs")
-    return ap.parse_args(argv)
+    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -280,23 +280,9 @@ Task: `{json.dumps(report['task'])}`.
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=450, help="SFT steps taken; fewer, lower accuracy")
-    ap.add_argument("--schedule-steps", type=int, default=600, help="LR schedule horizon (>= --steps)")
-    ap.add_argument("--seed", type=int, default=0, help="model init, train data and sampling seed")
-    ap.add_argument("--out", type=Path, default=Path("assets/tiny_tool_policy"))
-    ap.add_argument("--batch-rows", type=int, default=16, help="packed rows per step")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup-frac", type=float, default=0.05)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--eval-problems", type=int, default=400, help="held-out (test split) problems")
-    ap.add_argument("--num-samples", type=int, default=4, help="T=1 samples per held-out problem")
-    ap.add_argument("--eval-batch", type=int, default=64, help="decode slots of the evaluation engine")
-    ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
+    ap = base.sft_argument_parser(__doc__.split("\n\n")[0], Path("assets/tiny_tool_policy"))
     ap.add_argument("--curve-problems", type=int, default=128, help="held-out problems of each --eval-every point")
     ap.add_argument("--curve-samples", type=int, default=2, help="T=1 samples per problem of each curve point")
-    ap.add_argument("--model", type=json.loads, default=None, help="JSON overrides of the model config")
-    ap.add_argument("--task", type=json.loads, default=None, help="JSON overrides of the task kwargs")
     return ap.parse_args(argv)
 
 

@@ -72,6 +72,20 @@ def stable_hash(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
 
 
+def in_split(prompt: str, split: str, holdout_fraction: float) -> bool:
+    """Whether a prompt belongs to ``split``: the held-out bucket of its stable hash is ``test``, the rest
+    ``train`` (``all``: every prompt). Disjoint splits by construction, for any task that writes prompts."""
+    if split == "all":
+        return True
+    held_out = stable_hash(prompt) % 10_000 < holdout_fraction * 10_000
+    return held_out if split == "test" else not held_out
+
+
+def lognormal_steps(rng: np.random.Generator, median: float, sigma: float, max_steps: int) -> int:
+    """A lognormal step count clipped to [1, max_steps]: the long tail of the synthetic tasks."""
+    return int(np.clip(round(rng.lognormal(mean=math.log(median), sigma=sigma)), 1, max_steps))
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticTask:
     """Generator of arithmetic-chain problems; example ``i`` depends only on the fields and ``i``.
@@ -130,15 +144,11 @@ class SyntheticTask:
 
     def in_split(self, prompt: str) -> bool:
         """Whether a prompt belongs to this task's split (hash bucket of the prompt text)."""
-        if self.split == "all":
-            return True
-        held_out = stable_hash(prompt) % 10_000 < self.holdout_fraction * 10_000
-        return held_out if self.split == "test" else not held_out
+        return in_split(prompt, self.split, self.holdout_fraction)
 
     def num_steps(self, rng: np.random.Generator) -> int:
         """Lognormal step count clipped to [1, max_steps]: the source of the long tail."""
-        draw = rng.lognormal(mean=math.log(self.length_median), sigma=self.length_sigma)
-        return int(np.clip(round(draw), 1, self.max_steps))
+        return lognormal_steps(rng, self.length_median, self.length_sigma, self.max_steps)
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, list[tuple[str, int]]]:
         start = int(rng.integers(0, self.max_value + 1))

@@ -22,12 +22,18 @@ and train/test are split by a stable hash of the prompt, as in ``synthetic``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import string
 
 import numpy as np
 
-from rollverify_jax.data.synthetic import ANSWER_PREFIX, PROMPT_PREFIX, PROMPT_SUFFIX, SPLITS, stable_hash
+from rollverify_jax.data.synthetic import (
+    ANSWER_PREFIX,
+    PROMPT_PREFIX,
+    PROMPT_SUFFIX,
+    SPLITS,
+    in_split,
+    lognormal_steps,
+)
 from rollverify_jax.tools.calculator import CalculatorTool
 from rollverify_jax.tools.calls import format_tool_output
 
@@ -197,15 +203,11 @@ class SyntheticToolTask:
 
     def in_split(self, prompt: str) -> bool:
         """Whether a prompt belongs to this task's split (hash bucket of the prompt text)."""
-        if self.split == "all":
-            return True
-        held_out = stable_hash(prompt) % 10_000 < self.holdout_fraction * 10_000
-        return held_out if self.split == "test" else not held_out
+        return in_split(prompt, self.split, self.holdout_fraction)
 
     def num_steps(self, rng: np.random.Generator) -> int:
         """Lognormal step count clipped to [1, max_steps]: the source of the long tail."""
-        draw = rng.lognormal(mean=math.log(self.length_median), sigma=self.length_sigma)
-        return int(np.clip(round(draw), 1, self.max_steps))
+        return lognormal_steps(rng, self.length_median, self.length_sigma, self.max_steps)
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, list[tuple[str, int]]]:
         n = self.num_steps(rng)
