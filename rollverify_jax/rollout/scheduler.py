@@ -266,6 +266,11 @@ class Scheduler:
         """Appends every finished call's reply to its trajectory and continues those slots with one ``extend``
         (their history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills,
         reply included, when pages free up."""
+        running = [w.call for w in self.waits.values() if not w.call.future.done()]
+        if running and self.tools.config.reply_grace_s > 0:
+            t0 = time.perf_counter()
+            ToolRunner.wait(running, self.tools.config.reply_grace_s, every=True)
+            self.stats.tool_blocked_time += time.perf_counter() - t0
         ready = []
         for slot, w in list(self.waits.items()):
             t = w.traj

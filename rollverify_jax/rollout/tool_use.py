@@ -38,7 +38,9 @@ class ToolUseConfig:
     opens a tool turn, the suffix opens the next assistant turn), at most ``max_reply_tokens`` tokens of output.
     max_calls: tool calls per trajectory; a call past it ends the trajectory. timeout_s: a call's wall-clock
     limit (the python tool's sandbox limit too); a call that overruns it gets an error reply, never a stuck slot.
-    workers: calls running at once."""
+    workers: calls running at once. reply_grace_s: before each decode dispatch the scheduler waits this long for
+    the calls still running: an in-process tool (the calculator) answers in microseconds, so its slot joins the
+    next dispatch instead of sitting one out; a slow tool costs each dispatch at most this much."""
 
     enabled: bool = False
     tools: tuple[str, ...] = ("calculator",)
@@ -49,6 +51,7 @@ class ToolUseConfig:
     max_reply_tokens: int = 256
     timeout_s: float = 10.0
     workers: int = 4
+    reply_grace_s: float = 0.002
 
     def __post_init__(self):
         if not self.tools:
@@ -58,6 +61,8 @@ class ToolUseConfig:
                 raise ValueError(f"ToolUseConfig.{name}={getattr(self, name)} must be >= 1.")
         if not self.timeout_s > 0:
             raise ValueError(f"ToolUseConfig.timeout_s={self.timeout_s} must be > 0.")
+        if not self.reply_grace_s >= 0:
+            raise ValueError(f"ToolUseConfig.reply_grace_s={self.reply_grace_s} must be >= 0.")
 
 
 @dataclasses.dataclass
@@ -173,9 +178,10 @@ class ToolRunner:
             return out
 
     @staticmethod
-    def wait(calls: Sequence[ToolCall], timeout: float) -> None:
-        """Blocks until one of ``calls`` is done or ``timeout`` seconds pass (nothing else to do meanwhile)."""
-        concurrent.futures.wait([c.future for c in calls], timeout, concurrent.futures.FIRST_COMPLETED)
+    def wait(calls: Sequence[ToolCall], timeout: float, every: bool = False) -> None:
+        """Blocks until one of ``calls`` (``every``: all of them) is done or ``timeout`` seconds pass."""
+        concurrent.futures.wait([c.future for c in calls], timeout,
+                                concurrent.futures.ALL_COMPLETED if every else concurrent.futures.FIRST_COMPLETED)
 
     def reset_stats(self) -> None:
         self.stats = ToolStats()
