@@ -194,7 +194,9 @@ def test_tool_configs_bind_the_policy_task_and_tool_protocol(script):
         assert {k: v for k, v in kwargs.items() if k not in ("n", "split")} == script.TASK_KWARGS
         assert kwargs["split"] == ("train" if split == "train" else "test")
     tool_use = {k.removeprefix("ToolUseConfig."): v for k, v in bindings.items() if k.startswith("ToolUseConfig.")}
-    assert tool_use == {k: v for k, v in dataclasses.asdict(script.TOOL_USE).items() if k != "workers"}
+    protocol = {k: v for k, v in dataclasses.asdict(script.TOOL_USE).items()
+                if k not in ("workers", "reply_grace_s")}  # the protocol the policy learned, not scheduling knobs
+    assert tool_use == protocol
     prompt_max, solution_max = script.max_lengths(SyntheticToolTask(**script.TASK_KWARGS))
     assert bindings["RolloutConfig.max_new_tokens"] >= solution_max
     assert bindings["EngineConfig.max_seq_len"] >= prompt_max + bindings["RolloutConfig.max_new_tokens"]
