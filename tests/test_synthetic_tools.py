@@ -163,7 +163,6 @@ def test_max_lengths_bound_the_task(script, tokenizer: Tokenizer):
         assert len(tokenizer.encode(example["solution"])) + 1 <= solution_max
 
 
-@pytest.mark.skipif(not ASSET.is_dir(), reason="assets/tiny_tool_policy not built yet")
 def test_committed_tool_policy_fits_its_task_and_is_partly_right():
     from rollverify_jax.models.hf import load_pretrained
 
