@@ -227,6 +227,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
     (["--gin_file=configs/missing.gin"], "gin file configs/missing.gin does not exist"),
     (["--gin_param=TrainConfig.num_steps = (3"], "binding is not closed"),
     (["--gin_param=TrainConfig.num_steps = 'x'"], "value bound to TrainConfig has the wrong type"),
+    (["--gin_param=TrainConfig.time_budget_s = None"], r"time_budget_s=None must be a number of seconds >= 0"),
     (["--gin_param=TrainConfig.policy_path = 'no/such/dir'"], "No config.json in no/such/dir"),
 ])
 def test_bad_configuration_exits_with_one_message(policy, tmp_path, capsys, args, match):

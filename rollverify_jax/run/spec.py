@@ -98,6 +98,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.num_steps={self.num_steps} must be >= 0.")
         if self.max_skipped_steps < 1:
             raise ValueError(f"TrainConfig.max_skipped_steps={self.max_skipped_steps} must be >= 1.")
+        if isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, int | float) \
+                or self.time_budget_s < 0:
+            raise ValueError(f"TrainConfig.time_budget_s={self.time_budget_s!r} must be a number of seconds >= 0 "
+                             "(0: no budget).")
         if self.eval_size < 1:  # a negative size would slice problems off the end in silence
             raise ValueError(f"TrainConfig.eval_size={self.eval_size} must be >= 1.")
         for name, entry in self.eval_sets.items():
