@@ -40,7 +40,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -326,6 +326,26 @@ def sft_argument_parser(description: str, out: Path) -> argparse.ArgumentParser:
     return ap
 
 
+def run_sft(train_step: Callable, params, opt_state, next_batch: Callable[[], dict], steps: int, eval_every: int,
+            curve_point: Callable[[int, object], dict]) -> tuple[object, float, float, list[dict]]:
+    """``steps`` SFT updates with a progress bar; ``curve_point(step, params)`` every ``eval_every`` steps before
+    the last (the caller evaluates the final params). Returns (params, last loss, train seconds without the
+    curve's evaluations, curve)."""
+    curve, loss, eval_s = [], float("nan"), 0.0
+    t_train = time.perf_counter()
+    bar = tqdm(range(1, steps + 1), desc="sft", mininterval=2.0, file=sys.stdout)
+    for step in bar:
+        params, opt_state, loss_arr = train_step(params, opt_state, next_batch())
+        if step % 25 == 0 or step == steps:
+            loss = float(loss_arr)
+            bar.set_postfix(loss=f"{loss:.4f}")
+        if eval_every and step % eval_every == 0 and step != steps:
+            t_eval = time.perf_counter()
+            curve.append(curve_point(step, params))
+            eval_s += time.perf_counter() - t_eval
+    return params, loss, time.perf_counter() - t_train - eval_s, curve
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Builds tokenizer and model, runs SFT, evaluates, writes everything to ``--out``; returns the report."""
     args = parse_args(argv)
@@ -361,22 +381,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     print(f"model: {n_params:,} params, {cfg}", flush=True)
     print(f"task: {task_kwargs}; packed rows {args.batch_rows} x {row_length}", flush=True)
-    curve, loss, eval_s = [], float("nan"), 0.0
-    t_train = time.perf_counter()
-    bar = tqdm(range(1, args.steps + 1), desc="sft", mininterval=2.0, file=sys.stdout)
-    for step in bar:
-        params, opt_state, loss_arr = train_step(params, opt_state, packer.batch())
-        if step % 25 == 0 or step == args.steps:
-            loss = float(loss_arr)
-            bar.set_postfix(loss=f"{loss:.4f}")
-        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            t_eval = time.perf_counter()
-            ev = run_eval(params)
-            eval_s += time.perf_counter() - t_eval
-            curve.append({"step": step, "greedy": ev["greedy_accuracy"], "sampled": ev["sampled_accuracy"]})
-            tqdm.write(f"step {step}: greedy {ev['greedy_accuracy']:.3f} sampled {ev['sampled_accuracy']:.3f}")
-    loss = float(loss_arr) if args.steps else loss
-    train_s = time.perf_counter() - t_train - eval_s  # intermediate evals excluded
+    def curve_point(step: int, p) -> dict:
+        ev = run_eval(p)
+        tqdm.write(f"step {step}: greedy {ev['greedy_accuracy']:.3f} sampled {ev['sampled_accuracy']:.3f}")
+        return {"step": step, "greedy": ev["greedy_accuracy"], "sampled": ev["sampled_accuracy"]}
+
+    params, loss, train_s, curve = run_sft(train_step, params, opt_state, packer.batch, args.steps,
+                                           args.eval_every, curve_point)
 
     ev = run_eval(params)
     curve.append({"step": args.steps, "greedy": ev["greedy_accuracy"], "sampled": ev["sampled_accuracy"]})

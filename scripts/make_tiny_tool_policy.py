@@ -331,22 +331,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     print(f"model: {n_params:,} params, {cfg}", flush=True)
     print(f"task: {task_kwargs}; packed rows {args.batch_rows} x {row_length}", flush=True)
-    curve, loss, eval_s = [], float("nan"), 0.0
-    t_train = time.perf_counter()
-    bar = tqdm(range(1, args.steps + 1), desc="sft", mininterval=2.0, file=sys.stdout)
-    for step in bar:
-        params, opt_state, loss_arr = train_step(params, opt_state, packer.batch())
-        if step % 25 == 0 or step == args.steps:
-            loss = float(loss_arr)
-            bar.set_postfix(loss=f"{loss:.4f}")
-        if args.eval_every and step % args.eval_every == 0:
-            t_eval = time.perf_counter()
-            curve.append(curve_point(step, params))
-            eval_s += time.perf_counter() - t_eval
-    loss = float(loss_arr) if args.steps else loss
-    train_s = time.perf_counter() - t_train - eval_s  # intermediate evals excluded
-
-    if args.eval_every and args.steps % args.eval_every:
+    params, loss, train_s, curve = base.run_sft(train_step, params, opt_state, packer.batch, args.steps,
+                                                args.eval_every, curve_point)
+    if args.eval_every:
         curve.append(curve_point(args.steps, params))
     ev = run_eval(params)
     save_pretrained(nnx.merge(graphdef, params), out)
