@@ -202,3 +202,24 @@ def test_tool_configs_bind_the_policy_task_and_tool_protocol(script):
     for mode in ("rollverify", "onpolicy", "partial"):
         text = (ROOT / "configs" / f"tiny_tool_{mode}.gin").read_text()
         assert "include 'configs/tiny_tool_base.gin'" in text and "Hardware: one CPU" in text
+
+
+def test_error_report_finds_the_first_wrong_step_of_a_response():
+    """scripts/tool_task_errors.py replays a response against its prompt: a demonstration passes every step; a flipped
+    sign, a wrong sum and a miscopied value are each named at the step where they happen."""
+    errors = load_script("tool_task_errors")
+    task = SyntheticToolTask(seed=0, split="all")
+    example = next(e for e in map(task.sample, range(200))
+                   if num_tool_steps(e["prompt"]) and _INLINE.search(e["solution"]))
+    prompt, solution = example["prompt"], example["solution"]
+    assert errors.first_error(prompt, solution).startswith("none")
+    a, op, b, c = _INLINE.search(solution).groups()
+    step = f" {a}{op}{b}={c}."
+    flipped = f" {a}{'-' if op == '+' else '+'}{b}={c}."
+    wrong_sum = f" {a}{op}{b}={int(c) + 1}."
+    assert errors.first_error(prompt, solution.replace(step, flipped, 1)) == "inline step: wrong operator"
+    assert errors.first_error(prompt, solution.replace(step, wrong_sum, 1)).startswith("inline arithmetic")
+    call = _CALL.search(solution).group(1)
+    left = re.match(r"\d+", call).group(0)
+    miscopied = solution.replace(CALL_START + call, CALL_START + str(int(left) + 1) + call[len(left):], 1)
+    assert errors.first_error(prompt, miscopied) == "copy of the previous value"
