@@ -176,7 +176,7 @@ def test_committed_tool_policy_fits_its_task_and_is_partly_right():
     assert tokenizer.decode(tokenizer.encode(example["prompt"] + example["solution"])) == (
         example["prompt"] + example["solution"])
     match = re.search(r"Held-out sampled accuracy[^:]*:\s*([0-9.]+)", (ASSET / "README.md").read_text())
-    assert match and 0.15 <= float(match.group(1)) <= 0.7
+    assert match and 0.15 <= float(match.group(1)) <= 0.6  # room left for RL (greedy is 0.1 higher)
 
 
 def test_tool_configs_bind_the_policy_task_and_tool_protocol(script):
