@@ -45,6 +45,12 @@ LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "rollverify"
           "vespo": "partial + VESPO", "partial_pi_old": "naive partial, ratio vs pi_old"}
 
 
+def label(row: str) -> str:
+    """A row's name in tables; a row archived under a folder (`timing/onpolicy`) keeps the folder as a note."""
+    folder, _, name = row.rpartition("/")
+    return LABELS.get(name, name) + (f" ({folder})" if folder else "")
+
+
 def archive_path(row: str, seed: int) -> Path:
     return ARCHIVE / row / f"seed{seed}.jsonl"
 
@@ -142,6 +148,8 @@ def per_run(rows: list[dict], steps: int) -> dict[str, float]:
         "acceptance": float(np.mean(cycles)) if cycles else float("nan"),
         "switch": switch[0] if switch else float("nan"),
         "s_per_step": float(np.mean([r["time/step"] for r in train])),
+        "rollout_s": float(np.mean([r.get("time/rollout", np.nan) for r in train])),
+        "train_s": float(np.mean([r.get("time/train", np.nan) for r in train])),
     }
 
 
@@ -155,7 +163,8 @@ COLUMNS = [("acc0", "acc (start)", ".3f"), ("acc", "acc (end)", ".3f"), ("acc_be
            ("ent_early", "entropy, first 1/6", ".3f"), ("ent_late", "entropy, last 1/6", ".3f"),
            ("len_late", "length, last 1/6", ".1f"), ("acceptance", "acceptance", ".3f"),
            ("partial_fraction", "steps in partial", ".2f"), ("switch", "switch step", ".0f"),
-           ("s_per_step", "s / step", ".2f"), ("wall", "wall (s)", ".0f")]
+           ("s_per_step", "s / step", ".2f"), ("rollout_s", "rollout s / step", ".2f"),
+           ("train_s", "train s / step", ".2f"), ("wall", "wall (s)", ".0f")]
 
 
 def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]:
@@ -167,7 +176,7 @@ def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]
     fig, grid = plt.subplots(2, 3, figsize=(15, 7.6))
     axes = grid.reshape(-1)  # five panels against steps, the last against wall-clock
     for i, (row, runs) in enumerate(data.items()):
-        color, label = f"C{i}", f"{LABELS.get(row, row)} (n={len(runs)})"
+        color, legend = f"C{i}", f"{label(row)} (n={len(runs)})"
         for ax, (key, title) in zip(axes, panels, strict=False):
             curves = []
             for _, rows in runs:
@@ -185,7 +194,7 @@ def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]
                 m = np.convolve(np.nan_to_num(m, nan=np.nanmean(m)), np.ones(w) / w, mode="valid")
                 steps = steps[w - 1:]
             ax.plot(steps, m, color=color, lw=1.4, marker="o" if key == "eval/accuracy" else None, ms=3,
-                    label=label)
+                    label=legend)
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -193,7 +202,7 @@ def plot(data: dict[str, list[tuple[dict, list[dict]]]], name: str) -> list[str]
         for j, (_, rows) in enumerate(runs):
             ev = evals(rows)
             ax.plot([w for _, w, _ in ev], [a for _, _, a in ev], color=color, alpha=0.6, lw=1, marker="o", ms=2,
-                    label=label if j == 0 else None)
+                    label=legend if j == 0 else None)
         ax.set_title("held-out accuracy vs wall-clock (each seed)")
         ax.set_xlabel("wall-clock (s)")
         ax.grid(alpha=0.3)
@@ -218,24 +227,24 @@ def report(rows_wanted: list[str], steps: int, name: str, reference: str, claims
              "| --- " * (len(COLUMNS) + 2) + "|"]
     for row, vals in stats.items():
         seeds = f"{len(data[row])} ({','.join(str(m['seed']) for m, _ in data[row])})"
-        lines.append(f"| {LABELS.get(row, row)} | {seeds} | " +
+        lines.append(f"| {label(row)} | {seeds} | " +
                      " | ".join(cell([v[k] for v in vals], f) for k, _, f in COLUMNS) + " |")
     ref = stats[reference]
     ref_acc = mean_se([v["acc"] for v in ref])[0]
     acc0 = mean_se([v["acc0"] for v in ref])[0]
     target = acc0 + 0.9 * (ref_acc - acc0)
-    lines += ["", f"Welch's t-test (two-sided) of the final held-out accuracy, each row against {LABELS[reference]}; "
-              f"wall-clock to {target:.3f} (90% of {LABELS[reference]}'s mean gain, first evaluation that reaches "
+    lines += ["", f"Welch's t-test (two-sided) of the final held-out accuracy, each row against {label(reference)}; "
+              f"wall-clock to {target:.3f} (90% of {label(reference)}'s mean gain, first evaluation that reaches "
               "it; runs that never do are left out and counted):", "",
               "| row | final accuracy: difference (t, p) | wall to target (s) | reached |", "| --- | --- | --- | --- |"]
     for row, vals in stats.items():
         times = [time_to(r, target) for _, r in data[row]]
         reached = sum(np.isfinite(times))
         test = "-" if row == reference else welch([v["acc"] for v in vals], [v["acc"] for v in ref])
-        lines.append(f"| {LABELS.get(row, row)} | {test} | {cell(times, '.0f')} | {reached}/{len(times)} |")
+        lines.append(f"| {label(row)} | {test} | {cell(times, '.0f')} | {reached}/{len(times)} |")
     for a, _, b in (c.partition(":") for c in claims):
         if a in stats and b in stats:
-            lines.append(f"\n{LABELS.get(a, a)} against {LABELS.get(b, b)}, final accuracy: "
+            lines.append(f"\n{label(a)} against {label(b)}, final accuracy: "
                          f"{welch([v['acc'] for v in stats[a]], [v['acc'] for v in stats[b]])}.")
     lines += ["", *[f"![{f}]({f})" for f in plot(data, name)]]
     return "\n".join(lines) + "\n"
