@@ -488,4 +488,6 @@ def test_phenomenon_queue_archives_finished_runs_and_reports_welch_tests_from_th
     assert "| on-policy GRPO | - | 13 ± 0 | 3/3 |" in report  # reaches 0.2 + 0.9 * 0.21 at its last eval (wall 13)
     assert "| naive partial | -0.110" in report and "| 0/3 |" in report  # never reaches it
     assert (ph.ARCHIVE.parent / "study.png").is_file()
+    given = ph.report(["onpolicy", "partial"], 6, "study", "onpolicy", [], target=0.25)  # partial's halfway eval
+    assert "wall-clock to 0.250 (given" in given and "| naive partial | -0.110" in given and "| 7 ± 0 | 3/3 |" in given
     assert ph.label("timing/onpolicy") == "on-policy GRPO (timing)"  # a row re-run apart, e.g. alone for its speed
