@@ -320,8 +320,9 @@ def main() -> None:
             out = ARCHIVE.parent / f"{args.name}.md"
             reference = f" --reference {args.reference}" if args.reference != "onpolicy" else ""
             claims = f" --claims {' '.join(args.claims)}" if args.claims else ""
+            target = f" --target {args.target}" if args.target is not None else ""
             command = f"python scripts/phenomenon.py report --rows {' '.join(args.rows)} --steps {args.steps} " \
-                      f"--name {args.name}{reference}{claims}" + (f" --target {args.target}" if args.target else "")
+                      f"--name {args.name}{reference}{claims}{target}"
             out.write_text(f"# {args.name}\n\nCommand: `{command}`\n\n" +
                            report(args.rows, args.steps, args.name, args.reference, args.claims, args.target))
             print(f"wrote {out.relative_to(ROOT)}")
