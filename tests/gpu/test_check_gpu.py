@@ -1,4 +1,4 @@
-"""scripts/check_gpu.py, the one prepared script a GPU session runs: its speed sections on CPU in --small mode
+"""tests/gpu/check_gpu.py, the one prepared script a GPU session runs: its speed sections on CPU in --small mode
 (Pallas interpret mode, the reference prefill), so a device's minutes never find a broken code path."""
 
 import json
@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "check_gpu.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("check_gpu.py")
 
 
 def _run(tmp_path, *flags, timeout=900):

@@ -1,4 +1,4 @@
-"""The speed sections of scripts/check_gpu.py (issue 26): decode against the HBM roofline, where a decode step's
+"""The speed sections of tests/gpu/check_gpu.py (issue 26): decode against the HBM roofline, where a decode step's
 fixed cost goes, the GPU decode default at a 22.5K context, the train step's MFU on packed rows, and a config's
 programs compiled on the GPU at reduced layer count. Every rate is measured; every roofline and peak is the
 datasheet's (``gpu_common.CHIPS``)."""
@@ -50,7 +50,7 @@ from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Schedul
 from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.rollout.attention import paged_attention, paged_attention_reference, resolve_impl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -476,7 +476,7 @@ def _xla_variant(args, flags: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         child = os.path.join(tmp, "child.json")
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-        cmd = [sys.executable, str(ROOT / "scripts" / "check_gpu.py"), "--sections", "decode_fixed_cost",
+        cmd = [sys.executable, str(Path(__file__).with_name("check_gpu.py")), "--sections", "decode_fixed_cost",
                "--no-profile", "--no-xla-variants", "--out", child, "--budget-s", "150",
                "--fixed-steps", *map(str, args.fixed_steps[:2]), "--fixed-slots", str(args.fixed_slots),
                "--bench-preset", args.bench_preset]
