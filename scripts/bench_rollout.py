@@ -39,11 +39,6 @@ def workload(n: int, max_new: int, seed: int, sigma: float = 1.0, group_size: in
                        max_new_tokens=int(lengths[i])) for i in range(n)]
 
 
-def compiles() -> int:
-    jits = (engine_lib._prefill_jit, engine_lib._insert_jit, engine_lib._prefill_insert_jit, engine_lib._generate_jit)
-    return sum(f._cache_size() for f in jits)
-
-
 def run_static(engine: Engine, reqs: list[Trajectory]) -> dict:
     sched = Scheduler(engine)
     slots = engine.config.num_slots
@@ -118,11 +113,11 @@ def main() -> None:
     run_continuous(engine, [_fresh(t) for t in reqs], args.sequences)
     run_continuous(engine, [_fresh(t) for t in grouped], args.sequences)
     print(f"warm-up run (compiles the shapes used): {time.perf_counter() - t0:.1f}s")
-    before = compiles()
+    before = engine_lib.compiled_programs()
     static = run_static(engine, [_fresh(t) for t in reqs[: args.sequences]])
     cont = run_continuous(engine, [_fresh(t) for t in reqs], args.sequences)
     cont_groups = run_continuous(engine, [_fresh(t) for t in grouped], args.sequences)
-    recompiles = compiles() - before
+    recompiles = engine_lib.compiled_programs() - before
     ratio = cont["tokens_per_s"] / static["tokens_per_s"]
     runs = (("static", static), ("continuous", cont), (f"continuous, groups of {args.group_size}", cont_groups))
     for name, r in runs:

@@ -356,7 +356,7 @@ def _greedy_case(args, compute_dtype: str, prefill: str, paged: str, matmul_prec
                  "matmul_precision": matmul_precision or "default", "tol": tol}
     with precision(matmul_precision):
         engine = Engine(model, cfg, SamplingConfig(greedy=True), eos_ids=(), **kernel_kwargs())
-        res["prefill_kernel"] = engine._static().kernel()["impl"]
+        res["prefill_kernel"] = engine.static.kernel()["impl"]
         t0 = time.perf_counter()
         trajs = run_engine(engine, reqs)
         res["engine_s"] = time.perf_counter() - t0

@@ -233,7 +233,7 @@ def _decode_run(args, model, n: int, max_len: int, prefill: str, ahead: bool) ->
     ecfg = EngineConfig(num_slots=n, page_size=16, max_seq_len=max_len, steps_per_dispatch=8, kv_dtype="bfloat16",
                         dispatch_ahead=ahead)
     engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=(), **kernel_kwargs())
-    run: dict = {"prefill_kernel": engine._static().kernel()["impl"]}
+    run: dict = {"prefill_kernel": engine.static.kernel()["impl"]}
     t0 = time.perf_counter()
     engine.warmup()
     run_engine(engine, bench_requests(n, args.new_tokens, 999, vocab))  # compiles every shape used below
@@ -436,9 +436,8 @@ def section_decode_fixed_cost(args, state: dict) -> dict:
                 p.fetch()
             res.update(dispatch_s=statistics.median(synced), back_to_back_dispatch_s=(time.perf_counter() - t0) / reps)
             if k == max(args.fixed_steps):
-                static = engine._static()
-                hlo = engine_lib._generate_jit.lower(static, engine.params, engine.state, k, engine.live_pages(),
-                                                     None).compile().as_text()
+                hlo = engine_lib.lower_decode(engine.static, engine.params, engine.state, k,
+                                              engine.live_pages()).compile().as_text()
                 out["step_ops"] = loop_body_ops(hlo)
                 if not args.no_profile and not over_budget(args):
                     with tempfile.TemporaryDirectory() as tmp:
