@@ -20,12 +20,12 @@ import json
 import statistics
 import time
 
-import benchlib
 import numpy as np
 
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout import engine as engine_lib
+from rollverify_jax.studies import benchlib
 
 
 def workload(n: int, max_new: int, seed: int, sigma: float = 1.0, group_size: int = 1) -> list[Trajectory]:
