@@ -54,7 +54,7 @@ mutants: $(VENV)/.installed-test
 	$(PY) -m pip install -q -e '.[test,mutation]'
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(VENV)/bin/mutmut run --max-children 2
-	$(PY) scripts/mutation_report.py
+	$(PY) -m rollverify_jax.studies.mutation_report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache mutants .jax_cache

@@ -17,11 +17,11 @@ import argparse
 import statistics
 import time
 
-import benchlib
 import numpy as np
 
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.studies import benchlib
 
 POLICY = "assets/tiny_policy"
 

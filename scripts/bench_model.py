@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import benchlib
 import jax
 from flax import nnx
 
 from rollverify_jax.models import init_model, model_config
+from rollverify_jax.studies import benchlib
 
 
 def bench(preset: str, batch: int, seq: int, iters: int, dtype: str) -> dict:

@@ -25,13 +25,13 @@ import statistics
 import time
 from pathlib import Path
 
-import benchlib
 import jax
 import numpy as np
 
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.rl import learner
+from rollverify_jax.studies import benchlib
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 REAL_CONTEXT, REAL_MEDIAN, REAL_CAP, REAL_PROMPT = 22528, 2500, 20480, 200

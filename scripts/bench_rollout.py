@@ -20,12 +20,12 @@ import json
 import statistics
 import time
 
-import benchlib
 import numpy as np
 
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout import engine as engine_lib
+from rollverify_jax.studies import benchlib
 
 
 def workload(n: int, max_new: int, seed: int, sigma: float = 1.0, group_size: int = 1) -> list[Trajectory]:
@@ -37,11 +37,6 @@ def workload(n: int, max_new: int, seed: int, sigma: float = 1.0, group_size: in
     prompts = [rng.integers(4, 60, size=rng.integers(8, 17)).astype(np.int32) for _ in range(-(-n // group_size))]
     return [Trajectory(uid=i, group_id=i // group_size, prompt=prompts[i // group_size], seed=i,
                        max_new_tokens=int(lengths[i])) for i in range(n)]
-
-
-def compiles() -> int:
-    jits = (engine_lib._prefill_jit, engine_lib._insert_jit, engine_lib._prefill_insert_jit, engine_lib._generate_jit)
-    return sum(f._cache_size() for f in jits)
 
 
 def run_static(engine: Engine, reqs: list[Trajectory]) -> dict:
@@ -118,11 +113,11 @@ def main() -> None:
     run_continuous(engine, [_fresh(t) for t in reqs], args.sequences)
     run_continuous(engine, [_fresh(t) for t in grouped], args.sequences)
     print(f"warm-up run (compiles the shapes used): {time.perf_counter() - t0:.1f}s")
-    before = compiles()
+    before = engine_lib.compiled_programs()
     static = run_static(engine, [_fresh(t) for t in reqs[: args.sequences]])
     cont = run_continuous(engine, [_fresh(t) for t in reqs], args.sequences)
     cont_groups = run_continuous(engine, [_fresh(t) for t in grouped], args.sequences)
-    recompiles = compiles() - before
+    recompiles = engine_lib.compiled_programs() - before
     ratio = cont["tokens_per_s"] / static["tokens_per_s"]
     runs = (("static", static), ("continuous", cont), (f"continuous, groups of {args.group_size}", cont_groups))
     for name, r in runs:

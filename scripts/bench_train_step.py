@@ -23,7 +23,6 @@ import statistics
 import time
 from pathlib import Path
 
-import benchlib
 import jax
 import numpy as np
 
@@ -34,6 +33,7 @@ from rollverify_jax.models.tokenizer import Tokenizer
 from rollverify_jax.rl import learner
 from rollverify_jax.rl.batch import build_batch
 from rollverify_jax.rollout.trajectory import Trajectory
+from rollverify_jax.studies import benchlib
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import benchlib
 import jax
 import numpy as np
 
 from rollverify_jax.run.metrics import read_metrics
+from rollverify_jax.studies import benchlib
 from rollverify_jax.verify import two_stage_verify
 
 

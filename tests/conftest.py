@@ -1,10 +1,6 @@
 """Test setup: 8 fake CPU devices so sharding is tested on CPU. Must run before JAX is imported."""
 
-import functools
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -60,17 +56,3 @@ def policy(tmp_path_factory):
     vocab = -(-tok.vocab_size // 8) * 8
     save_pretrained(init_model(model_config("tiny", vocab_size=vocab, num_hidden_layers=2), seed=3), path)
     return path
-
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@functools.cache
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (scripts/ is not a package), registered in ``sys.modules`` as its
-    dataclasses need; loaded once per session."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module

@@ -1,26 +1,27 @@
-"""docs/config_reference.md is what scripts/config_reference.py writes from the registered configurables (CI runs
-this, so a field added without regenerating the reference fails CI), and it lists every setting of every part."""
+"""docs/config_reference.md is what rollverify_jax.studies.config_reference writes from the registered
+configurables (CI runs this, so a field added without regenerating the reference fails CI), and it lists every
+setting of every part."""
 
 import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 
 from rollverify_jax.run.spec import PARTS
+from rollverify_jax.studies import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_checked_in_reference_is_current():
-    reference = load_script("config_reference")
+    reference = config_reference
     if (ROOT / "docs" / "config_reference.md").read_text() != reference.render():
         pytest.fail("docs/config_reference.md is out of date (a configurable's fields, defaults or their docs "
                     f"changed): run `{reference.COMMAND}` and commit the file.")
 
 
 def test_every_setting_has_a_row_with_its_documentation():
-    text = load_script("config_reference").render()
+    text = config_reference.render()
     for gin_name, target in PARTS.values():
         assert f"## {gin_name}\n" in text
         if dataclasses.is_dataclass(target):

@@ -54,4 +54,4 @@ def test_dry_run_checks_the_gpu_config_and_says_it_cannot_prove_a_gpu_fit(tmp_pa
     # bf16 weights over the 8 GPUs (norm scales are replicated over some axes: a little more)
     assert report["param_bytes_per_device"] == pytest.approx(report["params"] * 2 / 8, rel=1e-3)
     assert report["full_length_sequences_in_kv_budget"] == 204
-    assert "a GPU config" in out and "scripts/check_gpu.py --compile-config" in out
+    assert "a GPU config" in out and "tests/gpu/check_gpu.py --compile-config" in out

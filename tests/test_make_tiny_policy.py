@@ -1,16 +1,19 @@
-"""Tests for scripts/make_tiny_policy.py and the committed embedded default under assets/tiny_policy."""
+"""Tests for the recipe scripts/make_tiny_policy.py (run as its CLI) and the committed embedded default under
+assets/tiny_policy."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import load_script
-
-from rollverify_jax.data.synthetic import SyntheticTask, char_vocabulary
+from rollverify_jax.data.synthetic import SyntheticTask, char_vocabulary, num_ops
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
+from rollverify_jax.rl import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "assets" / "tiny_policy"
@@ -43,32 +46,37 @@ def _sampled_accuracy(readme: str) -> float:
     return float(match.group(1))
 
 
-def test_script_writes_a_loadable_policy(tmp_path):
-    script = load_script("make_tiny_policy")
+def test_recipe_learns_and_writes_a_loadable_policy(tmp_path):
+    """The CLI end to end on a smaller model: 30 SFT steps take the loss well below the first batch's (the recipe
+    learns), and the directory it writes is a policy the configs can load."""
     out = tmp_path / "policy"
-    report = script.main([
-        "--steps", "3", "--seed", "1", "--out", str(out), "--batch-rows", "2", "--eval-problems", "4",
-        "--num-samples", "1", "--eval-batch", "4",
-    ])
+    model = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tiny_policy.py"), "--steps", "30", "--schedule-steps", "30",
+         "--seed", "1", "--out", str(out), "--batch-rows", "4", "--eval-problems", "4", "--num-samples", "1",
+         "--eval-batch", "4", "--model", json.dumps(model)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
     _check_policy_dir(out)
-    assert report["steps"] == 3
-    assert 0.0 <= report["eval"]["sampled_accuracy"] <= 1.0
-    assert 0.0 <= _sampled_accuracy((out / "README.md").read_text()) <= 1.0
-    assert json.loads((out / "task.json").read_text()) == report["task"]
+    readme = (out / "README.md").read_text()
+    first, final = (float(x) for x in re.search(r"first batch's loss ([0-9.]+), final loss ([0-9.]+)", readme).groups())
+    assert final < 0.8 * first, (first, final)
+    assert "SFT steps: 30," in readme and 0.0 <= _sampled_accuracy(readme) <= 1.0
+    assert json.loads((out / "task.json").read_text()) == json.loads((ASSET / "task.json").read_text())
 
 
-def test_max_lengths_bound_the_task():
-    script = load_script("make_tiny_policy")
-    task = SyntheticTask(seed=0, **script.TASK_KWARGS)
-    prompt_max, solution_max = script.max_lengths(task)
+def test_length_bounds_bound_the_task():
+    task = SyntheticTask(seed=0, **json.loads((ASSET / "task.json").read_text()))
+    prompt_max, solution_max = task.length_bounds()
     samples = [task.sample(i) for i in range(2000)]
     assert max(len(s["prompt"]) for s in samples) <= prompt_max
     assert max(len(s["solution"]) + 1 for s in samples) <= solution_max
-    assert all(script.num_ops(s["prompt"]) == s["solution"].count("=") for s in samples)
+    assert all(num_ops(s["prompt"]) == s["solution"].count("=") for s in samples)
 
 
 def test_evaluation_samples_with_the_package_engine():
-    """The script evaluates with the package's engine and scheduler (no sampler of its own): greedy responses
+    """The recipe evaluates with the package's engine and scheduler (``sft.Sampler``): greedy responses
     equal a teacher-forced argmax decode of the same model, and stop at EOS."""
     import jax.numpy as jnp
     import numpy as np
@@ -76,12 +84,11 @@ def test_evaluation_samples_with_the_package_engine():
 
     from rollverify_jax.models.qwen3 import init_model, model_config
 
-    script = load_script("make_tiny_policy")
     tokenizer = Tokenizer.from_dir(ASSET)
     model = init_model(model_config("tiny", vocab_size=-(-tokenizer.vocab_size // 8) * 8, num_hidden_layers=2), seed=3)
-    sampler = script.Sampler(model, tokenizer, prompt_len=16, max_new=6, slots=4)
+    sampler = sft.Sampler(model, tokenizer, prompt_len=16, max_new=6, slots=4, eos=EOS)
     prompts = ["Start 3. +4. Compute.", "Start 9. *2 -1. Compute."]
-    got = sampler.generate(prompts, seed=0, greedy=True)
+    got = [t.tokens for t in sampler.generate(prompts, seed=0, greedy=True)]
     eos = tokenizer.token_id(EOS)
     logits = nnx.jit(lambda m, ids: m(ids))  # one compile: causal, so right padding does not change a position
     for prompt, response in zip(prompts, got, strict=True):

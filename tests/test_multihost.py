@@ -8,16 +8,15 @@ import math
 
 import gin
 import numpy as np
-from conftest import load_script
 
 from rollverify_jax import train
 from rollverify_jax.data.synthetic import char_vocabulary
+from rollverify_jax.infra import multihost_local
 from rollverify_jax.models import init_model, model_config
 from rollverify_jax.models.hf import save_pretrained
 from rollverify_jax.models.tokenizer import build_char_tokenizer
 from rollverify_jax.run.metrics import read_metrics
 
-multihost_local = load_script("multihost_local")
 TIME_LIMIT_S = 420  # per multi-process launch: a hang fails the test instead of stalling the suite
 
 

@@ -1,4 +1,4 @@
-"""Console lines off a terminal, the optional Weights & Biases logging, scripts/plot_run.py and compare.py's
+"""Console lines off a terminal, the optional Weights & Biases logging, studies/plot_run.py and compare.py's
 --configs: all on synthetic metric dicts and small metrics.jsonl files (no training)."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from conftest import load_script
 
 from rollverify_jax.infra.cli import is_user_error
 from rollverify_jax.run import metrics as metrics_lib
@@ -27,6 +26,7 @@ from rollverify_jax.run.metrics import (
     open_wandb,
     read_metrics,
 )
+from rollverify_jax.studies import compare, phenomenon, plot_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -281,7 +281,7 @@ def test_the_profiler_writes_a_trace(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# scripts/plot_run.py and scripts/compare.py
+# rollverify_jax.studies: plot_run and compare
 
 
 def _write_run(path: Path, rows: list[dict]) -> Path:
@@ -303,7 +303,6 @@ def _rollverify_rows(steps: int = 4) -> list[dict]:
 
 
 def test_plot_run_writes_a_png_per_topic_and_skips_what_a_run_lacks(tmp_path, capsys):
-    plot_run = load_script("plot_run")
     a = _write_run(tmp_path / "runs" / "rollverify", _rollverify_rows())
     # An on-policy run of an older version: no entropy, no verification metrics, no rollout/*, no eval.
     b = _write_run(tmp_path / "runs" / "onpolicy", [{"step": s, "reward/mean": 0.2, "time/step": 1.0,
@@ -322,7 +321,6 @@ def test_plot_run_writes_a_png_per_topic_and_skips_what_a_run_lacks(tmp_path, ca
 
 
 def test_plot_run_leaves_out_a_figure_no_run_has(tmp_path, capsys):
-    plot_run = load_script("plot_run")
     run = _write_run(tmp_path / "r", [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.25}])
     written, notes = plot_run.plot_runs([str(run)])
     assert [p.name for p in written] == ["reward.png"] and written[0].parent == run / "plots"
@@ -330,7 +328,6 @@ def test_plot_run_leaves_out_a_figure_no_run_has(tmp_path, capsys):
 
 
 def test_plot_run_series_and_time_split():
-    plot_run = load_script("plot_run")
     rows = _rollverify_rows(4)
     steps, values = plot_run.series(rows, "verify/acceptance")
     assert steps.tolist() == [1, 3] and values.tolist() == [0.9, 0.9]  # cycles that verified something only
@@ -343,7 +340,6 @@ def test_plot_run_series_and_time_split():
 
 @pytest.mark.parametrize("case", ["missing", "no_metrics", "empty"])
 def test_plot_run_bad_input_is_one_error_line(tmp_path, capsys, case):
-    plot_run = load_script("plot_run")
     good = _write_run(tmp_path / "good", _rollverify_rows(2))
     bad = tmp_path / "bad"
     if case != "missing":
@@ -358,7 +354,6 @@ def test_plot_run_bad_input_is_one_error_line(tmp_path, capsys, case):
 
 
 def test_compare_keeps_its_default_modes():
-    compare = load_script("compare")
     assert compare.entries(None, None) == {m: f"configs/tiny_{m}.gin" for m in
                                            ["onpolicy", "partial", "staleness", "opsfilter", "rollverify"]}
     assert compare.entries(["gspo"], None) == {"gspo": "configs/tiny_gspo.gin"}
@@ -366,7 +361,6 @@ def test_compare_keeps_its_default_modes():
 
 
 def test_compare_config_lists(tmp_path, monkeypatch):
-    compare = load_script("compare")
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.gin").write_text("")
     (tmp_path / "x.gin").write_text("")
@@ -381,7 +375,6 @@ def test_compare_config_lists(tmp_path, monkeypatch):
 
 
 def test_compare_runs_any_gin_files_side_by_side(tmp_path, monkeypatch):
-    compare = load_script("compare")
     base, variant = tmp_path / "base.gin", tmp_path / "variant.gin"
     base.write_text("")
     variant.write_text("")
@@ -464,7 +457,7 @@ def test_phenomenon_queue_archives_finished_runs_and_reports_welch_tests_from_th
     """The issue 28 study script: seed ranges run seed-major; a run short of its steps is not archived (the queue
     resumes it later); the report reads only the archive, tests each row against the reference and finds the
     wall-clock at which a run first reaches 90% of the reference's gain."""
-    ph = load_script("phenomenon")
+    ph = phenomenon
     monkeypatch.setattr(ph, "ARCHIVE", tmp_path / "docs" / "results" / "phenomenon")
     monkeypatch.setattr(ph, "ROOT", tmp_path)
     assert ph.parse_rows(["onpolicy:2", "partial:1-2"]) == [("onpolicy", 0), ("onpolicy", 1), ("partial", 1),

@@ -1,4 +1,4 @@
-"""scripts/prepare_data.py: DAPO-Math-17k and AIME downloads in their public schemas become files the project's
+"""rollverify_jax.data.prepare: DAPO-Math-17k and AIME downloads in their public schemas become files the project's
 loaders read back; bad inputs end with one ``error:`` line and exit status 2, leaving no partial output."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import grain
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import load_script
 
+from rollverify_jax.data import prepare as prepare_lib
 from rollverify_jax.data.datasets import DAPO_TEMPLATE, PromptIterator, apply_dapo_template, get_dataset, load_tfds
 
 
 def prepare(*argv) -> None:
-    load_script("prepare_data").main([str(a) for a in argv])
+    prepare_lib.main([str(a) for a in argv])
 
 
 def write_parquet(path: Path, rows: list[dict]) -> Path:
@@ -200,7 +200,7 @@ def test_a_failed_write_keeps_the_previous_output(tmp_path, capsys, monkeypatch)
     def unreadable(*args, **kwargs):
         raise ValueError("read-back failed")
 
-    monkeypatch.setattr(load_script("prepare_data").datasets, "get_dataset", unreadable)
+    monkeypatch.setattr(prepare_lib.datasets, "get_dataset", unreadable)
     assert "read-back failed" in fails(capsys, source, "--output", out)
     assert out.read_text() == "previous\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aime-out.jsonl", "aime.jsonl"]
@@ -225,7 +225,7 @@ def test_a_build_name_never_escapes_the_output_directory(tmp_path, tfds_tmp, cap
 def test_a_failed_swap_puts_the_previous_build_back(tmp_path, tfds_tmp, capsys, monkeypatch):
     """The rename of a new build into place fails: the previous build (moved aside first) is back under its name
     and still loads; no scratch directory is left."""
-    script = load_script("prepare_data")
+    script = prepare_lib
     data_dir = tmp_path / "tfds"
     prepare(write_parquet(tmp_path / "dapo.parquet", dapo_rows(4, repeats=1)), "--output", data_dir,
             "--format", "array_record")
@@ -251,7 +251,7 @@ def test_outputs_are_on_the_disk_before_their_rename(tmp_path, monkeypatch):
     synced, renamed = [], []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
-    script = load_script("prepare_data")
+    script = prepare_lib
     monkeypatch.setattr(script.os, "replace", lambda s, d: (renamed.append((len(synced), s)), real_replace(s, d)))
     prepare(write_jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": "1"}]), "--output", tmp_path / "o.jsonl")
     (count, src), = renamed

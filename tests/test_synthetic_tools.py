@@ -1,17 +1,15 @@
-"""Tests for the tool variant of the synthetic task, the tool policy's tokenizer and SFT mask
-(scripts/make_tiny_tool_policy.py) and the committed policy under assets/tiny_tool_policy."""
+"""Tests for the tool variant of the synthetic task, the tool policy's tokenizer and SFT mask (the recipe
+scripts/make_tiny_tool_policy.py, over rl/sft.py) and the committed policy under assets/tiny_tool_policy."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_script
 
 from rollverify_jax.data.datasets import get_dataset
 from rollverify_jax.data.rewards import exact_reward
@@ -30,6 +28,8 @@ from rollverify_jax.data.synthetic_tools import (
     tool_reply,
 )
 from rollverify_jax.models.tokenizer import Tokenizer
+from rollverify_jax.rl.sft import sft_example
+from rollverify_jax.studies import tool_task_errors
 from rollverify_jax.tools import evaluate, parse_tool_call
 from rollverify_jax.tools.calculator import format_number
 
@@ -40,14 +40,13 @@ _CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END) + re.e
 _INLINE = re.compile(r" (\d+)([+-])(\d+)=(\d+)\.")
 
 
-@pytest.fixture(scope="module")
-def script():
-    return load_script("make_tiny_tool_policy")
+TASK_KWARGS = json.loads((ASSET / "task.json").read_text())  # the task the committed policy learned
 
 
 @pytest.fixture(scope="module")
-def tokenizer(script, tmp_path_factory) -> Tokenizer:
-    return script.build_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"))
+def tokenizer() -> Tokenizer:
+    """The committed tool policy's tokenizer (what the recipe builds: printable ASCII, a token per tool tag)."""
+    return Tokenizer.from_dir(ASSET)
 
 
 def test_problems_are_deterministic_and_seeded():
@@ -134,11 +133,11 @@ def test_tokenizer_encodes_every_demonstration_with_each_tag_one_token(tokenizer
         assert reply.startswith("Error: ") and tokenizer.decode(tokenizer.encode(reply)) == reply
 
 
-def test_sft_mask_skips_the_prompt_and_the_replies(script, tokenizer: Tokenizer):
+def test_sft_mask_skips_the_prompt_and_the_replies(tokenizer: Tokenizer):
     task = SyntheticToolTask(seed=0, split="train")
     for i in range(20):
         prompt, segments, _ = task.demonstration(i)
-        inputs, targets, weights = script.sft_example(tokenizer, prompt, segments)
+        inputs, targets, weights = sft_example(tokenizer, prompt, segments, "<|endoftext|>")
         seq = tokenizer.encode(prompt + "".join(t for t, _ in segments)) + [tokenizer.token_id("<|endoftext|>")]
         assert inputs == seq[:-1] and targets == seq[1:]
         expected = [0.0] * (len(tokenizer.encode(prompt)) - 1)
@@ -153,9 +152,9 @@ def test_sft_mask_skips_the_prompt_and_the_replies(script, tokenizer: Tokenizer)
         assert weights.count(0.0) == len(tokenizer.encode(prompt)) - 1 + n_reply
 
 
-def test_max_lengths_bound_the_task(script, tokenizer: Tokenizer):
-    task = SyntheticToolTask(seed=0, split="train", **script.TASK_KWARGS)
-    prompt_max, solution_max = script.max_lengths(task)
+def test_length_bounds_bound_the_task(tokenizer: Tokenizer):
+    task = SyntheticToolTask(seed=0, split="train", **TASK_KWARGS)
+    prompt_max, solution_max = task.length_bounds()
     longest = max(range(1000), key=lambda i: len(parse_ops(task.sample(i)["prompt"])))
     for i in [*range(300), longest]:
         example = task.sample(i)
@@ -179,7 +178,7 @@ def test_committed_tool_policy_fits_its_task_and_is_partly_right():
     assert match and 0.15 <= float(match.group(1)) <= 0.6  # room left for RL (greedy is 0.1 higher)
 
 
-def test_tool_configs_bind_the_policy_task_and_tool_protocol(script):
+def test_tool_configs_bind_the_policy_task_and_tool_protocol():
     """configs/tiny_tool_base.gin trains and evaluates on the task the policy learned, with its tool protocol."""
     bindings = {}
     for line in (ROOT / "configs" / "tiny_tool_base.gin").read_text().splitlines():
@@ -190,13 +189,14 @@ def test_tool_configs_bind_the_policy_task_and_tool_protocol(script):
     for split in ("train", "eval"):
         assert bindings[f"TrainConfig.{split}_dataset"] == "synthetic_tools"
         kwargs = bindings[f"TrainConfig.{split}_dataset_kwargs"]
-        assert {k: v for k, v in kwargs.items() if k not in ("n", "split")} == script.TASK_KWARGS
+        assert {k: v for k, v in kwargs.items() if k not in ("n", "split")} == TASK_KWARGS
         assert kwargs["split"] == ("train" if split == "train" else "test")
     tool_use = {k.removeprefix("ToolUseConfig."): v for k, v in bindings.items() if k.startswith("ToolUseConfig.")}
-    protocol = {k: v for k, v in dataclasses.asdict(script.TOOL_USE).items()
+    tool_use["tools"] = list(tool_use["tools"])  # a gin tuple, a JSON list
+    protocol = {k: v for k, v in json.loads((ASSET / "tool_use.json").read_text()).items()
                 if k not in ("workers", "reply_grace_s")}  # the protocol the policy learned, not scheduling knobs
     assert tool_use == protocol
-    prompt_max, solution_max = script.max_lengths(SyntheticToolTask(**script.TASK_KWARGS))
+    prompt_max, solution_max = SyntheticToolTask(**TASK_KWARGS).length_bounds()
     assert bindings["RolloutConfig.max_new_tokens"] >= solution_max
     assert bindings["EngineConfig.max_seq_len"] >= prompt_max + bindings["RolloutConfig.max_new_tokens"]
     for mode in ("rollverify", "onpolicy", "partial"):
@@ -205,9 +205,9 @@ def test_tool_configs_bind_the_policy_task_and_tool_protocol(script):
 
 
 def test_error_report_finds_the_first_wrong_step_of_a_response():
-    """scripts/tool_task_errors.py replays a response against its prompt: a demonstration passes every step; a flipped
-    sign, a wrong sum and a miscopied value are each named at the step where they happen."""
-    errors = load_script("tool_task_errors")
+    """rollverify_jax.studies.tool_task_errors replays a response against its prompt: a demonstration passes every
+    step; a flipped sign, a wrong sum and a miscopied value are each named at the step where they happen."""
+    errors = tool_task_errors
     task = SyntheticToolTask(seed=0, split="all")
     example = next(e for e in map(task.sample, range(200))
                    if num_tool_steps(e["prompt"]) and _INLINE.search(e["solution"]))

@@ -2,7 +2,7 @@
 presets (DAPO-Math-17k, AIME 2024 / 2025, GSM8K, MATH, MATH-500) with their gold-answer extraction, verl's
 parquet layout, and the prompt templates.
 
-Light on purpose (pyarrow, no grain/TFDS/JAX): ``scripts/prepare_data.py`` extracts gold answers with the same
+Light on purpose (pyarrow, no grain/TFDS/JAX): ``rollverify_jax.data.prepare`` extracts gold answers with the same
 functions the loaders use, so a file it writes and a file the loaders read directly give the same answers.
 
 Each loader takes ``path`` plus ``template`` (the prompt template, see ``resolve_template``; the legacy
@@ -153,7 +153,7 @@ def check_file(path: str | os.PathLike) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"dataset file not found: {path!r} (check the path bound in the gin config; "
-            "scripts/prepare_data.py converts DAPO-Math-17k, AIME, GSM8K and MATH downloads into it)"
+            "python -m rollverify_jax.data.prepare converts DAPO-Math-17k, AIME, GSM8K and MATH downloads into it)"
         )
     return path
 
@@ -251,7 +251,7 @@ def extracted(gold: str | None, field: str, path: str, where: str, expected: str
     if gold is None:
         raise DatasetSchemaError(f"{path}: {where}: cannot extract the gold answer from field {field!r}: "
                                  f"expected {expected}; fix the row, or name the column that holds the final "
-                                 "answer (scripts/prepare_data.py --answer_column)")
+                                 "answer (rollverify_jax.data.prepare --answer_column)")
     return gold
 
 

@@ -67,6 +67,11 @@ def apply_op(value: int, op: str, operand: int) -> int:
     raise ValueError(f"unknown op {op!r}; expected one of {OPS!r}")
 
 
+def num_ops(prompt: str) -> int:
+    """Chain length of a prompt ``Start 7. +3 *2. Compute.``."""
+    return len(prompt.split(". ")[1].split())
+
+
 def stable_hash(text: str) -> int:
     """A hash that is the same in every process (python's hash() is salted per process)."""
     return zlib.crc32(text.encode("utf-8"))
@@ -149,6 +154,14 @@ class SyntheticTask:
     def num_steps(self, rng: np.random.Generator) -> int:
         """Lognormal step count clipped to [1, max_steps]: the source of the long tail."""
         return lognormal_steps(rng, self.length_median, self.length_sigma, self.max_steps)
+
+    def length_bounds(self) -> tuple[int, int]:
+        """Upper bounds (prompt chars, solution chars + EOS) over every problem this task can draw, so fixed
+        shapes built from them (a packed SFT row, the tiny configs' max_new_tokens) never truncate the tail."""
+        dv, do = len(str(self.max_value)), len(str(max(self.max_operand, self.max_multiplier)))
+        prompt = len(PROMPT_PREFIX) + dv + len(". ") + self.max_steps * (1 + do + 1) - 1 + len(".") + len(PROMPT_SUFFIX)
+        solution = self.max_steps * (4 + 2 * dv + do) + 1 + len(ANSWER_PREFIX) + dv + 1
+        return prompt, solution
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, list[tuple[str, int]]]:
         start = int(rng.integers(0, self.max_value + 1))

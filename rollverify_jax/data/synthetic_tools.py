@@ -205,6 +205,18 @@ class SyntheticToolTask:
         """Whether a prompt belongs to this task's split (hash bucket of the prompt text)."""
         return in_split(prompt, self.split, self.holdout_fraction)
 
+    def length_bounds(self) -> tuple[int, int]:
+        """Upper bounds in tokens of the tool policy's tokenizer (a character each, a tag one token) of (prompt,
+        solution + EOS) over every problem this task can draw, so fixed shapes never truncate the long tail."""
+        dv, ds, do, df = (len(str(n)) for n in (self.max_value, self.max_start, self.max_operand, self.max_factor))
+        op = max(len(max(TOOL_OPS, key=len)) + df, 1 + do)
+        prompt = len("Start ") + ds + len(". ") + self.max_steps * (op + 1) - 1 + len(".") + len(" Compute.")
+        tool_step = 1 + 1 + (dv + len(max(TOOL_OPS, key=len)) + df) + 1 + 1 + dv + 1  # " <c>expr</c><r>value</r>"
+        inline_step = 1 + dv + 1 + do + 1 + dv + 1  # " a-b=c."
+        tools = min(self.max_tool_steps, self.max_steps)
+        solution = tools * tool_step + (self.max_steps - tools) * inline_step + 1 + len(ANSWER_PREFIX) + dv + 1
+        return prompt, solution
+
     def num_steps(self, rng: np.random.Generator) -> int:
         """Lognormal step count clipped to [1, max_steps]: the source of the long tail."""
         return lognormal_steps(rng, self.length_median, self.length_sigma, self.max_steps)

@@ -177,7 +177,7 @@ class RMSNorm(nnx.Module):
     HF rounds x / rms(x) first and multiplies in the compute dtype (two roundings); XLA kept or dropped the middle
     rounding depending on the shape it fused, so in bf16 the prefill ([n, T]) and decode ([S, 1]) of the same
     tokens got different norms, one cause of the gap between a resume's log pi and the recorded log mu
-    (scripts/bench_ops_floor.py). One rounding is the same in every fusion; float32 is unchanged."""
+    (tests/gpu/bench_ops_floor.py). One rounding is the same in every fusion; float32 is unchanged."""
 
     def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
         self.eps = eps

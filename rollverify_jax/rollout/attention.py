@@ -118,7 +118,7 @@ def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, pages_per_compute_bloc
         # Unit K/V scales make the kernel cast each K/V block to the query's float32 before its products (its
         # path for quantized pages), so scores and probabilities stay float32 as in the reference and the
         # resume prefill: a bf16 query and bf16 probabilities put the OPS noise floor of the tiny policy at
-        # 5e-3, half of ds (scripts/check_gpu.py ops_floor, interpret mode). Cost: the scales' reads (4 bytes a
+        # 5e-3, half of ds (tests/gpu/check_gpu.py ops_floor, interpret mode). Cost: the scales' reads (4 bytes a
         # token per head against K's 2 x head_dim) and one [Hkv, P, S] float32 broadcast per step.
         ones = jnp.ones(k_pages.shape[:3], jnp.float32)
         scales = {"k_scales_pages": ones, "v_scales_pages": ones}

@@ -489,14 +489,21 @@ _generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnum
 _extend_jit = jax.jit(_extend_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 
 
+def compiled_programs() -> int:
+    """How many programs the engine's prefill, insert and decode functions hold compiled, over every engine in
+    the process: benchmarks read it before and after a run to count recompiles."""
+    return sum(f._cache_size() for f in (_prefill_jit, _insert_jit, _prefill_insert_jit, _generate_jit))
+
+
 def lower_prefill(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: bool = True):
     """The resume prefill lowered for these (abstract) arguments: what the deviceless compile sizes (``aot``)."""
     return _prefill_jit.lower(static, params, state, packed, with_logp)
 
 
-def lower_decode(static: EngineStatic, params, state: DecodeState, steps: int):
-    """One decode dispatch of ``steps`` tokens per slot, lowered for these (abstract) arguments (``aot``)."""
-    return _generate_jit.lower(static, params, state, steps)
+def lower_decode(static: EngineStatic, params, state: DecodeState, steps: int, live_pages: int | None = None):
+    """One decode dispatch of ``steps`` tokens per slot, lowered for these (abstract) arguments (``aot``);
+    ``live_pages``: the page-table bucket the dispatch reads (None: the whole table)."""
+    return _generate_jit.lower(static, params, state, steps, live_pages)
 
 
 def lower_extend(static: EngineStatic, params, state: DecodeState, rows: int, width: int, sharding=None):
@@ -651,6 +658,12 @@ class Engine:
     def _static(self) -> EngineStatic:
         return EngineStatic(self.graphdef, self.sampling, tuple(sorted(self.eos_ids + self.stop_ids)), self.layout,
                             self.config.logits_chunk, self.flash, self.attention)
+
+    @property
+    def static(self) -> EngineStatic:
+        """The compiled programs' static argument (what ``lower_decode`` and friends take); its ``kernel()`` names
+        the prefill kernel in use."""
+        return self._static()
 
     @property
     def version(self) -> int:

@@ -212,7 +212,7 @@ def compile_for_topology(spec: RunSpec) -> None:
     if spec.aot.topology is None:  # a GPU config: JAX has no deviceless GPU compile
         print("dry run: AotConfig.topology = None (a GPU config): no deviceless compile proves a GPU fit, so this "
               "dry run checked the settings only. The memory arithmetic is in docs/scale.md; on the GPUs, "
-              "`scripts/check_gpu.py --compile-config <this file>` compiles its programs at reduced layer count.")
+              "`tests/gpu/check_gpu.py --compile-config <this file>` compiles its programs at reduced layer count.")
         return
     if importlib.util.find_spec("libtpu") is None:
         print("dry run: AotConfig.topology is set but libtpu is not installed (pip install -e '.[tpu]'); "

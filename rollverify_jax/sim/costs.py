@@ -83,7 +83,7 @@ class CostModel:
         return k * (n * per_dispatch + self.decode_ctx_token_s * attended)
 
     def decode_per_step_s(self) -> dict:
-        """The part of a decode step that no slot's length changes, by source (``scripts/sim_scale.py``'s cost
+        """The part of a decode step that no slot's length changes, by source (``studies/sim_scale.py``'s cost
         terms): here the fitted per-step rate."""
         return {"step": self.decode_step_s}
 

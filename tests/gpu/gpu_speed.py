@@ -1,4 +1,4 @@
-"""The speed sections of scripts/check_gpu.py (issue 26): decode against the HBM roofline, where a decode step's
+"""The speed sections of tests/gpu/check_gpu.py (issue 26): decode against the HBM roofline, where a decode step's
 fixed cost goes, the GPU decode default at a 22.5K context, the train step's MFU on packed rows, and a config's
 programs compiled on the GPU at reduced layer count. Every rate is measured; every roofline and peak is the
 datasheet's (``gpu_common.CHIPS``)."""
@@ -50,7 +50,7 @@ from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Schedul
 from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.rollout.attention import paged_attention, paged_attention_reference, resolve_impl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def _decode_run(args, model, n: int, max_len: int, prefill: str, ahead: bool) ->
     ecfg = EngineConfig(num_slots=n, page_size=16, max_seq_len=max_len, steps_per_dispatch=8, kv_dtype="bfloat16",
                         dispatch_ahead=ahead)
     engine = Engine(model, ecfg, SamplingConfig(temperature=1.0), eos_ids=(), **kernel_kwargs())
-    run: dict = {"prefill_kernel": engine._static().kernel()["impl"]}
+    run: dict = {"prefill_kernel": engine.static.kernel()["impl"]}
     t0 = time.perf_counter()
     engine.warmup()
     run_engine(engine, bench_requests(n, args.new_tokens, 999, vocab))  # compiles every shape used below
@@ -436,9 +436,8 @@ def section_decode_fixed_cost(args, state: dict) -> dict:
                 p.fetch()
             res.update(dispatch_s=statistics.median(synced), back_to_back_dispatch_s=(time.perf_counter() - t0) / reps)
             if k == max(args.fixed_steps):
-                static = engine._static()
-                hlo = engine_lib._generate_jit.lower(static, engine.params, engine.state, k, engine.live_pages(),
-                                                     None).compile().as_text()
+                hlo = engine_lib.lower_decode(engine.static, engine.params, engine.state, k,
+                                              engine.live_pages()).compile().as_text()
                 out["step_ops"] = loop_body_ops(hlo)
                 if not args.no_profile and not over_budget(args):
                     with tempfile.TemporaryDirectory() as tmp:
@@ -476,7 +475,7 @@ def _xla_variant(args, flags: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         child = os.path.join(tmp, "child.json")
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-        cmd = [sys.executable, str(ROOT / "scripts" / "check_gpu.py"), "--sections", "decode_fixed_cost",
+        cmd = [sys.executable, str(Path(__file__).with_name("check_gpu.py")), "--sections", "decode_fixed_cost",
                "--no-profile", "--no-xla-variants", "--out", child, "--budget-s", "150",
                "--fixed-steps", *map(str, args.fixed_steps[:2]), "--fixed-slots", str(args.fixed_slots),
                "--bench-preset", args.bench_preset]

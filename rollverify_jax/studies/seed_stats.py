@@ -1,8 +1,5 @@
 """Statistics over seeds that the report scripts share (compare.py, phenomenon.py): the mean and standard error
 of per-run values, their "mean ± se" table cell, and Welch's t-test between two rows.
-
-scripts/ is not a package: a script that uses these puts scripts/ on sys.path (as compare.py does) and imports
-`from seed_stats import ...`.
 """
 
 from __future__ import annotations

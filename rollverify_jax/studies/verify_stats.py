@@ -3,22 +3,20 @@
 Reads runs/compare_<runs_name>/<config>_s<seed>/metrics.jsonl (compare.py's layout with several seeds) and prints
 a markdown table (mean ± standard error over seeds of per-run values) and Welch's t-test p-values of the held-out
 accuracy at the end and of the mean time per step (or of the columns --test names), each config against the first.
-Usage: python scripts/verify_stats.py --runs_name study_verify --seeds 0 1 2 \
+Usage: python -m rollverify_jax.studies.verify_stats --runs_name study_verify --seeds 0 1 2 \
            --configs rollverify rollverify_verify_finished rollverify_train_extra [--test acc time/step ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rollverify_jax.run.metrics import read_metrics
 
-from rollverify_jax.run.metrics import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # (key, header, format, reducer): each per-run value; "step" = mean over the training steps, "partial" = mean over
 # the steps whose batch partial rollout built (before a switch), "cycles" = over the cycles that verified a paused

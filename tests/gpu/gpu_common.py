@@ -1,4 +1,4 @@
-"""Helpers shared by scripts/check_gpu.py and the speed sections it runs (scripts/gpu_speed.py)."""
+"""Helpers shared by tests/gpu/check_gpu.py and the speed sections it runs (gpu_speed.py)."""
 
 from __future__ import annotations
 

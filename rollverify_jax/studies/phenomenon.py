@@ -6,8 +6,9 @@ from its checkpoint (the same command in the same workdir), so the queue can be 
 Each finished run's metrics (the keys the report reads) go to docs/results/phenomenon/<row>/seed<k>.jsonl with the
 commit and command they ran at; commit them. `report` reads the archive only.
 
-Usage: python scripts/phenomenon.py run --rows onpolicy:5 partial:1-4 rollverify:5 --steps 150 --jobs 2
-       python scripts/phenomenon.py report --steps 150 --name phenomenon_comparison --rows onpolicy partial ...
+Usage: python -m rollverify_jax.studies.phenomenon run --rows onpolicy:5 partial:1-4 rollverify:5 --steps 150 --jobs 2
+       python -m rollverify_jax.studies.phenomenon report --steps 150 --name phenomenon_comparison \
+           --rows onpolicy partial ...
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
+from rollverify_jax.infra import storage
+from rollverify_jax.run.metrics import pyplot, read_metrics
+from rollverify_jax.studies.seed_stats import cell, mean_se, welch
 
-from seed_stats import cell, mean_se, welch  # noqa: E402
-
-from rollverify_jax.infra import storage  # noqa: E402
-from rollverify_jax.run.metrics import pyplot, read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIGS = ROOT / "configs" / "phenomenon"
 ARCHIVE = ROOT / "docs" / "results" / "phenomenon"
@@ -321,8 +319,8 @@ def main() -> None:
             reference = f" --reference {args.reference}" if args.reference != "onpolicy" else ""
             claims = f" --claims {' '.join(args.claims)}" if args.claims else ""
             target = f" --target {args.target}" if args.target is not None else ""
-            command = f"python scripts/phenomenon.py report --rows {' '.join(args.rows)} --steps {args.steps} " \
-                      f"--name {args.name}{reference}{claims}{target}"
+            command = f"python -m rollverify_jax.studies.phenomenon report --rows {' '.join(args.rows)} " \
+                      f"--steps {args.steps} --name {args.name}{reference}{claims}{target}"
             out.write_text(f"# {args.name}\n\nCommand: `{command}`\n\n" +
                            report(args.rows, args.steps, args.name, args.reference, args.claims, args.target))
             print(f"wrote {out.relative_to(ROOT)}")

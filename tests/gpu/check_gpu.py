@@ -35,7 +35,7 @@ watchdog writes the report and exits at ``--hard-limit-s``):
   engine's own sequence (up to a tolerance: ``regret`` = max logit - logit of the chosen token). Cases: float32
   with impl auto (cuDNN prefill), float32 with the reference prefill, bf16 compute with auto, and the Pallas
   decode kernel (float32 and bf16).
-- ``ops_floor``: the OPS noise floor (``scripts/bench_ops_floor.py``'s ``measure``): with unchanged weights, the
+- ``ops_floor``: the OPS noise floor (``tests/gpu/bench_ops_floor.py``'s ``measure``): with unchanged weights, the
   resume prefill's log pi against decode's recorded log mu, on the tiny policy, float32 and bf16 (params, compute
   and KV), with the platform's kernels (cuDNN prefill; reference and, when it passed above, Pallas decode), with
   ``EngineConfig.logits_chunk`` unset and set. Verification's segment threshold is ds = 0.01; the floor must sit
@@ -49,12 +49,12 @@ Device run, one H200 (about 12 minutes; from the repo root; .whl holds the pure-
 lacks, gin-config among them: `.venv/bin/pip download --no-deps -d .whl gin-config`, and `.whl/` in
 .git/info/exclude, carried):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 python3 scripts/check_gpu.py --out $OUT/gpu_check.json --compile-config configs/qwen3_8b_dapo_8xh200.gin --compile-layers 1 2
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 python3 tests/gpu/check_gpu.py --out $OUT/gpu_check.json --compile-config configs/qwen3_8b_dapo_8xh200.gin --compile-layers 1 2
 
 CPU test of every code path (interpret-mode Pallas, XLA's dot_product_attention in place of cuDNN;
 tests/test_check_gpu.py runs the speed sections this way):
 
-    JAX_PLATFORMS=cpu .venv/bin/python scripts/check_gpu.py --allow-cpu --small --out /tmp/gpu_check_cpu.json
+    JAX_PLATFORMS=cpu .venv/bin/python tests/gpu/check_gpu.py --allow-cpu --small --out /tmp/gpu_check_cpu.json
 """  # noqa: E501  (the device command above is kept on one line, to be copied whole)
 
 from __future__ import annotations
@@ -68,13 +68,12 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `import rollverify_jax` without an install
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # measure compiles; write no cache into the tree
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import gin  # noqa: E402
-import gpu_speed  # noqa: E402  (scripts/ is on sys.path when this script runs)
+import gpu_speed  # noqa: E402  (a sibling: tests/gpu/ is on sys.path when this file runs)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -357,7 +356,7 @@ def _greedy_case(args, compute_dtype: str, prefill: str, paged: str, matmul_prec
                  "matmul_precision": matmul_precision or "default", "tol": tol}
     with precision(matmul_precision):
         engine = Engine(model, cfg, SamplingConfig(greedy=True), eos_ids=(), **kernel_kwargs())
-        res["prefill_kernel"] = engine._static().kernel()["impl"]
+        res["prefill_kernel"] = engine.static.kernel()["impl"]
         t0 = time.perf_counter()
         trajs = run_engine(engine, reqs)
         res["engine_s"] = time.perf_counter() - t0
@@ -416,7 +415,7 @@ def _case_line(res: dict) -> str:
 
 def section_ops_floor(args, state: dict) -> dict:
     """bench_ops_floor.measure per dtype and kernel pair (see the module docstring)."""
-    import bench_ops_floor  # noqa: PLC0415  (scripts/ is on sys.path when this script runs)
+    import bench_ops_floor  # noqa: PLC0415  (a sibling: tests/gpu/ is on sys.path when this file runs)
 
     name = "policy" if (POLICY / "config.json").exists() else "random"
     cases = [  # name, (param, compute, KV) dtypes, prefill impl, paged impl

@@ -4,7 +4,7 @@ Each bug is a single-line edit of the source. It is applied to a scratch copy of
 tree is never touched), the tests that cover that code run against the copy, and the bug counts as caught when
 they fail. The table goes to stdout and to ``docs/planted_bugs.md``.
 
-    python scripts/planted_bugs.py [--only NAME ...] [--out docs/planted_bugs.md]
+    python -m rollverify_jax.studies.planted_bugs [--only NAME ...] [--out docs/planted_bugs.md]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +135,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     lines = ["# Planted bugs", "",
-             f"Measured by `python scripts/planted_bugs.py` at commit `{commit}` (plus the working tree it ran on).",
+             f"Measured by `python -m rollverify_jax.studies.planted_bugs` at commit `{commit}` (plus the working tree "
+             "it ran on).",
              "Each bug is a one-line edit planted in a scratch copy of the repository; the tests listed run",
              "against it, and the bug is caught when they fail.", "",
              "| planted bug | file | tests run | caught | pytest says |", "| --- | --- | --- | --- | --- |"]

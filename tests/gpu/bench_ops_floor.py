@@ -13,10 +13,10 @@ configs use). A trajectory is one segment (one policy version), so its segment O
 
 The kernels are the platform's defaults (``FlashConfig.impl`` / ``paged_attention.impl`` 'auto': the jnp
 references on CPU, cuDNN prefill on GPU, splash + Pallas paged attention on TPU where head_dim allows);
-``--paged-impl pallas_gpu`` opts the decode into the Pallas GPU kernel. ``scripts/check_gpu.py`` runs
+``--paged-impl pallas_gpu`` opts the decode into the Pallas GPU kernel. ``tests/gpu/check_gpu.py`` runs
 ``measure`` in its ``ops_floor`` section.
 
-Usage: python scripts/bench_ops_floor.py [--slots 32] [--new 384] [--chunk 64] [--no-doc]
+Usage: python tests/gpu/bench_ops_floor.py [--slots 32] [--new 384] [--chunk 64] [--no-doc]
 """
 
 from __future__ import annotations
@@ -31,19 +31,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
+from gpu_common import kernel_kwargs, use_kernels  # a sibling: tests/gpu/ is on sys.path when this file runs
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `import rollverify_jax` without an install
+from rollverify_jax.models import init_model, load_pretrained, model_config
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.verify.ops import token_ops
 
-import jax  # noqa: E402
-
-from rollverify_jax.models import init_model, load_pretrained, model_config  # noqa: E402
-from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory  # noqa: E402
-from rollverify_jax.verify.ops import token_ops  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_common import kernel_kwargs, use_kernels  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 POLICY = ROOT / "assets" / "tiny_policy"
 DS = 0.01  # VerifyConfig.ds
@@ -201,7 +197,7 @@ def main() -> None:
             "segments >= ds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     body = "\n".join(head + rows) + "\n\n" + notes(args, kernels)
     if not args.no_doc:
-        import benchlib
+        from rollverify_jax.studies import benchlib
 
         benchlib.write_section("OPS noise floor: resume prefill vs decode (bench_ops_floor.py)", body)
 
@@ -217,7 +213,7 @@ def notes(args, kernels: str) -> str:
         f"reruns the bf16 rows with `XLA_FLAGS={CPU_SAME_DOTS}` (XLA CPU then sums every dot in one order, whatever "
         f"its shape). Kernels on this machine ({jax.default_backend()}): {kernels}. The GPU (cuDNN prefill, Pallas "
         f"paged decode) and TPU (splash, Pallas paged attention) kernels were not available here and are "
-        f"unmeasured; this script picks up the platform's kernels where they exist, and `scripts/check_gpu.py` "
+        f"unmeasured; this script picks up the platform's kernels where they exist, and `tests/gpu/check_gpu.py` "
         f"runs it in its `ops_floor` section. The tiny models have vocabularies of 40-64 tokens and 4 layers; a "
         f"real model's floor is not implied by these rows.\n\n"
         f"Before the fixes (commit 089be0f, same workload) the tiny policy's bf16 floor was a mean segment OPS of "

@@ -1,4 +1,5 @@
-"""Shared bits of the benchmark scripts: machine description and section-wise updates of docs/benchmarks.md."""
+"""Shared bits of the benchmarks (scripts/bench_*.py, tests/gpu, tests/drills): machine description and
+section-wise updates of docs/benchmarks.md. JAX is imported only to describe the machine."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import re
 import sys
 from pathlib import Path
 
-import jax
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script named in it; rerun the command to refresh it.\n"
 
 
 def machine() -> str:
+    import jax
+
     devices = jax.devices()
     return (f"{platform.machine()}, {os.cpu_count()} CPU cores, JAX {jax.__version__} on "
             f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")

@@ -4,7 +4,7 @@ The same program as a multi-host run on a TPU pod or GPU nodes, at laptop scale:
 ``--devices_per_process`` CPU devices and joins a coordinator on 127.0.0.1. Used by the multi-host tests and to
 try a config as N hosts before renting them:
 
-    python scripts/multihost_local.py --num_processes 2 --devices_per_process 4 -- \\
+    python -m rollverify_jax.infra.multihost_local --num_processes 2 --devices_per_process 4 -- \\
         --gin_file=configs/tiny_rollverify.gin --workdir=runs/mh --gin_param="TrainConfig.num_steps=3"
 
 Exits with the first non-zero status of any process (every process is stopped then), else 0. Each process's

@@ -2,9 +2,11 @@
 docs/results/<name>.md + plots.
 
 Each run is a separate process (`python -m rollverify_jax.train`) so wall-clock numbers are not shared.
-Usage: python scripts/compare.py --name tiny_modes --modes onpolicy partial staleness opsfilter rollverify \
+Usage: python -m rollverify_jax.studies.compare --name tiny_modes \
+           --modes onpolicy partial staleness opsfilter rollverify \
            --steps 40 [--seeds 0 1 2] [--jobs 2] [--time_budget_s 0] [--gin_param ...]
-       python scripts/compare.py --name mine --configs configs/tiny_rollverify.gin my_variant.gin --steps 40
+       python -m rollverify_jax.studies.compare --name mine \
+           --configs configs/tiny_rollverify.gin my_variant.gin --steps 40
 A mode is configs/tiny_<mode>.gin; --configs takes any gin files instead (each row named by its file's stem).
 With several seeds the table shows mean +- standard error over seeds; plots show the mean curve.
 --jobs N runs N processes at once (seed-major order, so every config sees the same share of a busy machine);
@@ -23,13 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
+from rollverify_jax.run.metrics import pyplot, read_metrics
+from rollverify_jax.studies.seed_stats import cell
 
-from seed_stats import cell  # noqa: E402
-
-from rollverify_jax.run.metrics import pyplot, read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
           "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "partial + GSPO",
@@ -249,7 +248,7 @@ def main() -> None:
     files = plot(results, out, args.name)
     which = f"--configs {' '.join(args.configs)}" if args.configs else f"--modes {' '.join(gin_files)}"
     lines = [f"# Comparison: {args.name}", "",
-             f"Command: `python scripts/compare.py --name {args.name} {which} --steps "
+             f"Command: `python -m rollverify_jax.studies.compare --name {args.name} {which} --steps "
              f"{args.steps} --seeds {' '.join(map(str, args.seeds))} --jobs {args.jobs} " +
              (f"--runs_name {args.runs_name} " if args.runs_name else "") +
              f"--time_budget_s {args.time_budget_s}" +

@@ -3,7 +3,7 @@
 Each config runs in its own process (gin state and libtpu stay clean) and leaves its JSON report under
 ``--reports``; ``--skip_compile`` re-reads the reports to rewrite the table.
 
-    python scripts/aot_table.py [--configs configs/qwen3_8b_dapo.gin ...] [--out docs/scale.md]
+    python -m rollverify_jax.studies.aot_table [--configs configs/qwen3_8b_dapo.gin ...] [--out docs/scale.md]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ["configs/qwen3_4b_dapo.gin", "configs/qwen3_8b_dapo.gin", "configs/qwen3_8b_64k_dapo.gin",
            "configs/qwen3_30b_a3b_dapo.gin"]
 GiB = 2**30
@@ -107,8 +107,9 @@ def main() -> None:
     commit = ", ".join(sorted({r.get("commit", "unknown") for _, r in rows}))
     text = (ROOT / args.out).read_text() if (ROOT / args.out).exists() else ""
     marker = "<!-- aot table -->"
-    generated = (f"{marker}\nMeasured at commit `{commit}` with `python scripts/aot_table.py` (libtpu 0.0.42.1, "
-                 f"JAX 0.10.2, deviceless).\n\n{table(rows)}\n\nAt the length model (estimates from the compiled "
+    generated = (f"{marker}\nMeasured at commit `{commit}` with `python -m rollverify_jax.studies.aot_table` "
+                 f"(libtpu 0.0.42.1, JAX 0.10.2, deviceless).\n\n{table(rows)}\n\n"
+                 f"At the length model (estimates from the compiled "
                  f"programs, not measurements; the sections above say what each assumes):\n\n{speed(rows)}\n\n"
                  f"Per program, per chip:\n\n{programs(rows)}\n{marker}")
     if marker in text:

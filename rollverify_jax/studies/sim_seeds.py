@@ -1,7 +1,7 @@
 """The simulator's calibration over seeds: every run's rates predicting every run's wall-clock, and the event
 counts, as markdown tables (docs/results/simulator.md, "Calibration on the tiny runs").
 
-    python scripts/sim_seeds.py --runs runs/compare_studies/{onpolicy,partial,rollverify}_s{0,1,2} \
+    python -m rollverify_jax.studies.sim_seeds --runs runs/compare_studies/{onpolicy,partial,rollverify}_s{0,1,2} \
         [--skip 1 5] [--pool held_out|all] [--json out.json] [--md out.md]
 
 Each prediction is what the CLI computes (``rollverify_jax.simulate``: ``build_inputs`` then

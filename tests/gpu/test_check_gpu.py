@@ -1,4 +1,4 @@
-"""scripts/check_gpu.py, the one prepared script a GPU session runs: its speed sections on CPU in --small mode
+"""tests/gpu/check_gpu.py, the one prepared script a GPU session runs: its speed sections on CPU in --small mode
 (Pallas interpret mode, the reference prefill), so a device's minutes never find a broken code path."""
 
 import json
@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "check_gpu.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("check_gpu.py")
 
 
 def _run(tmp_path, *flags, timeout=900):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ROLLVERIFY_COMPILATION_CACHE": "0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ROLLVERIFY_COMPILATION_CACHE": "0", "PYTHONPATH": str(ROOT)}
     env.pop("OUT", None)
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a one-GPU machine
     done = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--small", "--out", str(out), *flags],
@@ -59,7 +59,7 @@ def test_the_watchdog_writes_the_report_and_ends_the_run_at_its_hard_limit(tmp_p
 
 def test_without_a_gpu_or_allow_cpu_it_refuses_and_says_so(tmp_path):
     out = tmp_path / "r.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}  # this checkout's package
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "no GPU" in json.loads(out.read_text())["error"]

@@ -2,7 +2,8 @@
 RollVerify for Qwen3-8B at 8K, ~20K (the main setting) and 64K contexts (and Qwen3-30B-A3B at ~20K), and a PNG
 of the speed-up against context.
 
-    python scripts/sim_scale.py --json docs/results/simulator_scale.json --plot docs/results/simulator_speedup.png \
+    python -m rollverify_jax.studies.sim_scale --json docs/results/simulator_scale.json \
+        --plot docs/results/simulator_speedup.png \
         [--tables]
 
 Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' aot reports, a
@@ -28,6 +29,7 @@ from pathlib import Path
 import gin
 
 from rollverify_jax import simulate as sim
+from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim import calibrate as cal
 
 # (model, context tokens of the response cap, gin files, bindings)
@@ -153,7 +155,7 @@ def main() -> None:
     print(f"tiny acceptance: p(c) = {tuple(round(x, 3) for x in tiny_p)} ({tiny_source.get('runs', tiny_source)})",
           flush=True)
     for model, ctx, files, params in SETTINGS:
-        on, partial, rv = predict(files, params, sim.MODES, args.steps)
+        on, partial, rv = predict(files, params, MODES, args.steps)
         (rv_tiny,) = predict(files, [*params, *tiny], ("rollverify",), args.steps)
         days = on["device_days"]
         for variant, rv_row in (("default", rv), ("tiny_acceptance", rv_tiny)):

@@ -1,6 +1,6 @@
 """Plots of one or more training runs from their ``metrics.jsonl``: one PNG per topic, one line per run.
 
-Usage: python scripts/plot_run.py RUN_DIR [RUN_DIR ...] [--out DIR]
+Usage: python -m rollverify_jax.studies.plot_run RUN_DIR [RUN_DIR ...] [--out DIR]
 RUN_DIR is a workdir (``runs/<name>``) or its ``metrics.jsonl``. Writes accuracy.png, reward.png, entropy.png,
 ops.png, acceptance.png, rollout.png and time.png to --out (default: RUN_DIR/plots for one run, ./plots for
 several). A metric a run lacks (a mode without verification, a run never evaluated) is skipped with a note.
@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rollverify_jax.run.metrics import METRICS_FILE, pyplot, read_metrics
 
-from rollverify_jax.run.metrics import METRICS_FILE, pyplot, read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # file stem -> (figure title, [(metric key, panel title), ...])
 FIGURES: dict[str, tuple[str, list[tuple[str, str]]]] = {

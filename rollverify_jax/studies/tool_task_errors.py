@@ -7,7 +7,7 @@ previous value (``copy``), use the prompt's next operator (``op``) and operand (
 must compute it (``arithmetic``). It tells reading errors (a wrong sign: the policy did not read the prompt) from
 arithmetic errors (sampling noise that RL sharpens away), which decide how fast RL can raise accuracy.
 
-Usage: python scripts/tool_task_errors.py samples.jsonl [more.jsonl ...]
+Usage: python -m rollverify_jax.studies.tool_task_errors samples.jsonl [more.jsonl ...]
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ import argparse
 import collections
 import json
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollverify_jax.data.synthetic_tools import (  # noqa: E402
+from rollverify_jax.data.synthetic_tools import (
     CALL_END,
     CALL_START,
     REPLY_PREFIX,

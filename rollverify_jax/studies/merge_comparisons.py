@@ -1,23 +1,20 @@
 """Puts comparisons run at different commits side by side: one table row and one plot colour per comparison.
 
-Usage: python scripts/merge_comparisons.py --name rollverify_fixes --runs rollverify_before rollverify_after
-Reads runs/compare_<run>/<mode>_s<seed>/metrics.jsonl (as scripts/compare.py left them); writes
+Usage: python -m rollverify_jax.studies.merge_comparisons --name rollverify_fixes \
+           --runs rollverify_before rollverify_after
+Reads runs/compare_<run>/<mode>_s<seed>/metrics.jsonl (as rollverify_jax.studies.compare left them); writes
 docs/results/<name>_vs_{step,wall}.png and prints the markdown table (mean ± standard error over seeds).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
+from rollverify_jax.run.metrics import read_metrics
+from rollverify_jax.studies.compare import plot, summarize, table
 
-from compare import plot, summarize, table  # noqa: E402
-
-from rollverify_jax.run.metrics import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -30,7 +27,8 @@ def main() -> None:
     for run in args.runs:
         dirs = sorted((ROOT / "runs" / f"compare_{run}").glob(f"{args.mode}_s*"))
         if not dirs:
-            raise SystemExit(f"no runs/compare_{run}/{args.mode}_s* directories; run scripts/compare.py first")
+            raise SystemExit(f"no runs/compare_{run}/{args.mode}_s* directories; "
+                             "run rollverify_jax.studies.compare first")
         results[run] = [read_metrics(d / "metrics.jsonl") for d in dirs]
     plot(results, ROOT / "docs" / "results", args.name)
     print("\n".join(table({f"{run} ({len(rs)} seeds)": [summarize(r) for r in rs] for run, rs in results.items()},

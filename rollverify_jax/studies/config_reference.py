@@ -7,8 +7,8 @@ keyword parameters gin can bind, documented from its docstring. Nothing is writt
 cannot drift from the code: ``tests/test_config_reference.py`` fails when the checked-in file is not what this
 script writes. Run it again after adding or changing a field:
 
-    python scripts/config_reference.py          # rewrites docs/config_reference.md
-    python scripts/config_reference.py --check  # exit status 1 when the file is out of date
+    python -m rollverify_jax.studies.config_reference          # rewrites docs/config_reference.md
+    python -m rollverify_jax.studies.config_reference --check  # exit status 1 when the file is out of date
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 OUT = ROOT / "docs" / "config_reference.md"
-COMMAND = "python scripts/config_reference.py"
+COMMAND = "python -m rollverify_jax.studies.config_reference"
 
 
 @dataclasses.dataclass(frozen=True)

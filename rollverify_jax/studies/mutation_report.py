@@ -7,7 +7,7 @@ every other survivor with its diff to ``docs/mutation.md``.
 Score = detected / (generated - equivalent), where detected = killed + timeout (a mutant that makes a test
 hang is caught by the timeout); "no tests" and survivors count against the score.
 
-    python scripts/mutation_report.py [--out docs/mutation.md]
+    python -m rollverify_jax.studies.mutation_report [--out docs/mutation.md]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = 0.85
 DETECTED = {"killed", "timeout", "segfault"}
 

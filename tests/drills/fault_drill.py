@@ -7,8 +7,8 @@ bit-identical to the reference's and ``metrics.jsonl`` holds exactly one row per
 as by default. The drill compiles into its own cache (``<root>/xla_cache``), so its first run compiles and the
 others load.
 
-    python scripts/fault_drill.py [--steps 6] [--kills 3] [--only kill9 hosts ...] [--out docs/reliability.md]
-    python scripts/fault_drill.py --fresh_clone /tmp/drill_clone --out docs/reliability.md
+    python tests/drills/fault_drill.py [--steps 6] [--kills 3] [--only kill9 hosts ...] [--out docs/reliability.md]
+    python tests/drills/fault_drill.py --fresh_clone /tmp/drill_clone --out docs/reliability.md
 
 ``--fresh_clone DIR`` clones this checkout's HEAD (committed files only) into DIR and runs the drill there with
 this interpreter (its installed packages, the clone's code); ``--out`` then rewrites the marked matrix of this
@@ -29,9 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 # The tiny RollVerify run, made small: a few steps of 8 groups x 4, a checkpoint every step (async, as default).
 PARAMS = ["RolloutConfig.batch_groups = 8", "RolloutConfig.group_size = 4", "EngineConfig.num_slots = 16",
@@ -105,9 +103,9 @@ def start(args: list[str], log: Path, inject: tuple[str, int] | None = None) -> 
 
 
 def start_hosts(per_host: list[list[str]], log_dir: Path) -> list[subprocess.Popen]:
-    """One launch as ``len(per_host)`` JAX processes on this machine (as scripts/multihost_local.py starts them),
+    """One launch as ``len(per_host)`` JAX processes on this machine (as ``infra.multihost_local`` starts them),
     each with its own arguments; each process's output goes to ``log_dir/process_<i>.log``."""
-    from multihost_local import free_port
+    from rollverify_jax.infra.multihost_local import free_port
 
     log_dir.mkdir(parents=True, exist_ok=True)
     address = f"127.0.0.1:{free_port()}"
@@ -508,9 +506,7 @@ def hosts(root, steps, record):
 def grader_load(n: int) -> tuple[str, bool, str]:
     """``n`` responses, 5% hanging and 5% crashing graders: every other reward lands on its own item."""
     import numpy as np
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_rewards import faulty_grader  # noqa: E402  (the module-level faulty grader the tests use)
+    from drill_grader import faulty_grader  # a sibling: tests/drills/ is on sys.path when this file runs
 
     from rollverify_jax.data.rewards import RewardScorer, RewardSpec
 
@@ -562,12 +558,12 @@ def fresh_clone(args) -> None:
     clone = Path(args.fresh_clone).absolute()
     shutil.rmtree(clone, ignore_errors=True)
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
-    cmd = [sys.executable, str(clone / "scripts" / "fault_drill.py"), f"--steps={args.steps}",
+    cmd = [sys.executable, str(clone / "tests" / "drills" / "fault_drill.py"), f"--steps={args.steps}",
            f"--kills={args.kills}", f"--grader_items={args.grader_items}", f"--seed={args.seed}",
            f"--root={clone / 'runs' / 'fault_drill'}", *(["--only", *args.only] if args.only else [])]
     if args.out:
         cmd += [f"--out={Path(args.out).absolute()}",
-                f"--how=on a fresh clone (`python scripts/fault_drill.py --fresh_clone {args.fresh_clone} --out "
+                f"--how=on a fresh clone (`python tests/drills/fault_drill.py --fresh_clone {args.fresh_clone} --out "
                 f"{args.out}`: `git clone` of HEAD, run by `{sys.executable}` on the clone's code)"]
     env = {**os.environ, "PYTHONPATH": str(clone)}
     print(f"fault drill in a fresh clone of {git('rev-parse', '--short', 'HEAD')}: {clone}", flush=True)
@@ -599,7 +595,7 @@ def main() -> None:
     summary = f"fault drill: {passed} of {len(rows)} checks pass ({time.time() - t0:.0f} s)"
     print(summary)
     if args.out:
-        how = args.how or f"with `python scripts/fault_drill.py --out {args.out}`"
+        how = args.how or f"with `python tests/drills/fault_drill.py --out {args.out}`"
         write_matrix(Path(args.out), rows, summary, how, load)
     raise SystemExit(0 if passed == len(rows) else 1)
 

@@ -1,7 +1,7 @@
 """How the code is put together, in numbers a maintainer checks after a restructuring (run from a checkout's root;
 its own ``rollverify_jax`` is the one measured, so an older commit's worktree can be measured with this script):
 
-    python scripts/code_stats.py [--step]
+    python -m rollverify_jax.studies.code_stats [--step]
 
 - per entry point: the package modules its source imports (``from rollverify_jax...``, at any depth in the
   file) and the package modules loaded once it is imported;
@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path.cwd()
-sys.path.insert(0, str(ROOT))
 ENTRY_POINTS = ("train", "evaluate", "export", "simulate", "aot")
 
 
@@ -48,7 +47,7 @@ def source_imports(path: Path) -> set[str]:
 
 
 def loaded_modules(entry: str) -> int:
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import rollverify_jax.{entry}; "
+    code = (f"import sys; import rollverify_jax.{entry}; "
             "print(len([m for m in sys.modules if m.startswith('rollverify_jax.')]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -2,7 +2,7 @@
 
 Same weights (``assets/tiny_policy``, a 0.8M-parameter Qwen3 in HF format), same prompts (``--problems`` synthetic
 problems x ``--samples`` samples, encoded with the policy's tokenizer), same sampling (T = 1, no top-k/top-p).
-Each system runs in its own persistent worker process (``scripts/peers/*_worker.py``; JSON lines over
+Each system runs in its own persistent worker process (``tests/drills/peers/*_worker.py``; JSON lines over
 stdin/stdout), so rounds interleave without reloading and only one system runs at a time:
 
 - project: ``Engine`` + ``Scheduler`` (continuous batching over ``concurrent`` slots, page size 16, 8 decode steps
@@ -29,7 +29,7 @@ tokens/s is generated tokens (EOS included) over the wall-clock of the whole wor
 and the median of the per-round paired ratios project / peer; the goals are checked against the faster peer
 (throughput) or the slower peer (start-up). The table goes to docs/benchmarks.md unless ``--no-write``.
 
-Usage: python scripts/bench_peers.py [--rounds 5] [--startup-rounds 3] [--systems project transformers tunix]
+Usage: python tests/drills/bench_peers.py [--rounds 5] [--startup-rounds 3] [--systems project transformers tunix]
        [--problems 32 --samples 8] [--no-write]
 """
 
@@ -47,7 +47,7 @@ import time
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POLICY = ROOT / "assets" / "tiny_policy"
 PEERS = Path(__file__).resolve().parent / "peers"
 WORK = ROOT / "runs" / "peer_bench"  # logs, compilation caches (runs/ is git-ignored)
@@ -417,7 +417,7 @@ def run(args) -> int:
                          prompt_width, time.perf_counter() - t_start, load)
     print("\n" + table + "\n")
     if not args.no_write:
-        import benchlib
+        from rollverify_jax.studies import benchlib
 
         benchlib.write_section("Peers: project vs transformers vs Tunix (bench_peers.py)", body)
     log(f"done in {time.perf_counter() - t_start:.0f} s")

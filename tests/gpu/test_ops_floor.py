@@ -1,11 +1,10 @@
 """OPS noise floor: with unchanged weights, a resume's log pi must match decode's recorded log mu far below the
-segment threshold ds, or verification cuts on-policy tokens (scripts/bench_ops_floor.py measures it at length)."""
+segment threshold ds, or verification cuts on-policy tokens (bench_ops_floor.py here measures it at length)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_script
 from flax import nnx
 
 from rollverify_jax.models import init_model, model_config
@@ -18,7 +17,9 @@ SLOTS, NEW, CHUNK = 8, 48, 16
 
 @pytest.fixture(scope="module")
 def floor():
-    return load_script("bench_ops_floor")
+    import bench_ops_floor  # a sibling harness module (tests/gpu/ is on sys.path under pytest)
+
+    return bench_ops_floor
 
 
 def _measure(floor, param: str, compute: str, kv: str) -> dict:

@@ -1,10 +1,10 @@
 """Converts downloaded DAPO-Math-17k, AIME 2024 / 2025 and GSM8K files into the files the configs read.
 
-    python scripts/prepare_data.py raw/dapo-math-17k.parquet --output data/dapo-math-17k.parquet
-    python scripts/prepare_data.py raw/aime_2024.parquet --output data/aime-2024.jsonl
-    python scripts/prepare_data.py raw/aime2025-I.jsonl raw/aime2025-II.jsonl --output data/aime-2025.jsonl
-    python scripts/prepare_data.py raw/dapo-math-17k.parquet --format array_record --output data/tfds
-    python scripts/prepare_data.py raw/gsm8k/main/train-00000-of-00001.parquet --output data/gsm8k-train.parquet
+    python -m rollverify_jax.data.prepare raw/dapo-math-17k.parquet --output data/dapo-math-17k.parquet
+    python -m rollverify_jax.data.prepare raw/aime_2024.parquet --output data/aime-2024.jsonl
+    python -m rollverify_jax.data.prepare raw/aime2025-I.jsonl raw/aime2025-II.jsonl --output data/aime-2025.jsonl
+    python -m rollverify_jax.data.prepare raw/dapo-math-17k.parquet --format array_record --output data/tfds
+    python -m rollverify_jax.data.prepare raw/gsm8k/main/train-00000-of-00001.parquet --output data/gsm8k-train.parquet
 
 Inputs are parquet, JSONL or JSON (a list of objects) files, or directories holding them (a Hugging Face dataset
 download). The schema is detected from the columns (``--kind`` forces it):
