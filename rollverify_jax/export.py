@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args: argparse.Namespace) -> None:
+    check_out_kind(args.out)  # the cheapest check first, as export() makes it
     spec = run_spec(args.checkpoint, args.gin_file, args.gin_param)
     cli.start_process(spec, args)
     step = export(spec, args.checkpoint, args.out, args.overwrite)

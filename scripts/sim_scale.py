@@ -25,10 +25,11 @@ import argparse
 import json
 from pathlib import Path
 
-import gin
-
 from rollverify_jax import simulate as sim
 from rollverify_jax.sim import calibrate as cal
+from rollverify_jax.sim import predict as sim_predict
+from rollverify_jax.sim.replay import MODES
+from rollverify_jax.sim.shape import sim_config, sim_costs
 
 # (model, context tokens of the response cap, gin files, bindings)
 SETTINGS = [
@@ -52,15 +53,11 @@ TERMS = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "over
 
 
 def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
-    from rollverify_jax.run.spec import RunSpec, parse_gin
-
-    gin.clear_config()
-    parse_gin(files, params)
-    spec = RunSpec.from_gin()
-    cfg, shape = spec.sim, sim.read_run_shape(spec)
-    inputs = sim.build_inputs(cfg, shape, [], costs=sim.sim_costs(spec))
+    spec = sim.spec_from_gin(files, params)
+    cfg, shape = sim_config(spec), sim.shape_of(spec)
+    inputs = sim_predict.build_inputs(cfg, shape, [], costs=sim_costs(spec))
     n = steps or cfg.num_steps or shape.num_steps
-    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
+    return [with_terms(sim_predict.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
                        inputs.costs.decode_per_step_s()) for m in modes]
 
 
@@ -89,9 +86,9 @@ def finished_runs(root: Path) -> list[Path]:
     for metrics in sorted(root.glob("**/metrics.jsonl")) if root.is_dir() else []:
         try:
             run = cal.read_run(metrics.parent)
-        except ValueError:
+        except (ValueError, FileNotFoundError):  # not a training run's directory, or one without its spec.json
             continue
-        steps = cal.run_bindings(run).get("TrainConfig.num_steps")
+        steps = run.spec.get("train", {}).get("num_steps")
         if logs_segments(run) and steps is not None and run.steps[-1]["step"] >= int(steps):
             out.append(metrics.parent)
     return out
@@ -153,7 +150,7 @@ def main() -> None:
     print(f"tiny acceptance: p(c) = {tuple(round(x, 3) for x in tiny_p)} ({tiny_source.get('runs', tiny_source)})",
           flush=True)
     for model, ctx, files, params in SETTINGS:
-        on, partial, rv = predict(files, params, sim.MODES, args.steps)
+        on, partial, rv = predict(files, params, MODES, args.steps)
         (rv_tiny,) = predict(files, [*params, *tiny], ("rollverify",), args.steps)
         days = on["device_days"]
         for variant, rv_row in (("default", rv), ("tiny_acceptance", rv_tiny)):

@@ -85,15 +85,16 @@ def dumps(plain: Mapping[str, Any]) -> str:
     return json.dumps(plain, indent=1, sort_keys=False) + "\n"
 
 
-def read(path: str | Path) -> dict[str, Any]:
-    """A ``spec.json`` (or the workdir holding one) as plain data, checked to be a spec of a known format."""
+def read(path: str | Path, hint: str = "") -> dict[str, Any]:
+    """A local ``spec.json`` (or the workdir holding one) as plain data, checked to be a spec of a known format;
+    ``hint``: what to do without one, added to the error."""
     path = Path(path)
     if path.is_dir() or path.name != SPEC_FILE:
         path = path / SPEC_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: a training workdir holds its run's {SPEC_FILE} (written "
-                                "at the start of training since the spec became JSON); for a run from before, pass "
-                                "its config, --gin_file=<workdir>/config.gin.")
+        raise FileNotFoundError(f"{path} does not exist: training writes its run's {SPEC_FILE} at every start, so "
+                                f"this run started before {SPEC_FILE} was written, or is not a training workdir."
+                                + (f" {hint}" if hint else ""))
     return loads(path.read_text(), str(path))
 
 
