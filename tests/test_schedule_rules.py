@@ -30,7 +30,7 @@ def _doubling(n: int, lo: int, hi: int) -> int:
 
 
 def _workload(cfg: EngineConfig, live_slots: bool) -> Workload:
-    """The simulator's view of an engine config (what ``simulate.read_run_shape`` builds)."""
+    """The simulator's view of an engine config (what ``sim.shape.run_shape`` builds)."""
     return Workload("partial", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, cfg.max_seq_len - 1, prompt_len=1,
                     live_slots=live_slots, min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len,
                     page_size=cfg.page_size, live_pages=cfg.live_pages)

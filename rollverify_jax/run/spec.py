@@ -5,7 +5,9 @@ is registered under the name the gin files use (``RolloutConfig.mode``, ``paged_
 ``make_mesh.shape``), and ``RunSpec.from_gin()`` builds each part from its bindings. Components receive their
 part as an argument, so a setting cannot reach one component and not another, kernel knobs are part of the
 values the compiled functions are cached on, and the resume fingerprint (``RunSpec.settings``) is derived from
-the spec: a new setting is compared on resume without anyone remembering to list it.
+the spec: a new setting is compared on resume without anyone remembering to list it. ``RunSpec.to_json()`` writes
+the spec as plain JSON (a workdir's ``spec.json``) and ``RunSpec.from_json()`` reads it back, equal, without gin;
+the simulator reads that JSON as plain data, without this module (``rollverify_jax/infra/spec_json.py``).
 """
 
 from __future__ import annotations
