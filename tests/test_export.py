@@ -111,6 +111,21 @@ def test_bad_input_is_one_error_and_writes_nothing(run_dir, tmp_path, capsys, ch
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_a_run_without_spec_json_is_one_error_and_its_gin_config_still_exports(run_dir, tmp_path, capsys):
+    workdir, params = run_dir
+    shutil.copytree(workdir, tmp_path / "old")
+    (tmp_path / "old" / "spec.json").unlink()  # a run from before spec.json
+    with pytest.raises(SystemExit) as exit_info:
+        _export(f"--checkpoint={tmp_path / 'old'}", f"--out={tmp_path / 'hf'}")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "spec.json does not exist" in err and "--gin_file" in err, err
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "config.gin").write_text(f"TrainConfig.policy_path = '{POLICY}'\n")
+    _export(f"--checkpoint={tmp_path / 'old'}", f"--out={tmp_path / 'hf'}", f"--gin_file={tmp_path / 'config.gin'}")
+    tokens = np.asarray([Tokenizer.from_dir(POLICY).encode(TEXT)])
+    np.testing.assert_allclose(_hf_logits(tmp_path / "hf", tokens), _logits(params[2], tokens), atol=1e-4, rtol=0)
+
+
 def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch):
     workdir, _ = run_dir
     spec = run_dir_lib.read_spec(workdir)
