@@ -4,8 +4,7 @@
 HF-layout policy directory. A workdir's run is read with its ``spec.json`` (``--gin_param`` binds on top of it);
 ``--gin_file`` reads the spec from gin instead, as an HF-layout directory does. Only the params of an orbax
 checkpoint are read (no optimizer state, no paused cache), and nothing is created, moved or removed in the run's
-directory. How evaluation samples is
-``EvalConfig`` (rollverify_jax/run/evaluation.py).
+directory. How evaluation samples is ``EvalConfig`` (rollverify_jax/run/evaluation.py).
 """
 
 from __future__ import annotations
