@@ -1,9 +1,10 @@
 """avg@k, pass@k and maj@k of a policy on its eval sets: ``python -m rollverify_jax.evaluate --checkpoint=...``.
 
 ``--checkpoint`` is a training workdir (its latest step), a ``<workdir>/checkpoints/<step>`` directory, or an
-HF-layout policy directory. Only the params of an orbax checkpoint are read (no optimizer state, no paused
-cache), and nothing is created, moved or removed in the run's directory. How evaluation samples is
-``EvalConfig`` (rollverify_jax/run/evaluation.py).
+HF-layout policy directory. A workdir's run is read with its ``spec.json`` (``--gin_param`` binds on top of it);
+``--gin_file`` reads the spec from gin instead, as an HF-layout directory does. Only the params of an orbax
+checkpoint are read (no optimizer state, no paused cache), and nothing is created, moved or removed in the run's
+directory. How evaluation samples is ``EvalConfig`` (rollverify_jax/run/evaluation.py).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import dataclasses
 from rollverify_jax.infra import cli, storage
 from rollverify_jax.run.builder import build_policy, resolve_checkpoint
 from rollverify_jax.run.evaluation import eval_sets, evaluate_run
-from rollverify_jax.run.spec import RunSpec, parse_gin
+from rollverify_jax.run.run_dir import run_spec
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--gin_file", action="append", default=[])
-    ap.add_argument("--gin_param", action="append", default=[])
+    ap.add_argument("--gin_file", action="append", default=[],
+                    help="read the spec from gin (default: the workdir's spec.json)")
+    ap.add_argument("--gin_param", action="append", default=[], help="gin binding on top of the spec")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--k", type=int, default=None,
                     help="samples per problem (default: EvalConfig.samples_per_problem, else TrainConfig.eval_samples)")
@@ -41,8 +43,8 @@ def _main(args: argparse.Namespace) -> None:
         raise ValueError(f"--num_problems={args.num_problems} must be >= 1.")
     if args.samples_out:
         storage.check_writable(args.samples_out, "--samples_out")
-    parse_gin(args.gin_file, args.gin_param)
-    spec = RunSpec.from_gin()  # its values (--k among them) are checked before the policy loads
+    # Its values (--k among them) are checked before the policy loads; a mistyped path fails here too.
+    spec = run_spec(args.checkpoint, args.gin_file, args.gin_param)
     cli.start_process(spec, args)
     checkpoint = storage.as_path(args.checkpoint)
     if not (checkpoint / "config.json").exists():

@@ -1,7 +1,8 @@
 """A trained policy in Hugging Face layout: ``python -m rollverify_jax.export --checkpoint=RUN_OR_STEP --out=DIR``.
 
 ``--checkpoint`` is a training workdir (its latest step) or a ``<workdir>/checkpoints/<step>`` directory, resolved
-as ``evaluate --checkpoint`` resolves it. Only the params are read (no optimizer state). ``DIR`` gets safetensors
+as ``evaluate --checkpoint`` resolves it, and read with the run's ``spec.json`` (``--gin_file``: a spec from gin
+instead, for a run from before ``spec.json``). Only the params are read (no optimizer state). ``DIR`` gets safetensors
 weights and ``config.json`` (``models.hf.save_pretrained``) and the tokenizer files of the policy the run trained
 from, so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
 load it, and so do ``evaluate --checkpoint=DIR`` and ``TrainConfig.policy_path``. Everything is written into a
@@ -32,7 +33,8 @@ from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.qwen3 import Qwen3ForCausalLM
 from rollverify_jax.models.tokenizer import TOKENIZER_FILE
 from rollverify_jax.run.builder import execution_config, make_mesh, resolve_checkpoint, restore_params
-from rollverify_jax.run.spec import RunSpec, TrainConfig, parse_gin
+from rollverify_jax.run.run_dir import run_spec
+from rollverify_jax.run.spec import RunSpec, TrainConfig
 
 # What an HF policy directory may hold besides the weights: the tokenizer and its generation defaults.
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -62,13 +64,6 @@ def check_out_empty(out: storage.PathLike, overwrite: bool) -> None:
     out = Path(out)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out={out} exists and is not empty; pass --overwrite to replace it, or another --out.")
-
-
-def run_policy_path(root: epath.Path, cfg: TrainConfig) -> str | None:
-    """The policy directory the run trained from: its ``policy.txt`` (written at every start of training), else
-    ``TrainConfig.policy_path`` of the gin configuration."""
-    saved = root / "policy.txt"
-    return json.loads(saved.read_text())["policy_path"] if saved.exists() else cfg.policy_path
 
 
 def abstract_policy(policy_path: str | None, spec: RunSpec) -> Qwen3ForCausalLM:
@@ -169,7 +164,7 @@ def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, o
                          "workdir or one of its checkpoints/<step> directories.")
     root, _ = resolve_checkpoint(checkpoint)
     cfg = spec.train
-    policy_path = run_policy_path(root, cfg)
+    policy_path = cfg.policy_path
     tok_dir = tokenizer_dir(policy_path, cfg)
     check_out_not_in_use(out, {"the run's workdir": root, "the checkpoint": checkpoint,
                                "the run's checkpoints": root / "checkpoints", "the run's policy": policy_path,
@@ -198,8 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", required=True, help="a training workdir (latest step) or checkpoints/<step>")
     ap.add_argument("--out", required=True, help="the HF-layout directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace --out when it exists and is not empty")
-    ap.add_argument("--gin_file", action="append", default=[], help="the run's gin config (repeatable)")
-    ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. TrainConfig.param_dtype=...")
+    ap.add_argument("--gin_file", action="append", default=[],
+                    help="read the run's spec from gin (repeatable; default: the workdir's spec.json)")
+    ap.add_argument("--gin_param", action="append", default=[],
+                    help="gin binding on top of the spec, e.g. TrainConfig.param_dtype=...")
     ap.add_argument("--traceback", action="store_true", help="show the full stack of an input error")
     cli.add_process_flags(ap)
     args = ap.parse_args(argv)
@@ -207,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args: argparse.Namespace) -> None:
-    parse_gin(args.gin_file, args.gin_param)
-    spec = RunSpec.from_gin()
+    check_out_kind(args.out)  # the cheapest check first, as export() makes it
+    spec = run_spec(args.checkpoint, args.gin_file, args.gin_param)
     cli.start_process(spec, args)
     step = export(spec, args.checkpoint, args.out, args.overwrite)
     print(f"exported step {step} of {args.checkpoint} to {args.out}")

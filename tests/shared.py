@@ -1,7 +1,6 @@
 """Helpers more than one test module uses (the fixtures are in conftest.py): the tiny run's gin bindings, a
 checkpoint of the shipped tiny policy with its params moved, and the verifier's plain-Python reference."""
 
-import json
 from pathlib import Path
 
 import jax
@@ -10,8 +9,9 @@ import numpy as np
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rl import learner as learner_lib
-from rollverify_jax.run import builder
+from rollverify_jax.run import builder, run_dir
 from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.run.spec import RunSpec, parse_gin
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
 
@@ -41,7 +41,8 @@ def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.0
     with Checkpointer(workdir, CheckpointConfig(async_save=False),
                       model_fingerprint=builder.model_fingerprint(model)) as ckpt:
         ckpt.save(step, state.replace(params=params), {"settings": {"policy_path": str(POLICY)}}, force=True)
-    (workdir / "policy.txt").write_text(json.dumps({"policy_path": str(POLICY)}) + "\n")
+    parse_gin([], [f"TrainConfig.policy_path = '{POLICY}'"])
+    run_dir.write_spec(workdir, RunSpec.from_gin())  # the run's spec.json, as training writes it
     return params
 
 

@@ -97,7 +97,7 @@ def test_the_dry_run_refuses_zero_devices_in_one_line(capsys, args, message):
 def _run_dir(tmp_path: Path, lines: list[str]) -> Path:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.gin").write_text("RolloutConfig.mode = 'rollverify'\n")
+    (run / "spec.json").write_text('{"format": 1, "rollout": {"mode": "rollverify"}}\n')
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
     return run
 

@@ -197,6 +197,17 @@ def test_a_mistyped_checkpoint_is_one_error_and_creates_nothing(tmp_path, capsys
     assert _tree(tmp_path) == before
 
 
+def test_a_workdir_without_spec_json_is_one_error_naming_the_way_out(tmp_path, capsys):
+    """A run from before spec.json: evaluate says so in one line and names --gin_file, which still reads it."""
+    make_checkpoint(tmp_path / "run", 1)
+    (tmp_path / "run" / "spec.json").unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main([f"--checkpoint={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
+    assert "spec.json does not exist" in err and "--gin_file=<workdir>/config.gin" in err, err
+
+
 def test_a_training_run_can_skip_its_step_0_evaluation_and_logs_its_generations(tmp_path):
     def run(workdir, extra):
         train.main([f"--workdir={workdir}", "--gin_param=TrainConfig.num_steps = 0",

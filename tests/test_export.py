@@ -1,7 +1,7 @@
 """Export of a run's checkpoint to Hugging Face layout: transformers loads the trained params and the tokenizer."""
 
+import dataclasses
 import functools
-import json
 import os
 import re
 import shutil
@@ -19,6 +19,7 @@ from shared import POLICY, make_checkpoint
 
 from rollverify_jax import export
 from rollverify_jax.models import Tokenizer, load_pretrained
+from rollverify_jax.run import run_dir as run_dir_lib
 
 TEXT = "Start 64. -9 -6. Compute. 64-9=55."
 
@@ -110,33 +111,52 @@ def test_bad_input_is_one_error_and_writes_nothing(run_dir, tmp_path, capsys, ch
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch, spec_of):
+def test_a_run_without_spec_json_is_one_error_and_its_gin_config_still_exports(run_dir, tmp_path, capsys):
+    workdir, params = run_dir
+    shutil.copytree(workdir, tmp_path / "old")
+    (tmp_path / "old" / "spec.json").unlink()  # a run from before spec.json
+    with pytest.raises(SystemExit) as exit_info:
+        _export(f"--checkpoint={tmp_path / 'old'}", f"--out={tmp_path / 'hf'}")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "spec.json does not exist" in err and "--gin_file" in err, err
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "config.gin").write_text(f"TrainConfig.policy_path = '{POLICY}'\n")
+    _export(f"--checkpoint={tmp_path / 'old'}", f"--out={tmp_path / 'hf'}", f"--gin_file={tmp_path / 'config.gin'}")
+    tokens = np.asarray([Tokenizer.from_dir(POLICY).encode(TEXT)])
+    np.testing.assert_allclose(_hf_logits(tmp_path / "hf", tokens), _logits(params[2], tokens), atol=1e-4, rtol=0)
+
+
+def test_a_failure_while_writing_leaves_nothing(run_dir, tmp_path, monkeypatch):
     workdir, _ = run_dir
+    spec = run_dir_lib.read_spec(workdir)
 
     def broken(src, dst):
         raise OSError("disk full")
     monkeypatch.setattr(export, "copy_tokenizer", broken)
     gin.clear_config()
     with pytest.raises(OSError, match="disk full"):
-        export.export(spec_of(), workdir, tmp_path / "hf")
+        export.export(spec, workdir, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "keep.txt").write_text("mine")
     with pytest.raises(OSError, match="disk full"):  # an export that would replace a directory keeps it
-        export.export(spec_of(), workdir, tmp_path / "old", overwrite=True)
+        export.export(spec, workdir, tmp_path / "old", overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (tmp_path / "old" / "keep.txt").read_text() == "mine"
 
 
 @pytest.fixture
 def own_run(run_dir, tmp_path):
-    """A copy of the run whose policy and tokenizer are copies too (policy.txt and TrainConfig.tokenizer_path
-    point at them), under tmp_path/work: a test that exports over them can only damage its own files."""
+    """A copy of the run whose policy and tokenizer are copies too (its spec.json's TrainConfig.policy_path and
+    TrainConfig.tokenizer_path point at them), under tmp_path/work: a test that exports over them can only
+    damage its own files."""
     workdir, _ = run_dir
     work = tmp_path / "work"
     shutil.copytree(workdir, work / "run")
     shutil.copytree(POLICY, work / "policy")
     shutil.copytree(POLICY, work / "tokenizer")
-    (work / "run" / "policy.txt").write_text(json.dumps({"policy_path": str(work / "policy")}) + "\n")
+    spec = run_dir_lib.read_spec(work / "run")
+    run_dir_lib.write_spec(work / "run", dataclasses.replace(spec, train=dataclasses.replace(
+        spec.train, policy_path=str(work / "policy"))))
     return work
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from rollverify_jax import schedule_rules
-from rollverify_jax import simulate as sim_cli
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rl import partial_rollout
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig
 from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.sim import CostModel, CutModel, LengthModel, Workload, simulate
 from rollverify_jax.sim import config as sim_config
+from rollverify_jax.sim import shape as sim_shape
 from rollverify_jax.verify import SwitchConfig, update_switch_state
 
 
@@ -30,7 +30,7 @@ def _doubling(n: int, lo: int, hi: int) -> int:
 
 
 def _workload(cfg: EngineConfig, live_slots: bool) -> Workload:
-    """The simulator's view of an engine config (what ``simulate.read_run_shape`` builds)."""
+    """The simulator's view of an engine config (what ``sim.shape.run_shape`` builds)."""
     return Workload("partial", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, cfg.max_seq_len - 1, prompt_len=1,
                     live_slots=live_slots, min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len,
                     page_size=cfg.page_size, live_pages=cfg.live_pages)
@@ -61,7 +61,7 @@ def test_a_real_engine_and_the_simulator_give_the_same_buckets(model, num_slots,
         cfg = EngineConfig(num_slots=num_slots, page_size=page_size, max_seq_len=max_seq_len, steps_per_dispatch=4,
                            min_prefill_len=min_prefill, live_slots=live_slots, live_pages=live_pages)
         engine = Engine(model, cfg, SamplingConfig(greedy=True))
-        w = _workload(cfg, live_slots and sim_cli.pool_shards((1, 1, 1), num_slots) == 1)
+        w = _workload(cfg, live_slots and sim_shape.pool_shards((1, 1, 1), num_slots) == 1)
         assert engine.live_slot_buckets() == w.slot_buckets
         if live_pages:  # the engine reads the whole table when live pages are off, whatever its buckets
             assert engine.live_page_buckets() == w.page_buckets
@@ -137,7 +137,7 @@ def test_a_sharded_engine_and_the_simulator_decode_over_all_slots(model):
     # the simulator's pool_shards reads the same from make_mesh.shape, and its pages per shard are the engine's.
     cfg = EngineConfig(num_slots=16, page_size=8, max_seq_len=64, steps_per_dispatch=4)
     engine = Engine(model, cfg, SamplingConfig(greedy=True), mesh=mesh_lib.make_mesh((2, 2, 2)))
-    shards = sim_cli.pool_shards((2, 2, 2), cfg.num_slots)
+    shards = sim_shape.pool_shards((2, 2, 2), cfg.num_slots)
     assert engine.layout.num_shards == shards == 4
     assert engine.live_slot_buckets() == _workload(cfg, cfg.live_slots and shards == 1).slot_buckets == [16]
     budget = dataclasses.replace(cfg, kv_memory_bytes=20 * engine_lib.paged_cache.kv_bytes_per_page(

@@ -370,7 +370,7 @@ def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
 
     parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
     spec = RunSpec.from_gin()
-    shape, learner, a, roof = sim_cli.read_run_shape(spec), spec.learner, spec.aot, spec.roofline
+    shape, learner, a, roof = sim_cli.shape_of(json.loads(spec.to_json())), spec.learner, spec.aot, spec.roofline
     layout = shape.train_layout
     assert (layout.num_minibatches, layout.micro_batch_size, layout.tail_row_width, layout.width) == (
         learner.num_minibatches, learner.micro_batch_size, learner.tail_row_width, gin.query_parameter(
@@ -436,7 +436,7 @@ def test_real_scale_decode_step_equals_the_aot_estimate(config, sim_config):
 
     parse_gin([f"configs/{config}.gin", f"configs/sim/{sim_config}.gin"], [])
     spec = RunSpec.from_gin()
-    shape, a, roof, cfg = sim_cli.read_run_shape(spec), spec.aot, spec.roofline, spec.sim
+    shape, a, roof, cfg = sim_cli.shape_of(json.loads(spec.to_json())), spec.aot, spec.roofline, spec.sim
     chip = CHIPS["TPU v5"]
     assert (roof.peak_flops, roof.hbm_bandwidth) == (chip.peak_flops, chip.hbm_bandwidth)
     assert roof.ici_bandwidth == chip.ici_bandwidth * a.collective_links / (2 * chip.ici_links)
@@ -573,18 +573,17 @@ def test_cost_model_rejects_negative_costs():
         CostModel(decode_step_s=-1.0)
 
 
-def _fake_run(path, mode, steps, extra: str = ""):
+def _fake_run(path, mode, steps, spec=None):
+    """A run's directory: its metrics.jsonl rows and a spec.json of its mode (``spec``: a whole plain spec)."""
     path.mkdir()
-    (path / "config.gin").write_text(f"RolloutConfig.mode = '{mode}'\n{extra}")
+    spec = spec or {"format": 1, "rollout": {}}
+    (path / "spec.json").write_text(json.dumps({**spec, "rollout": {**spec["rollout"], "mode": mode}}))
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     return path
 
 
-def test_fit_costs_recovers_exact_rates(tmp_path):
-    # Replay ratios: on-policy steps run 1.25 bucket slot-steps per decoded token, 0.5 prefill calls per dispatch
-    # and 1.5 padded per real prefill token. Timers built from exact rates: 0.2 s per dispatch, 1e-4 s per
-    # slot-step, 0.01 s per call, 1e-5 s per padded token, train 1 + 1e-3 s per token, 0.5 s of the rest.
-    ratios = {"on_policy": cal.KindRatios(slot_steps_per_token=1.25, calls_per_dispatch=0.5, padded_per_token=1.5)}
+def _on_policy_records() -> list[dict]:
+    """Three on-policy steps (2-4) whose timers follow exact rates (``test_fit_costs_recovers_exact_rates``)."""
     recs = []
     for i, (disp, pf, tok, dec) in enumerate([(20, 8000, 10000, 9000), (30, 7000, 12000, 11000),
                                              (25, 9000, 9000, 12500)], start=2):
@@ -597,6 +596,15 @@ def test_fit_costs_recovers_exact_rates(tmp_path):
                      "train/loss_tokens": tok - 256 * 30, "time/train": train,
                      "time/step": decode + prefill + train + 0.5,
                      "response/length_mean": 40.0, "response/length_max": 120})
+    return recs
+
+
+def test_fit_costs_recovers_exact_rates(tmp_path):
+    # Replay ratios: on-policy steps run 1.25 bucket slot-steps per decoded token, 0.5 prefill calls per dispatch
+    # and 1.5 padded per real prefill token. Timers built from exact rates: 0.2 s per dispatch, 1e-4 s per
+    # slot-step, 0.01 s per call, 1e-5 s per padded token, train 1 + 1e-3 s per token, 0.5 s of the rest.
+    ratios = {"on_policy": cal.KindRatios(slot_steps_per_token=1.25, calls_per_dispatch=0.5, padded_per_token=1.5)}
+    recs = _on_policy_records()
     run = cal.read_run(_fake_run(tmp_path / "r", "on_policy", [{**recs[0], "step": 1}, *recs]))
     costs, _ = cal.fit_costs([run], ratios, 8, 256, 30, skip=1)
     assert costs.decode_step_s * 8 == pytest.approx(0.2) and costs.decode_slot_s == pytest.approx(1e-4)
@@ -632,7 +640,8 @@ def test_fit_refuses_runs_without_the_scheduler_timers(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--gin_file=configs/does_not_exist.gin"], "does not exist"),
-    ([], "--gin_file is required"),
+    ([], "--gin_file or --calibrate_from is required"),
+    (["--gin_param=SimConfig.seed=1", "--calibrate_from", "/nonexistent_run"], "--gin_param needs --gin_file"),
     (["--gin_file=configs/tiny_rollverify.gin", "--steps=0"], "--steps=0"),
     (["--gin_file=configs/tiny_rollverify.gin", "--calibrate_from", "/nonexistent_run"], "metrics.jsonl"),
 ])
@@ -644,12 +653,56 @@ def test_cli_bad_input_is_one_message_and_exit_2(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-def test_cli_refuses_a_run_of_another_shape(tmp_path, capsys):
-    run = _fake_run(tmp_path / "b8", "on_policy", [{"step": 1, "time/step": 1.0}], "RolloutConfig.batch_groups = 8\n")
+def test_cli_refuses_a_run_of_another_shape_or_without_a_spec(tmp_path, capsys):
+    run = _fake_run(tmp_path / "b8", "on_policy", [{"step": 1, "time/step": 1.0}],
+                    {"format": 1, "rollout": {"batch_groups": 8}})
     with pytest.raises(SystemExit) as e:
         sim_cli.main(["--gin_file=configs/tiny_rollverify.gin", "--calibrate_from", str(run)])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "RolloutConfig.batch_groups = 8" in err and "config.gin" in err
+    assert e.value.code == 2 and "rollout.batch_groups = 8" in err and "leave --gin_file out" in err
+    (run / "spec.json").unlink()  # a run from before spec.json
+    with pytest.raises(SystemExit) as e:
+        sim_cli.main(["--calibrate_from", str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "spec.json does not exist" in err and "calibrate on runs that wrote one" in err
+
+
+def _tiny_run(tmp_path, config="tiny_onpolicy"):
+    """A run of ``configs/<config>.gin``: its spec.json (as training writes it) and on-policy metrics."""
+    from rollverify_jax.run.spec import RunSpec, parse_gin
+
+    parse_gin([f"configs/{config}.gin"], [])
+    spec = json.loads(RunSpec.from_gin().to_json())
+    recs = _on_policy_records()
+    return _fake_run(tmp_path / config, spec["rollout"]["mode"], [{**recs[0], "step": 1}, *recs], spec)
+
+
+def test_cli_simulates_a_runs_spec_json_as_its_gin_config(tmp_path, capsys):
+    """Without --gin_file the spec is the calibration run's spec.json: the same prediction as its gin config."""
+    run = _tiny_run(tmp_path)
+    sim_cli.main(["--calibrate_from", str(run), "--steps=3", f"--json={tmp_path / 'a.json'}"])
+    sim_cli.main(["--gin_file=configs/tiny_onpolicy.gin", "--calibrate_from", str(run), "--steps=3",
+                  f"--json={tmp_path / 'b.json'}"])
+    a, b = (json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab")
+    assert a["config"] == [str(run / "spec.json")] and b["config"] == ["configs/tiny_onpolicy.gin"]
+    assert a["shape"]["num_slots"] > 0 and a["calibration"][0]["measured_s"] > 0
+    assert {k: v for k, v in a.items() if k != "config"} == {k: v for k, v in b.items() if k != "config"}
+
+
+def test_the_simulator_reads_a_spec_json_without_jax(tmp_path):
+    """``import rollverify_jax.sim`` and ``simulate --calibrate_from=RUN`` (the spec from RUN's spec.json) load no
+    JAX and no gin: the simulator reads the spec as plain data."""
+    import subprocess
+    import sys
+
+    run = _tiny_run(tmp_path)
+    code = ("import sys\nimport rollverify_jax.sim\nassert 'jax' not in sys.modules\n"
+            "from rollverify_jax import simulate\n"
+            f"simulate.main(['--calibrate_from', {str(run)!r}, '--steps=2'])\n"
+            "loaded = sorted(m for m in ('jax', 'gin', 'flax', 'rollverify_jax.run.spec') if m in sys.modules)\n"
+            "assert not loaded, loaded\nprint('JAX-free')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "JAX-free" in out.stdout and "| on_policy | 2 |" in out.stdout, out.stderr
 
 
 def test_cli_predicts_every_mode(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """RunSpec: the only reader of gin, its cross-checks, the derived resume fingerprint, and the step's scoring."""
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -152,15 +153,64 @@ def test_the_reward_sees_the_whole_interaction_of_a_multi_turn_trajectory():
                                                         {"num_turns": 2, "tool_calls": 0}]
 
 
-def test_the_spec_of_every_shipped_config_builds(spec_of):
-    """Every config under configs/ (the tiny ones, the real-scale ones, the phenomenon rows) parses into a spec."""
+def test_the_spec_of_every_shipped_config_builds_and_round_trips_through_json(spec_of):
+    """Every config under configs/ (the tiny ones, the tool-use ones, the real-scale ones, the phenomenon rows)
+    parses into a spec, and its JSON (a workdir's spec.json) reads back, without gin, into an equal spec with the
+    same resume fingerprint."""
     root = PACKAGE.parent
+    seen = []
     for path in sorted((root / "configs").rglob("*.gin")):
         if path.parent.name == "sim":
             continue  # fragments included by the run configs
         gin.clear_config()
         spec_lib.parse_gin([str(path)], [])
-        assert isinstance(RunSpec.from_gin(), RunSpec), path
+        spec = RunSpec.from_gin()
+        gin.clear_config()
+        text = spec.to_json()
+        back = RunSpec.from_json(text)
+        assert back == spec and back.settings() == spec.settings() and back.to_json() == text, path
+        assert json.loads(text)["rollout"]["mode"] == spec.rollout.mode  # plain data: the simulator reads it so
+        seen.append(str(path.relative_to(root)))
+    assert {"configs/qwen3_8b_dapo.gin", "configs/tiny_tool_rollverify.gin", "configs/tiny_base.gin"} <= set(seen)
+
+
+def test_json_keeps_lists_apart_from_tuples_and_refuses_what_it_cannot_hold(spec_of):
+    spec = spec_of("TrainConfig.train_dataset_kwargs = {'files': ['a', 'b'], 'shape': (1, 2), 'n': 8}",
+                   "make_mesh.shape = (1, 2, 1)")
+    back = RunSpec.from_json(spec.to_json())
+    assert back == spec and back.train.train_dataset_kwargs["files"] == ["a", "b"]
+    assert back.train.train_dataset_kwargs["shape"] == (1, 2) and back.mesh["shape"] == (1, 2, 1)
+    assert json.loads(spec.to_json())["mesh"] == {"shape": [1, 2, 1]}  # a function part: its bindings as bound
+    with pytest.raises(TypeError, match=r"train\.train_dataset_kwargs has the key 1"):
+        spec_of("TrainConfig.train_dataset_kwargs = {1: 'x'}").to_json()
+    plain = json.loads(spec.to_json())
+    with pytest.raises(ValueError, match="RolloutConfig has no field 'modes'"):
+        RunSpec.from_json({**plain, "rollout": {"modes": "partial"}})
+    with pytest.raises(ValueError, match="a run spec has no part 'roll'"):
+        RunSpec.from_json({**plain, "roll": {}})
+    with pytest.raises(ValueError, match="not a run spec of format 1"):
+        RunSpec.from_json({**plain, "format": 0})
+    with pytest.raises(ValueError, match="needs partial rollout"):  # the cross-checks hold for a read spec too
+        RunSpec.from_json({**plain, "filter": {**plain["filter"], "name": "staleness"}})
+
+
+@pytest.mark.parametrize("params", [
+    ["EvalConfig.temperature = 0.3", "TrainConfig.eval_size = 3"],
+    ["SamplingConfig.temperature = 0.5", "RolloutConfig.max_new_tokens = 100", "make_mesh.shape = (1, 1, 1)"],
+])
+def test_bindings_on_a_read_spec_are_the_bindings_on_its_gin(params):
+    """``evaluate --checkpoint=RUN --gin_param=...`` binds on top of RUN's spec.json: the same spec as the run's gin
+    with those bindings, derived values (the learner's temperature, the response cap) derived again."""
+    spec_lib.parse_gin(["configs/tiny_rollverify.gin"], [])
+    saved = RunSpec.from_json(RunSpec.from_gin().to_json())
+    bound = saved.with_bindings(params)
+    spec_lib.parse_gin(["configs/tiny_rollverify.gin"], params)
+    want = RunSpec.from_gin()
+    gin.clear_config()
+    assert dataclasses.replace(bound, gin_text="") == dataclasses.replace(want, gin_text="")
+    assert bound.settings() == want.settings() and saved.with_bindings([]) is saved
+    with pytest.raises(ValueError, match="make_mesh.devices is set by the code"):
+        saved.with_bindings(["make_mesh.devices = 2"])
 
 
 def test_eval_sets_are_checked_and_a_synthetic_one_is_held_out_by_default(spec_of):

@@ -39,11 +39,15 @@ def test_run_writes_metrics_config_and_checkpoints(policy, tmp_path, capsys):
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
     assert metrics[-1]["learning_rate"] == pytest.approx(3e-3)  # gin bindings reach the optimizer
     assert "RolloutConfig.mode = 'rollverify'" in (tmp_path / "run" / "operative_config.gin").read_text()
+    # spec.json reads back, without gin, as the spec the run was given, with the fingerprint its checkpoints hold.
+    parse_gin([], run_params(policy, "rollverify", 2))
+    spec = RunSpec.from_gin()
+    saved = RunSpec.from_json((tmp_path / "run" / "spec.json").read_text())
+    assert saved == spec and saved.settings() == spec.settings()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert list((tmp_path / "run" / "tensorboard").glob("events.*"))
     capsys.readouterr()
-    evaluate.main([f"--checkpoint={tmp_path / 'run'}", "--k=2",
-                   *[f"--gin_param={p}" for p in run_params(policy, "rollverify", 2)]])
+    evaluate.main([f"--checkpoint={tmp_path / 'run'}", "--k=2"])  # the run's own spec.json, --k bound on top
     out = capsys.readouterr().out
     assert "avg@2 = " in out and "pass@2 = " in out and "4 problems x 2 samples" in out
 
@@ -286,14 +290,21 @@ def test_resume_refuses_changed_run_settings_unless_allowed(policy, tmp_path, ca
     with pytest.raises(SystemExit) as exit_info:
         train.main([f"--workdir={workdir}", *changed])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "rollout.mode: checkpoint 'rollverify', now 'on_policy'" in err and "verify.ds: checkpoint 0.01" in err
+    err = capsys.readouterr().err  # refused by the workdir's spec.json, before anything is built
+    assert "rollout.mode: spec.json 'rollverify', now 'on_policy'" in err and "verify.ds: spec.json 0.01" in err
     assert "Traceback" not in err and [m["step"] for m in read_metrics(workdir)] == [0, 1]
+    (workdir / "spec.json").unlink()  # without it, the checkpoint's own fingerprint still refuses
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([f"--workdir={workdir}", *changed])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "rollout.mode: checkpoint 'rollverify', now 'on_policy'" in err
+    assert "verify.ds: checkpoint 0.01" in err and [m["step"] for m in read_metrics(workdir)] == [0, 1]
     gin.clear_config()
     train.main([f"--workdir={workdir}", "--allow_changed_settings", *changed])
     assert "resuming with changed settings" in capsys.readouterr().out
     last = read_metrics(workdir)[-1]
     assert last["step"] == 2 and last["mode/on_policy"] == 1 and last["verify/num_verified"] == 0
+    assert RunSpec.from_json((workdir / "spec.json").read_text()).rollout.mode == "on_policy"  # this launch's
 
 
 @pytest.mark.parametrize("mode, binding, message", [

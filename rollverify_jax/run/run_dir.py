@@ -1,21 +1,21 @@
 """A training run's workdir: opening it (the one-launch lock, a fresh workdir removed again when the run cannot
-start, the files that let a run be reproduced from it alone) and what a failed write there means."""
+start, the files that let a run be reproduced from it alone: ``spec.json``, the gin configs), the spec a finished
+run is read back with, and what a failed write there means."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Iterator
 
 from etils import epath
 
-from rollverify_jax.infra import distributed, storage
+from rollverify_jax.infra import distributed, spec_json, storage
 from rollverify_jax.run import builder
 from rollverify_jax.run.checkpoint import COMMIT_FILE
 from rollverify_jax.run.metrics import save_operative_config
-from rollverify_jax.run.spec import RunSpec
+from rollverify_jax.run.spec import RunSpec, check_resume_settings, parse_gin
 from rollverify_jax.run.trainer import Trainer
 from rollverify_jax.run.workdir_lock import WorkdirLock
 
@@ -38,6 +38,7 @@ def open_trainer(spec: RunSpec, workdir: storage.PathLike) -> Iterator[Trainer]:
     lock = WorkdirLock.acquire(workdir)
     try:
         try:
+            check_saved_spec(spec, workdir)  # before the weights load and the programs compile
             trainer = builder.build_trainer(spec, workdir)
         except BaseException:
             if fresh:
@@ -54,11 +55,56 @@ def open_trainer(spec: RunSpec, workdir: storage.PathLike) -> Iterator[Trainer]:
 
 
 def write_run_files(trainer: Trainer) -> None:
-    """The gin config as parsed and every value in effect, and the policy the run started from."""
+    """The spec in effect as JSON (``spec.json``, read back by evaluate, export, simulate and the next launch's
+    resume check) and as gin (every value in effect, and the config as parsed)."""
     spec, workdir = trainer.spec, trainer.workdir
+    write_spec(workdir, spec)
     save_operative_config(workdir, spec.operative_text(), spec.gin_text)
+
+
+def write_spec(workdir: storage.PathLike, spec: RunSpec) -> None:
+    """``<workdir>/spec.json``, written atomically (a reader sees the last launch's or this one's) by the main
+    process."""
     if distributed.is_main_process():
-        (workdir / "policy.txt").write_text(json.dumps({"policy_path": spec.train.policy_path}) + "\n")
+        storage.write_text_atomically(storage.as_path(workdir) / spec_json.SPEC_FILE, spec.to_json())
+
+
+def read_spec(workdir: storage.PathLike) -> RunSpec:
+    """The spec a training workdir's run started with (its ``spec.json``); a workdir from before it was written
+    is one clear error."""
+    path = storage.as_path(workdir) / spec_json.SPEC_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{storage.absolute(path)} does not exist: the run in {storage.absolute(workdir)} "
+                                f"started before {spec_json.SPEC_FILE} was written (or never started); pass its "
+                                "config, --gin_file=<workdir>/config.gin.")
+    return RunSpec.from_json(path.read_text(), str(path))
+
+
+def check_saved_spec(spec: RunSpec, workdir: storage.PathLike) -> None:
+    """A resume refused before anything is built: the settings of the workdir's ``spec.json`` (its last launch's)
+    against ``spec``'s, the same refusal as the checkpoint's (``check_resume_settings``), which still follows in
+    full once the checkpoint is restored (with the data's and the tokenizer's hashes). Only a workdir with a
+    committed checkpoint is checked; ``allow_changed_settings`` leaves the listing to that second check."""
+    path = storage.as_path(workdir) / spec_json.SPEC_FILE
+    if spec.train.allow_changed_settings or latest_committed_step(workdir) is None or not path.exists():
+        return
+    try:
+        saved = RunSpec.from_json(path.read_text(), str(path)).settings()
+    except (TypeError, ValueError):  # written by another version of the code: the checkpoint's check decides
+        return
+    check_resume_settings(saved, spec.settings(), allow=False, source=spec_json.SPEC_FILE)
+
+
+def run_spec(checkpoint: storage.PathLike, gin_files: list[str], gin_params: list[str]) -> RunSpec:
+    """The spec a tool reads a checkpoint with: the gin files and bindings when files are given; else, for a
+    training workdir (or one of its ``checkpoints/<step>``), its ``spec.json`` with ``gin_params`` bound on top;
+    else (an HF-layout policy directory) the defaults and ``gin_params``."""
+    checkpoint = storage.as_path(checkpoint)
+    if gin_files or (checkpoint / "config.json").exists():
+        parse_gin(gin_files, gin_params)
+        return RunSpec.from_gin()
+    root, _ = builder.resolve_checkpoint(checkpoint)  # a mistyped path fails here, before the spec is read
+    return read_spec(root).with_bindings(gin_params)
 
 
 def committed_steps(workdir: storage.PathLike) -> list[int]:

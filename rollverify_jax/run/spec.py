@@ -5,7 +5,9 @@ is registered under the name the gin files use (``RolloutConfig.mode``, ``paged_
 ``make_mesh.shape``), and ``RunSpec.from_gin()`` builds each part from its bindings. Components receive their
 part as an argument, so a setting cannot reach one component and not another, kernel knobs are part of the
 values the compiled functions are cached on, and the resume fingerprint (``RunSpec.settings``) is derived from
-the spec: a new setting is compared on resume without anyone remembering to list it.
+the spec: a new setting is compared on resume without anyone remembering to list it. ``RunSpec.to_json()`` writes
+the spec as plain JSON (a workdir's ``spec.json``) and ``RunSpec.from_json()`` reads it back, equal, without gin;
+the simulator reads that JSON as plain data, without this module (``rollverify_jax/infra/spec_json.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import gin
 
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.data.synthetic import SyntheticTask
-from rollverify_jax.infra import compile_cache, distributed, storage
+from rollverify_jax.infra import compile_cache, distributed, spec_json, storage
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import qwen3
 from rollverify_jax.models.flash_attention import FlashConfig
@@ -313,12 +315,75 @@ class RunSpec:
     def from_gin(cls) -> RunSpec:
         """The spec of the parsed gin configuration (``parse_gin``), cross-checked (``check``)."""
         parts = {field: _build(field) for field in PARTS}
-        loss = parts["loss"]
-        parts["learner"] = dataclasses.replace(parts["learner"], loss=loss)
-        parts["learner"] = parts["learner"].for_sampler(parts["sampling"].logp_temperature)
         bound = frozenset(f"{name}.{param}" for name, _ in PARTS.values() for param in _bindings(name))
-        spec = cls(**parts, gin_text=gin.config_str(), bound=bound)
-        spec = spec.with_response_cap()
+        return cls(**parts, gin_text=gin.config_str(), bound=bound)._derived()
+
+    def _derived(self) -> RunSpec:
+        """The values derived from other parts (the learner's loss and temperature, the response cap), checked."""
+        learner = dataclasses.replace(self.learner, loss=self.loss).for_sampler(self.sampling.logp_temperature)
+        spec = dataclasses.replace(self, learner=learner).with_response_cap()
+        spec.check()
+        return spec
+
+    def with_bindings(self, params: list[str]) -> RunSpec:
+        """This spec with gin ``params`` (``Name.param = value``) bound on top, as if they ended its gin files:
+        a part's other values stay this spec's, and the derived values are derived again (``evaluate`` of a
+        workdir's ``spec.json`` with other eval settings)."""
+        if not params:
+            return self
+        parse_gin([], params)
+        parts, added = {}, set()
+        for field, (name, _) in PARTS.items():
+            kwargs = _bindings(name)
+            if not kwargs:
+                continue
+            added |= {f"{name}.{k}" for k in kwargs}
+            per_call = sorted(_PER_CALL.get(field, set()) & set(kwargs))
+            if per_call:
+                raise ValueError(f"{name}.{per_call[0]} is set by the code at each call, not in gin: remove it.")
+            old = getattr(self, field)
+            parts[field] = Bindings.of({**old, **kwargs}) if isinstance(old, Bindings) else \
+                dataclasses.replace(old, **kwargs)
+        gin.clear_config()
+        bound = self.bound | added
+        spec = dataclasses.replace(self, **parts, bound=bound,
+                                   gin_text=self.gin_text + "".join(f"{p}\n" for p in params))
+        # Derived values follow their sources again unless bound: e.g. an evaluation at another temperature.
+        learner = spec.learner if "LearnerConfig.temperature" in bound else \
+            dataclasses.replace(spec.learner, temperature=None)
+        loss = spec.loss if "LossConfig.max_response_length" in bound else \
+            dataclasses.replace(spec.loss, max_response_length=None)
+        reward = spec.reward if "RewardScorer.max_response_length" in bound else \
+            Bindings.of({k: v for k, v in spec.reward.items() if k != "max_response_length"})
+        return dataclasses.replace(spec, learner=learner, loss=loss, reward=reward)._derived()
+
+    def to_json(self) -> str:
+        """Every part's values (a function part's bindings as bound), the gin text and the bound names, as plain
+        JSON (``infra/spec_json.py``): the workdir's ``spec.json``, which ``from_json`` reads back equal."""
+        plain = {"format": spec_json.SPEC_FORMAT}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            plain[f.name] = sorted(value) if f.name == "bound" else spec_json.to_plain(value, f.name)
+        return spec_json.dumps(plain)
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any], where: str = "spec.json") -> RunSpec:
+        """The spec ``to_json`` wrote (its text, or that text's parsed object), rebuilt without reading gin: each
+        part by its class, a function part as its ``Bindings``; a part missing from it takes its defaults."""
+        plain = spec_json.loads(text, where) if isinstance(text, str) else dict(text)
+        spec_json.check_format(plain, where)
+        unknown = sorted(set(plain) - {f.name for f in dataclasses.fields(cls)} - {"format"})
+        if unknown:
+            raise ValueError(f"{where}: a run spec has no part {unknown[0]!r} (was it written by another version "
+                             "of the code?).")
+        parts = {}
+        for field, (_, target) in PARTS.items():
+            value = plain.get(field, {})
+            if not isinstance(target, type) or field in _AS_BINDINGS:
+                parts[field] = Bindings.of(spec_json.from_plain(value))
+            else:
+                parts[field] = spec_json.dataclass_from_plain(target, value, f"{where}: {field}")
+        spec = cls(**parts, gin_text=plain.get("gin_text", ""), bound=frozenset(plain.get("bound", ())))
         spec.check()
         return spec
 
@@ -423,17 +488,19 @@ class RunSpec:
         return storage.as_path(self.train.runs_root) / name
 
 
-def check_resume_settings(saved: dict, current: dict, allow: bool) -> None:
-    """Refuses a resume whose run-defining settings differ from the checkpoint's, naming every difference."""
+def check_resume_settings(saved: dict, current: dict, allow: bool, source: str = "checkpoint") -> None:
+    """Refuses a resume whose run-defining settings differ from the ``source``'s (the checkpoint's, or the
+    workdir's ``spec.json``: its last launch's), naming every difference."""
     if "settings.format" not in saved:
         saved = {LEGACY_SETTINGS.get(k, k): v for k, v in saved.items()}
-    diffs = [f"  {k}: checkpoint {saved[k]!r}, now {current.get(k)!r}" for k in sorted(saved)
+    diffs = [f"  {k}: {source} {saved[k]!r}, now {current.get(k)!r}" for k in sorted(saved)
              if json.dumps(saved[k]) != json.dumps(current.get(k))]
     if not diffs:
         return
     listing = "\n".join(diffs)
     if not allow:
-        raise ValueError(f"This workdir's checkpoint was trained with other settings:\n{listing}\nResume with the "
+        what = "checkpoint was trained" if source == "checkpoint" else f"{source} (its last launch) holds"
+        raise ValueError(f"This workdir's {what} with other settings:\n{listing}\nResume with the "
                          "checkpoint's settings, use a new workdir, or pass --allow_changed_settings to continue "
                          "with the new ones.")
     print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)

@@ -1,5 +1,5 @@
 """Measured rates from a run's ``metrics.jsonl``: cost coefficients, the response-length distribution and the
-cut rates the simulator replays (pure Python + numpy; reads files only).
+cut rates the simulator replays (pure Python + numpy; reads files only: the metrics and the run's ``spec.json``).
 
 What a step's record holds (``rl/partial_rollout.py``, ``train.py``): ``time/rollout`` (prefill + decode +
 host, without verification), ``time/verify``, ``time/train``, ``time/step``, the scheduler's timers
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from rollverify_jax.infra import spec_json
 from rollverify_jax.sim.costs import CostModel
-
-_MODE = re.compile(r"^\s*RolloutConfig\.mode\s*=\s*['\"](\w+)['\"]", re.M)
+from rollverify_jax.sim.shape import value as spec_value
 
 
 @dataclasses.dataclass
@@ -36,6 +36,7 @@ class RunData:
     path: Path
     mode: str  # the run's configured rollout mode
     steps: list[dict]  # training steps' records (with time/step), in order
+    spec: dict = dataclasses.field(default_factory=dict)  # the run's spec.json, as plain data
 
     def used(self, skip: int) -> list[dict]:
         return [r for r in self.steps if r["step"] > skip]
@@ -69,25 +70,8 @@ def read_run(path) -> RunData:
             steps.append(rec)
     if not steps:
         raise ValueError(f"{metrics} holds no training step (no time/step record).")
-    mode = None
-    for name in ("config.gin", "operative_config.gin"):
-        if (path / name).is_file():
-            m = _MODE.search((path / name).read_text())
-            if m:
-                mode = m.group(1)
-                break
-    if mode is None:
-        raise ValueError(f"{path}: no RolloutConfig.mode in its config.gin; is it a training run's directory?")
-    return RunData(path, mode, steps)
-
-
-_BINDING = re.compile(r"^\s*([A-Za-z_]\w*\.\w+)\s*=\s*(\S.*?)\s*$", re.M)
-
-
-def run_bindings(run: RunData) -> dict[str, str]:
-    """The ``Name.param = value`` lines of the run's config.gin (values as written)."""
-    path = run.path / "config.gin"
-    return dict(_BINDING.findall(path.read_text())) if path.is_file() else {}
+    spec = spec_json.read(path, "The simulator reads a run's mode and shape from it: calibrate on runs that wrote one.")
+    return RunData(path, spec_value(spec, "rollout.mode"), steps, spec)
 
 
 def dispatches(rec: dict, num_slots: int, steps_per_dispatch: int) -> float:

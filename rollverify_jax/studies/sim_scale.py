@@ -26,11 +26,12 @@ import argparse
 import json
 from pathlib import Path
 
-import gin
-
 from rollverify_jax import simulate as sim
 from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim import calibrate as cal
+from rollverify_jax.sim import predict as sim_predict
+from rollverify_jax.sim.replay import MODES
+from rollverify_jax.sim.shape import sim_config, sim_costs
 
 # (model, context tokens of the response cap, gin files, bindings)
 SETTINGS = [
@@ -54,15 +55,11 @@ TERMS = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "over
 
 
 def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
-    from rollverify_jax.run.spec import RunSpec, parse_gin
-
-    gin.clear_config()
-    parse_gin(files, params)
-    spec = RunSpec.from_gin()
-    cfg, shape = spec.sim, sim.read_run_shape(spec)
-    inputs = sim.build_inputs(cfg, shape, [], costs=sim.sim_costs(spec))
+    spec = sim.spec_from_gin(files, params)
+    cfg, shape = sim_config(spec), sim.shape_of(spec)
+    inputs = sim_predict.build_inputs(cfg, shape, [], costs=sim_costs(spec))
     n = steps or cfg.num_steps or shape.num_steps
-    return [with_terms(sim.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
+    return [with_terms(sim_predict.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
                        inputs.costs.decode_per_step_s()) for m in modes]
 
 
@@ -91,9 +88,9 @@ def finished_runs(root: Path) -> list[Path]:
     for metrics in sorted(root.glob("**/metrics.jsonl")) if root.is_dir() else []:
         try:
             run = cal.read_run(metrics.parent)
-        except ValueError:
+        except (ValueError, FileNotFoundError):  # not a training run's directory, or one without its spec.json
             continue
-        steps = cal.run_bindings(run).get("TrainConfig.num_steps")
+        steps = run.spec.get("train", {}).get("num_steps")
         if logs_segments(run) and steps is not None and run.steps[-1]["step"] >= int(steps):
             out.append(metrics.parent)
     return out

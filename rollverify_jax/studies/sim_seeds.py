@@ -9,17 +9,18 @@ Each prediction is what the CLI computes (``rollverify_jax.simulate``: ``build_i
 
 - ``--pool all``: lengths, prompt length and (when F verifies nothing) the log-prob and verifier rates come
   from every run given, as ``python -m rollverify_jax.simulate --gin_file=RUN0/config.gin --calibrate_from
-  RUNS... --fit_from F --gin_param=SimConfig.skip_steps=SKIP`` prints for T;
+  RUNS... --fit_from F --gin_param=SimConfig.skip_steps=SKIP`` prints for T (the spec: RUN0's spec.json);
 - ``--pool held_out`` (default): the same from every run but T (F always in), so T's own timers and lengths
   take no part in its prediction (F = T: in sample, every run).
 
 A RollVerify run is replayed with its own acceptance trace (an input of the model, as the lengths are). The
 runs must share one shape (the CLI's check). A run's mode is its ``RolloutConfig.mode``, its seed the ``_s<N>``
-suffix of its directory (else its ``TrainConfig.seed``). Tables: the measured seconds of each run and its
-training seconds per token (the same work per token in every mode: the machine's load), same-mode predictions
-with, beside them, another seed's measured seconds as the prediction (the seed-to-seed noise floor), cross-mode
-predictions grouped by fit mode, predicted mode and same / other seed, every prediction as a matrix, and the
-event counts (the rates play no part; lengths and acceptance as above: under ``held_out`` from every run but T).
+suffix of its directory (else its ``TrainConfig.seed``), both read from its ``spec.json``. Tables: the measured
+seconds of each run and its training seconds per token (the same work per token in every mode: the machine's
+load), same-mode predictions with, beside them, another seed's measured seconds as the prediction (the
+seed-to-seed noise floor), cross-mode predictions grouped by fit mode, predicted mode and same / other seed, every
+prediction as a matrix, and the event counts (the rates play no part; lengths and acceptance as above: under
+``held_out`` from every run but T).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import re
 import statistics
 from pathlib import Path
 
-import gin
-
 from rollverify_jax import simulate as sim
 from rollverify_jax.sim import calibrate as cal
+from rollverify_jax.sim import predict as sim_predict
+from rollverify_jax.sim.shape import check_same_shape, sim_config, sim_costs
 
 MODE_ORDER = ("on_policy", "partial", "rollverify")
 TOL = 0.15
@@ -44,7 +45,7 @@ def run_seed(run: cal.RunData) -> str:
     m = re.search(r"_s(\d+)$", run.path.name)
     if m:
         return m.group(1)
-    return cal.run_bindings(run).get("TrainConfig.seed", "?")
+    return str(run.spec.get("train", {}).get("seed", "?"))
 
 
 def train_rate(run: cal.RunData, skip: int, prompt_tokens: int) -> float:
@@ -56,13 +57,10 @@ def train_rate(run: cal.RunData, skip: int, prompt_tokens: int) -> float:
 
 def predict(runs: list[cal.RunData], pool: str, skips: list[int]) -> dict:
     """rows[skip][F][T]: the calibration row of run T under run F's rates (paths as str), and costs[skip][F]."""
-    from rollverify_jax.run.spec import RunSpec, parse_gin
-
-    gin.clear_config()
-    parse_gin([str(runs[0].path / "config.gin")], [])
-    spec = RunSpec.from_gin()
-    base, shape = spec.sim, sim.read_run_shape(spec)
-    sim.check_run_shapes(shape, runs)
+    spec = runs[0].spec
+    base, shape = sim_config(spec), sim.shape_of(spec)
+    for run in runs:
+        check_same_shape(shape, run.spec, str(run.path))
     rows, costs = {}, {}
     for k in skips:
         cfg = dataclasses.replace(base, skip_steps=k)
@@ -74,18 +72,19 @@ def predict(runs: list[cal.RunData], pool: str, skips: list[int]) -> dict:
                 given = [r for r in runs if r is not t or r is f] if pool == "held_out" else runs
                 key = (str(f.path), tuple(str(r.path) for r in given))
                 if key not in cache:
-                    cache[key] = sim.build_inputs(cfg, shape, given, [f], sim.sim_costs(spec))
+                    cache[key] = sim_predict.build_inputs(cfg, shape, given, [f], sim_costs(spec))
                 inputs = cache[key]
                 if t is f:
                     costs[k][str(f.path)] = dataclasses.asdict(inputs.costs)
-                row, = sim.calibration_rows(shape, inputs, [t], k, cfg.fit_split, cfg.decode_width_ref)
+                row, = sim_predict.calibration_rows(shape, inputs, [t], k, cfg.fit_split, cfg.decode_width_ref)
                 rows[k][str(f.path)][str(t.path)] = row
     counts = {}  # per T: the replay from the pool alone (any fit run: the rates play no part in the counts)
     cfg = dataclasses.replace(base, skip_steps=skips[0])
     for t in runs:
         given = [r for r in runs if r is not t] if pool == "held_out" else runs
-        inputs = sim.build_inputs(cfg, shape, given, given[:1], sim.sim_costs(spec))
-        counts[str(t.path)], = sim.calibration_rows(shape, inputs, [t], skips[0], cfg.fit_split, cfg.decode_width_ref)
+        inputs = sim_predict.build_inputs(cfg, shape, given, given[:1], sim_costs(spec))
+        counts[str(t.path)], = sim_predict.calibration_rows(shape, inputs, [t], skips[0], cfg.fit_split,
+                                                            cfg.decode_width_ref)
     n = shape.batch_groups * shape.group_size
     return {"rows": rows, "costs": costs, "counts": counts, "prompt_tokens": cal.prompt_len(runs, n, skips[0]) * n}
 
