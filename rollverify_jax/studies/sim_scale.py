@@ -30,7 +30,6 @@ from rollverify_jax import simulate as sim
 from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim import predict as sim_predict
-from rollverify_jax.sim.replay import MODES
 from rollverify_jax.sim.shape import sim_config, sim_costs
 
 # (model, context tokens of the response cap, gin files, bindings)
