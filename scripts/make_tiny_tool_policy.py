@@ -55,7 +55,7 @@ from rollverify_jax.models.hf import param_count, save_pretrained  # noqa: E402
 from rollverify_jax.models.qwen3 import Qwen3ForCausalLM, init_model, model_config  # noqa: E402
 from rollverify_jax.models.tokenizer import Tokenizer, build_char_tokenizer  # noqa: E402
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory  # noqa: E402
-from rollverify_jax.rollout.tool_use import ToolRunner, ToolUseConfig  # noqa: E402
+from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig  # noqa: E402
 
 EOS, PAD, SPECIAL_TOKENS = base.EOS, base.PAD, base.SPECIAL_TOKENS
 
@@ -129,7 +129,7 @@ class ToolPacker(base.Packer):
 
 class ToolSampler:
     """Greedy and temperature-1 multi-turn responses through the rollout's own path: the engine stops a turn at
-    ``</calculator>`` (a stop id), the scheduler's ``ToolRunner`` runs the call and the reply is appended as
+    ``</calculator>`` (a stop id), the scheduler's ``ToolEnvironment`` runs the call and the reply is appended as
     environment tokens (``Trajectory.env_spans``), then decoding goes on."""
 
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer, prompt_len: int, max_new: int, slots: int,
@@ -137,7 +137,7 @@ class ToolSampler:
         page = 16
         config = EngineConfig(num_slots=slots, page_size=page, max_seq_len=base.round_up(prompt_len + max_new, page),
                               steps_per_dispatch=8)
-        self.tools = ToolRunner.for_tokenizer(tool_use, tokenizer)
+        self.tools = ToolEnvironment.for_tokenizer(tool_use, tokenizer)
         self.engines = {greedy: Engine(model, config, SamplingConfig(greedy=greedy), eos_ids=(tokenizer.token_id(EOS),),
                                        stop_ids=(self.tools.call_end_id,))
                         for greedy in (True, False)}
@@ -150,7 +150,7 @@ class ToolSampler:
 
     def generate(self, prompts: Sequence[str], seed: int, greedy: bool) -> list[Trajectory]:
         """Finished trajectories for ``prompts`` (request i samples with seed + i), in prompt order."""
-        sched = Scheduler(self.engines[greedy], tools=self.tools)
+        sched = Scheduler(self.engines[greedy], env=self.tools)
         sched.submit([Trajectory(uid=i, group_id=i, prompt=np.asarray(ids, np.int32), seed=seed + i,
                                  max_new_tokens=self.max_new)
                       for i, ids in enumerate(self.tokenizer.encode_batch(list(prompts)))])
@@ -238,7 +238,7 @@ answer, EOS), not the prompt and not the `{REPLY_PREFIX}...{REPLY_SUFFIX}` repli
 writes. It is deliberately undertrained, so RL has room to improve it. `task.json` holds the
 `SyntheticToolTask` kwargs, `tool_use.json` the `ToolUseConfig` it was evaluated with.
 
-Held-out evaluation runs the calls through the rollout's own path (`Scheduler` with a `ToolRunner`, the
+Held-out evaluation runs the calls through the rollout's own path (`Scheduler` with a `ToolEnvironment`, the
 engine's stop id `{CALL_END}`): a response stops at the call, the calculator evaluates it, its reply
 (`format_tool_output(result, tag='')`, at most {TOOL_USE.max_reply_tokens} tokens, between `{REPLY_PREFIX}` and
 `{REPLY_SUFFIX}`) is appended, decoding goes on; at most {TOOL_USE.max_calls} calls per response.
