@@ -2,6 +2,7 @@
 appended without re-prefill, tool tokens outside verification, pause and resume across a call (checkpoint
 round-trip included), faults that never hold a slot, environments that keep their own tools and limits."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -295,6 +296,29 @@ def test_two_environments_in_one_process_keep_their_own_tools_and_limits():
         assert text[1](env.reply(request, room=100)) == expected
     for env in (a, b, c, d):
         env.close()
+
+
+def test_the_sandbox_limits_are_a_spec_part_the_environment_is_built_with(spec_of):
+    spec = spec_of("SandboxConfig.memory_mb = 512", "ToolUseConfig.tools = ('python',)",
+                   "ToolUseConfig.timeout_s = 3.0")
+    assert spec.sandbox.memory_mb == 512 and spec.settings()["sandbox.memory_mb"] == 512  # compared on resume
+    assert spec_of().settings()["sandbox.memory_mb"] == 1024
+    with pytest.raises(ValueError, match=r"SandboxConfig\.timeout_s is set by the code"):  # ToolUseConfig.timeout_s
+        spec_of("SandboxConfig.timeout_s = 3.0")
+
+    class Tokenizer:
+        def token_id(self, token):
+            return {"<end>": CALL_END}[token]
+
+        encode, decode = staticmethod(_encode), staticmethod(lambda ids, skip_special_tokens: _decode(ids))
+
+    env = ToolEnvironment.for_tokenizer(dataclasses.replace(spec.tool_use, call_end_token="<end>"), Tokenizer(),
+                                        spec.sandbox)
+    python = env.registry.get("python").config
+    assert env.call_end_id == CALL_END and (python.memory_mb, python.timeout_s) == (512, 3.0)
+    env.close()
+    with pytest.raises(ValueError, match="not one token"):
+        ToolEnvironment.for_tokenizer(spec.tool_use, Tokenizer(), spec.sandbox)
 
 
 @pytest.mark.parametrize("loss_name", ["grpo", "gspo", "vespo"])
