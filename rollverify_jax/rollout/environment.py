@@ -16,8 +16,12 @@ import abc
 import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollverify_jax.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from rollverify_jax.rollout.scheduler import RolloutStats
 
 
 @dataclasses.dataclass
@@ -67,7 +71,8 @@ class Environment(abc.ABC):
         concurrent.futures.wait([r.future for r in requests], timeout,
                                 concurrent.futures.ALL_COMPLETED if every else concurrent.futures.FIRST_COMPLETED)
 
-    def phase_metrics(self, batch: Sequence[Trajectory], wall: float, stats, num_slots: int) -> dict:
+    def phase_metrics(self, batch: Sequence[Trajectory], wall: float, stats: RolloutStats,
+                      num_slots: int) -> dict:
         """The environment's metrics of a rollout phase: ``batch`` its finished trajectories, ``wall`` its seconds,
         ``stats`` the scheduler's ``RolloutStats``, ``num_slots`` the engine's."""
         return {}

@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from rollverify_jax.tools import (
     format_tool_output,
     parse_tool_call,
 )
+
+if TYPE_CHECKING:
+    from rollverify_jax.rollout.scheduler import RolloutStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +189,8 @@ class ToolEnvironment(Environment):
                     continue
             return out
 
-    def phase_metrics(self, batch: Sequence[Trajectory], wall: float, stats, num_slots: int) -> dict:
+    def phase_metrics(self, batch: Sequence[Trajectory], wall: float, stats: RolloutStats,
+                      num_slots: int) -> dict:
         """The batch's calls and turns per trajectory, the phase's calls, errors and tool seconds (their share of
         the phase's wall-clock; calls overlap decoding and each other), the share of slot-steps spent holding a
         trajectory whose call runs, and the time nothing could decode for want of a reply."""
