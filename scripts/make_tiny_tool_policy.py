@@ -50,7 +50,7 @@ from rollverify_jax.models.hf import param_count, save_pretrained
 from rollverify_jax.models.qwen3 import init_model, model_config
 from rollverify_jax.models.tokenizer import build_char_tokenizer
 from rollverify_jax.rl import sft
-from rollverify_jax.rollout.tool_use import ToolRunner, ToolUseConfig
+from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig
 
 EOS, PAD = base.EOS, base.PAD
 
@@ -131,7 +131,7 @@ answer, EOS), not the prompt and not the `{REPLY_PREFIX}...{REPLY_SUFFIX}` repli
 writes. It is deliberately undertrained, so RL has room to improve it. `task.json` holds the
 `SyntheticToolTask` kwargs, `tool_use.json` the `ToolUseConfig` it was evaluated with.
 
-Held-out evaluation runs the calls through the rollout's own path (`Scheduler` with a `ToolRunner`, the
+Held-out evaluation runs the calls through the rollout's own path (`Scheduler` with a `ToolEnvironment`, the
 engine's stop id `{CALL_END}`): a response stops at the call, the calculator evaluates it, its reply
 (`format_tool_output(result, tag='')`, at most {TOOL_USE.max_reply_tokens} tokens, between `{REPLY_PREFIX}` and
 `{REPLY_SUFFIX}`) is appended, decoding goes on; at most {TOOL_USE.max_calls} calls per response.
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 for i in range(args.eval_problems)]
     prompt_len = max(len(ids) for ids in tokenizer.encode_batch([p["prompt"] for p in problems]))
     sampler = sft.Sampler(model, tokenizer, prompt_len, solution_max, args.eval_batch, EOS,
-                          tools=ToolRunner.for_tokenizer(TOOL_USE, tokenizer))
+                          tools=ToolEnvironment.for_tokenizer(TOOL_USE, tokenizer))
 
     def curve_point(step: int, params) -> dict:
         """The curve's cheaper evaluation (the first --curve-problems problems, avg@--curve-samples)."""

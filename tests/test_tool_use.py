@@ -1,6 +1,8 @@
-"""Multi-turn tool use in the rollout: replies appended without re-prefill, tool tokens outside verification,
-pause and resume across a call (checkpoint round-trip included), faults that never hold a slot."""
+"""Multi-turn tool use in the rollout (the tool environment behind the scheduler's environment seam): replies
+appended without re-prefill, tool tokens outside verification, pause and resume across a call (checkpoint
+round-trip included), faults that never hold a slot, environments that keep their own tools and limits."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -14,9 +16,9 @@ from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rl.batch import build_batch
 from rollverify_jax.rl.buffer import PausedCache
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
-from rollverify_jax.rollout.tool_use import ToolRunner, ToolUseConfig
+from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig
 from rollverify_jax.run.checkpoint import decode_extra, encode_extra
-from rollverify_jax.tools import ToolResult, ToolStatus
+from rollverify_jax.tools import SandboxConfig, ToolRegistry, ToolResult, ToolStatus
 from rollverify_jax.verify import two_stage_verify
 
 CALL_END = 63  # the tiny random policy samples it now and then: each time, a tool call ends its turn
@@ -35,8 +37,8 @@ def _decode(ids) -> str:
     return "".join(chr(48 + i % 60) for i in ids)
 
 
-class GatedRunner(ToolRunner):
-    """A runner whose calls wait for ``gate`` (a tool still running when the phase pauses)."""
+class GatedRunner(ToolEnvironment):
+    """A tool environment whose calls wait for ``gate`` (a tool still running when the phase pauses)."""
 
     def __init__(self, config=TOOLS, gate: threading.Event | None = None):
         super().__init__(config, _encode, _decode, CALL_END)
@@ -118,7 +120,7 @@ def test_replies_keep_history_cached_and_prefill_only_their_own_tokens(engine):
     reply_tokens = sum(b - a for t in trajs for a, b in t.env_spans)
     assert sched.stats.extend_tokens == reply_tokens + calls  # each reply plus the closing tag before it
     assert sched.stats.prefill_tokens <= sum(len(t.prompt) for t in trajs)  # no history is prefilled again
-    assert sched.tools.stats.calls == calls and sched.tools.stats.errors == calls  # random text: no valid call
+    assert sched.env.stats.calls == calls and sched.env.stats.errors == calls  # random text: no valid call
 
 
 @pytest.mark.parametrize("dispatches", [2, 5, 9])
@@ -223,7 +225,7 @@ def test_a_reply_with_characters_the_vocabulary_lacks_drops_them():
         if "~" in text:
             raise ValueError(f"cannot encode {text!r}")
         return _encode(text)
-    runner = ToolRunner(TOOLS, strict, _decode, CALL_END)
+    runner = ToolEnvironment(TOOLS, strict, _decode, CALL_END)
     assert runner.reply_tokens(ToolResult("1~2", ToolStatus.OK, 0.0), room=100) == strict("<r>12</r>")
 
 
@@ -265,7 +267,58 @@ def test_bad_tool_settings_are_refused():
     with pytest.raises(ValueError, match="tools is empty"):
         ToolUseConfig(tools=())
     with pytest.raises(ValueError, match="unknown tool|Unknown tool|known"):
-        ToolRunner(ToolUseConfig(tools=("nope",)), _encode, _decode, CALL_END)
+        ToolEnvironment(ToolUseConfig(tools=("nope",)), _encode, _decode, CALL_END)
+
+
+def test_two_environments_in_one_process_keep_their_own_tools_and_limits():
+    """Each environment builds its own registry from its config and the run's sandbox limits: building a second
+    one (other tools, other limits) changes nothing the first calls, and a tool one holds the other cannot reach."""
+    a = ToolEnvironment(ToolUseConfig(tools=("python",), timeout_s=2.0), _encode, _decode, CALL_END,
+                        sandbox=SandboxConfig(memory_mb=256))
+    python_a = a.registry.get("python")
+    b = ToolEnvironment(ToolUseConfig(tools=("calculator", "python"), timeout_s=5.0), _encode, _decode, CALL_END)
+    assert a.registry.get("python") is python_a and python_a.config.timeout_s == 2.0  # the call's limit
+    assert python_a.config.memory_mb == 256 and b.registry.get("python").config.memory_mb == 1024
+    assert b.registry.get("python").config.timeout_s == 5.0 and "calculator" not in a.registry
+    echo = type("Echo", (), {"name": "echo", "description": "", "call": lambda self, x: ToolResult(x, "ok", 0.0)})
+    text = (lambda x: [ord(ch) for ch in x], lambda ids: "".join(map(chr, ids)))  # a codec that round-trips
+    c = ToolEnvironment(ToolUseConfig(tools=("echo",)), *text, ord(">"), registry=ToolRegistry([echo()]))
+    d = ToolEnvironment(ToolUseConfig(tools=("calculator",)), *text, ord(">"))
+    assert "echo" not in a.registry and "echo" not in b.registry
+    turn = text[0]("<echo>hi</echo>")
+    t = Trajectory(uid=0, group_id=0, prompt=np.asarray([5], np.int32), seed=0, max_new_tokens=64, tokens=turn,
+                   logps=[0.0] * len(turn), versions=[0] * len(turn))
+    for env, expected in ((c, "<tool_response>hi</tool_response>"),
+                          (d, "<tool_response>Error: no tool call found before the closing tag</tool_response>")):
+        assert env.awaits_reply(t)
+        request = env.request(t)
+        env.wait([request], timeout=10)
+        assert text[1](env.reply(request, room=100)) == expected
+    for env in (a, b, c, d):
+        env.close()
+
+
+def test_the_sandbox_limits_are_a_spec_part_the_environment_is_built_with(spec_of):
+    spec = spec_of("SandboxConfig.memory_mb = 512", "ToolUseConfig.tools = ('python',)",
+                   "ToolUseConfig.timeout_s = 3.0")
+    assert spec.sandbox.memory_mb == 512 and spec.settings()["sandbox.memory_mb"] == 512  # compared on resume
+    assert spec_of().settings()["sandbox.memory_mb"] == 1024
+    with pytest.raises(ValueError, match=r"SandboxConfig\.timeout_s is set by the code"):  # ToolUseConfig.timeout_s
+        spec_of("SandboxConfig.timeout_s = 3.0")
+
+    class Tokenizer:
+        def token_id(self, token):
+            return {"<end>": CALL_END}[token]
+
+        encode, decode = staticmethod(_encode), staticmethod(lambda ids, skip_special_tokens: _decode(ids))
+
+    env = ToolEnvironment.for_tokenizer(dataclasses.replace(spec.tool_use, call_end_token="<end>"), Tokenizer(),
+                                        spec.sandbox)
+    python = env.registry.get("python").config
+    assert env.call_end_id == CALL_END and (python.memory_mb, python.timeout_s) == (512, 3.0)
+    env.close()
+    with pytest.raises(ValueError, match="not one token"):
+        ToolEnvironment.for_tokenizer(spec.tool_use, Tokenizer(), spec.sandbox)
 
 
 @pytest.mark.parametrize("loss_name", ["grpo", "gspo", "vespo"])

@@ -20,25 +20,25 @@ from pathlib import Path
 import pytest
 
 from rollverify_jax.tools import (
-    TOOLS,
     CalculatorError,
+    CalculatorTool,
     PythonTool,
     SandboxConfig,
+    ToolRegistry,
     ToolResult,
     ToolStatus,
-    call_tool,
+    builtin_tools,
     check_sandbox,
     evaluate,
     format_tool_output,
-    get_tool,
     parse_tool_call,
-    register_tool,
     run_sandboxed,
     sandbox,
     strip_code_fence,
 )
 from rollverify_jax.tools.python_tool import error_summary
 
+BUILTIN = builtin_tools()
 # Small limits: a hostile program's cost on the shared test machine is bounded by these.
 TIGHT = SandboxConfig(timeout_s=3.0, cpu_s=2, memory_mb=256, max_processes=8, max_output_bytes=4096, scratch_mb=16)
 
@@ -83,7 +83,7 @@ def _processes_mentioning(text: str) -> list[int]:
     ("10**999 // 10**998", "10"),
 ])
 def test_calculator_computes(expression, value):
-    result = call_tool("calculator", expression)
+    result = BUILTIN.call("calculator", expression)
     assert result.status == ToolStatus.OK and result.output == value, result
 
 
@@ -96,7 +96,7 @@ def test_calculator_computes(expression, value):
     ("(" * 300 + "1" + ")" * 300, "not an arithmetic expression"), ("[1, 2]", "List"),
 ])
 def test_calculator_refuses_with_a_short_message(expression, message):
-    result = call_tool("calculator", expression)
+    result = BUILTIN.call("calculator", expression)
     assert result.status == ToolStatus.ERROR and result.output == "" and message in result.error, result
     assert len(result.error) < 200
     with pytest.raises(CalculatorError):
@@ -108,10 +108,13 @@ def test_calculator_refuses_with_a_short_message(expression, message):
 
 
 def test_registry_names_and_failures():
-    assert {"calculator", "python"} <= set(TOOLS)
+    registry = builtin_tools()
+    assert registry.names == ("calculator", "python")
     with pytest.raises(ValueError, match=r"unknown tool 'nope'; known tools: \[.*'calculator'.*'python'"):
-        get_tool("nope")
-    assert "known tools" in call_tool("nope", "").error
+        registry.get("nope")
+    assert "known tools" in registry.call("nope", "").error
+    with pytest.raises(ValueError, match=r"unknown tool 'nope'; known tools: \['calculator', 'python'\]"):
+        builtin_tools(("calculator", "nope"))
 
     class Broken:
         name, description = "broken_tool", "raises"
@@ -119,16 +122,24 @@ def test_registry_names_and_failures():
         def call(self, arguments: str) -> ToolResult:
             raise RuntimeError("bug")
 
-    register_tool(Broken())
-    try:
-        result = call_tool("broken_tool", "x")
-        assert result.status == ToolStatus.ERROR and "RuntimeError: bug" in result.error
-    finally:
-        del TOOLS["broken_tool"]
+    registry.register(Broken())
+    result = registry.call("broken_tool", "x")
+    assert result.status == ToolStatus.ERROR and "RuntimeError: bug" in result.error
     with pytest.raises(ValueError, match="not a valid tag name"):
-        register_tool(type("Bad", (), {"name": "a b", "description": "", "call": lambda self, a: None})())
+        registry.register(type("Bad", (), {"name": "a b", "description": "", "call": lambda self, a: None})())
     with pytest.raises(TypeError):
-        register_tool(object())
+        registry.register(object())
+
+
+def test_registries_are_separate():
+    """Each user builds its own tools: a tool added to one registry, or a python tool with other limits, is not
+    seen by another (two rollout environments in one process keep their own)."""
+    a, b = builtin_tools(sandbox=SandboxConfig(memory_mb=512)), builtin_tools(("calculator",))
+    echo = type("Echo", (), {"name": "echo", "description": "", "call": lambda self, x: ToolResult(x, "ok", 0.0)})
+    a.register(echo())
+    assert "echo" in a and "echo" not in b and "python" not in b and "echo" not in builtin_tools()
+    assert a.get("python").config.memory_mb == 512 and builtin_tools().get("python").config.memory_mb == 1024
+    assert ToolRegistry([CalculatorTool()]).names == ("calculator",) and ToolRegistry().names == ()
 
 
 def test_parse_tool_call_formats():

@@ -9,7 +9,7 @@ which it cannot compute reliably but can copy from a tool reply)::
               " <calculator>5222//37</calculator><tool_response>141</tool_response> Answer: 141"  (one line)
     answer:   "141"
 
-The ``<tool_response>...</tool_response>`` spans are written by the environment (the rollout's ``ToolRunner``),
+The ``<tool_response>...</tool_response>`` spans are written by the environment (the rollout's ``ToolEnvironment``),
 not the policy: ``SyntheticToolTask.demonstration`` marks them, so SFT can mask them out of its loss. Every
 problem holds at least one tool step (a policy that never calls the tool mostly fails) and at most
 ``max_tool_steps`` (within ``ToolUseConfig.max_calls``). The reward is the base task's: exact match of
@@ -88,7 +88,7 @@ def num_tool_steps(prompt: str) -> int:
 
 
 def tool_reply(expression: str) -> str:
-    """The reply body the rollout's ToolRunner renders for a calculator call (``format_tool_output(..., tag='')``),
+    """The reply body the rollout's ToolEnvironment renders for a calculator call (``format_tool_output(..., tag='')``),
     computed by the same tool, so demonstrations read exactly what rollouts will."""
     return format_tool_output(CalculatorTool().call(expression), tag="")
 

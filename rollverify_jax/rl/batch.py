@@ -21,8 +21,8 @@ def flatten_groups(groups: list[Group]) -> list[Trajectory]:
 
 def build_batch(trajs: list[Trajectory], advantages: np.ndarray, max_len: int | None = None) -> dict[str, np.ndarray]:
     """tokens = prompt + response (right padded); behavior_logp[t] = log mu(tokens[t]) on response tokens;
-    loss_mask = 1 on the response tokens the policy sampled, 0 on tool replies (the filters then zero the rows
-    they drop); the train-time OPS and entropy read the same mask."""
+    loss_mask = 1 on the response tokens the policy sampled (``Trajectory.policy_mask``), 0 on environment replies
+    (the filters then zero the rows they drop); the train-time OPS and entropy read the same mask."""
     longest = max(len(t.prompt) + t.num_tokens for t in trajs)
     width = max_len or length_bucket(longest)
     n = len(trajs)
@@ -35,7 +35,7 @@ def build_batch(trajs: list[Trajectory], advantages: np.ndarray, max_len: int | 
         tokens[i, :p] = t.prompt
         tokens[i, p: p + r] = t.tokens
         behavior[i, p: p + r] = t.logps
-        mask[i, p: p + r] = t.policy_mask() if t.env_spans else 1.0
+        mask[i, p: p + r] = t.policy_mask()
         valid[i, : p + r] = True
     return {"tokens": tokens, "behavior_logp": behavior, "loss_mask": mask, "attention_mask": valid,
             "advantages": np.asarray(advantages, np.float32)}

@@ -76,10 +76,10 @@ class PausedCache:
 
     def to_dict(self) -> dict:
         return {
-            "paused": [_traj_to_dict(t) for t in self.paused],
+            "paused": [t.to_dict() for t in self.paused],
             "groups": [
                 {"group_id": g.group_id, "size": g.size, "record": g.record,
-                 "finished": [_traj_to_dict(t) for t in g.finished.values()]}
+                 "finished": [t.to_dict() for t in g.finished.values()]}
                 for g in self.groups.values()
             ],
         }
@@ -87,34 +87,11 @@ class PausedCache:
     @classmethod
     def from_dict(cls, d: dict) -> PausedCache:
         cache = cls()
-        cache.paused = [_traj_from_dict(t) for t in d["paused"]]
+        cache.paused = [Trajectory.from_dict(t) for t in d["paused"]]
         for g in d["groups"]:
             group = Group(int(g["group_id"]), int(g["size"]), dict(g["record"]))
             for t in g["finished"]:
-                traj = _traj_from_dict(t)
+                traj = Trajectory.from_dict(t)
                 group.finished[traj.uid] = traj
             cache.groups[group.group_id] = group
         return cache
-
-
-def _traj_to_dict(t: Trajectory) -> dict:
-    return {
-        "uid": t.uid, "group_id": t.group_id, "prompt": np.asarray(t.prompt, np.int32), "seed": t.seed,
-        "max_new_tokens": t.max_new_tokens, "tokens": np.asarray(t.tokens, np.int32),
-        "logps": np.asarray(t.logps, np.float32), "versions": np.asarray(t.versions, np.int32),
-        "finished": bool(t.finished), "draws": t.draws, "meta": t.meta, "history": t.history,
-        "env_spans": [[int(a), int(b)] for a, b in t.env_spans],
-    }
-
-
-def _traj_from_dict(d: dict) -> Trajectory:
-    return Trajectory(
-        uid=int(d["uid"]), group_id=int(d["group_id"]), prompt=np.asarray(d["prompt"], np.int32),
-        seed=int(d["seed"]), max_new_tokens=int(d["max_new_tokens"]),
-        tokens=[int(x) for x in np.asarray(d["tokens"]).reshape(-1)],
-        logps=[float(x) for x in np.asarray(d["logps"], np.float32).reshape(-1)],
-        versions=[int(x) for x in np.asarray(d["versions"]).reshape(-1)],
-        finished=bool(d["finished"]), draws=int(d.get("draws", 0)), meta=dict(d.get("meta") or {}),
-        history=[dict(e) for e in d.get("history") or []],  # absent in checkpoints of earlier versions
-        env_spans=[(int(a), int(b)) for a, b in d.get("env_spans") or []],  # likewise (single-turn: none)
-    )

@@ -189,8 +189,9 @@ class RolloutManager:
         }
         for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):
             metrics[f"cache/staleness_hist/{int(s)}"] = int(count)
-        if sched.tools is not None:
-            metrics.update(_tool_metrics(sched, [t for g in groups for t in g.finished.values()], wall))
+        if sched.env is not None:
+            metrics.update(sched.env.phase_metrics([t for g in groups for t in g.finished.values()], wall, stats,
+                                                   sched.engine.config.num_slots))
         return PhaseResult(groups=groups, metrics=metrics)
 
     def _collect_finished(self) -> None:
@@ -239,25 +240,6 @@ class RolloutManager:
         self.switch_state = SwitchState.from_dict(d["switch"])
         self.next_group_id = int(d["next_group_id"])
         self.next_uid = int(d["next_uid"])
-
-
-def _tool_metrics(sched: Scheduler, batch: list[Trajectory], wall: float) -> dict:
-    """Multi-turn tool use in a phase: the batch's calls and turns per trajectory, the phase's calls, errors and
-    tool seconds (their share of the phase's wall-clock; calls overlap decoding and each other), the share of
-    slot-steps spent holding a trajectory whose call runs, and the time nothing could decode for want of a reply."""
-    stats, tools = sched.stats, sched.tools.stats
-    calls = np.asarray([t.tool_calls for t in batch], np.float64)
-    return {
-        "tools/calls_per_trajectory": float(calls.mean()) if calls.size else 0.0,
-        "tools/turns_mean": float(calls.mean()) + 1.0 if calls.size else 0.0,
-        "tools/calls": tools.calls,
-        "tools/errors": tools.errors,
-        "tools/time_share": tools.seconds / max(wall, 1e-9),
-        "tools/blocked_time": stats.tool_blocked_time,
-        "rollout/tool_wait_fraction": stats.tool_wait_slot_steps / max(1, sched.engine.config.num_slots
-                                                                        * stats.decode_steps),
-        "rollout/extend_tokens": stats.extend_tokens,
-    }
 
 
 def _verify_summary(verified: list[tuple[int, int]]) -> dict:

@@ -170,7 +170,7 @@ def run_sft(model: Qwen3ForCausalLM, optimizer: optax.GradientTransformation, ne
 
 class Sampler:
     """Greedy and temperature-1 responses from the current params, one engine per mode (each compiled once).
-    With ``tools`` (a ``ToolRunner``), a turn stops at the call-end token, the scheduler runs the call and
+    With ``tools`` (a ``ToolEnvironment``), a turn stops at the call-end token, the scheduler runs the call and
     appends the reply as environment tokens, and decoding goes on."""
 
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer, prompt_len: int, max_new: int, slots: int,
@@ -192,7 +192,7 @@ class Sampler:
     def generate(self, prompts: Sequence[str], seed: int, greedy: bool) -> list[Trajectory]:
         """Finished trajectories for ``prompts`` (request i samples with seed + i), in prompt order."""
         engine = self.engines[greedy]
-        sched = Scheduler(engine) if self.tools is None else Scheduler(engine, tools=self.tools)
+        sched = Scheduler(engine) if self.tools is None else Scheduler(engine, env=self.tools)
         sched.submit([Trajectory(uid=i, group_id=i, prompt=np.asarray(ids, np.int32), seed=seed + i,
                                  max_new_tokens=self.max_new)
                       for i, ids in enumerate(self.tokenizer.encode_batch(list(prompts)))])

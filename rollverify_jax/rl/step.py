@@ -44,7 +44,7 @@ def score(groups: Sequence[Group], decode: Callable[[list[int]], str], scorer, a
     pairs = [(g.finished[uid], g.record) for g in groups for uid in sorted(g.finished)]  # (group, uid) order
     trajs = [t for t, _ in pairs]
     records = [record for _, record in pairs]
-    graded = [with_interaction(record, getattr(t, "env_spans", []), t.num_tokens, multi_turn) for t, record in pairs]
+    graded = [with_interaction(record, t.env_spans, t.num_tokens, multi_turn) for t, record in pairs]
     rewards, metrics = scorer.score([decode(t.tokens) for t in trajs], [record["answer"] for record in records],
                                     [t.num_tokens for t in trajs], records=graded)
     rewards = np.asarray(rewards, np.float64).reshape(len(groups), -1)

@@ -1,7 +1,9 @@
 """Continuous batching over the engine's slots, with pause and verified resume.
 
 Host-side only: it decides which request goes to which slot, refills freed slots at every dispatch, and
-keeps each trajectory's tokens, behaviour log-probs (``log mu``) and policy versions.
+keeps each trajectory's tokens, behaviour log-probs (``log mu``) and policy versions. With an environment
+(``rollout/environment.py``), a slot whose turn ended where the environment replies is parked until the reply's
+tokens are extended into its cache.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from rollverify_jax.infra import distributed
 from rollverify_jax.rollout.engine import Engine, PendingDecode
-from rollverify_jax.rollout.tool_use import ToolCall, ToolRunner
+from rollverify_jax.rollout.environment import Environment, Request
 from rollverify_jax.rollout.trajectory import Trajectory
 
 # keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]
@@ -51,12 +53,13 @@ class _InFlight:
 
 
 @dataclasses.dataclass
-class _ToolWait:
-    """A slot holding a trajectory whose tool call runs: its pages hold the first ``cached`` tokens of prompt +
-    response; the rest (the closing tag, then the reply) is written by ``Engine.extend`` when the reply comes."""
+class _Wait:
+    """A parked slot: its trajectory waits for the environment's reply to ``request``. Its pages hold the first
+    ``cached`` tokens of prompt + response; the rest (the turn's last token, then the reply) is written by
+    ``Engine.extend`` when the reply comes."""
 
     traj: Trajectory
-    call: ToolCall
+    request: Request
     cached: int
 
 
@@ -70,18 +73,18 @@ class RolloutStats:
     tokens_generated: int = 0
     prefill_sequences: int = 0
     preemptions: int = 0
-    prefill_tokens: int = 0  # tokens computed by prefill calls
+    prefill_tokens: int = 0  # tokens computed by prefill dispatches
     shared_prompt_tokens: int = 0  # prompt tokens of a group's members copied from one prefill, not recomputed
     prefill_time: float = 0.0  # prefill + insert dispatches (includes waiting for the device)
     decode_time: float = 0.0  # generate dispatches (includes waiting for the device)
-    host_time: float = 0.0  # scheduler bookkeeping outside device calls
+    host_time: float = 0.0  # scheduler bookkeeping outside device dispatches
     # Regenerated tokens (sampled where a verification cut removed a token) and how many equal the removed one:
     # a diagnostic of whether regeneration is a fresh draw (it is when the rate matches fresh samples').
     regen_tokens: int = 0
     regen_equal: int = 0
-    tool_wait_slot_steps: int = 0  # slots x decode steps spent holding a trajectory whose tool call runs
-    tool_blocked_time: float = 0.0  # seconds with nothing to decode while tool calls ran
-    extend_tokens: int = 0  # tokens appended to running slots (tool replies), never a re-prefill of the history
+    parked_slot_steps: int = 0  # slots x decode steps spent holding a trajectory that waits for a reply
+    reply_blocked_time: float = 0.0  # seconds with nothing to decode while the environment worked
+    extend_tokens: int = 0  # tokens appended to parked slots (environment replies), never a re-prefill
 
     def slot_utilization(self, num_slots: int) -> float:
         return self.useful_token_steps / max(1, num_slots * self.decode_steps)
@@ -99,12 +102,12 @@ class Scheduler:
     find trajectories at other lengths. Between steps one dispatch may be in flight; ``pause_all`` drops its
     tokens, so paused trajectories end where the host last read them."""
 
-    def __init__(self, engine: Engine, tools: ToolRunner | None = None):
-        """``tools``: multi-turn tool use; a turn that ends at the call-end token (one of ``engine.stop_ids``) waits
-        in its slot for the reply, which is appended without re-prefilling the history."""
+    def __init__(self, engine: Engine, env: Environment | None = None):
+        """``env``: multi-turn rollouts; a turn that stops (at one of ``engine.stop_ids``) where ``env`` replies
+        waits in its slot for the reply, which is appended without re-prefilling the history."""
         self.engine = engine
-        self.tools = tools
-        self.waits: dict[int, _ToolWait] = {}
+        self.env = env
+        self.waits: dict[int, _Wait] = {}
         self.dispatch_ahead = engine.config.dispatch_ahead
         self._inflight: _InFlight | None = None
         self._eos = set(engine.eos_ids)
@@ -203,8 +206,8 @@ class Scheduler:
         self.stats.prefill_sequences += len(seqs)
         plens = [len(t.prompt) for t in trajs]
         verify = any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch)
-        awaiting = self.tools is not None and any(self.tools.awaits_reply(t) for t in trajs)
-        if not verify and not awaiting:  # nothing to verify, every one samples next: one call
+        awaiting = self.env is not None and any(self.env.awaits_reply(t) for t in trajs)
+        if not verify and not awaiting:  # nothing to verify, every one samples next: one dispatch
             source = _shared_prompts(trajs)
             shared = sum(len(s) for i, s in enumerate(seqs) if source[i] != i)
             self.stats.prefill_tokens += sum(len(s) for s in seqs) - shared
@@ -225,8 +228,8 @@ class Scheduler:
             if k < t.num_tokens:
                 self._cut_suffix[t.uid] = (int(k), t.tokens[int(k):])
             t.truncate(int(k))
-            if self.tools is not None and self.tools.awaits_reply(t):  # paused at a tool call: run it again
-                self._start_tool(slot, t, len(t.prompt) + t.num_tokens)
+            if self.env is not None and self.env.awaits_reply(t):  # paused while parked: ask again
+                self._park(slot, t, len(t.prompt) + t.num_tokens)
             else:
                 go.append((slot, t))
         for slot, t in done:
@@ -243,7 +246,7 @@ class Scheduler:
 
     def _activate(self, go: list[tuple[int, Trajectory]], tok: np.ndarray, logp: np.ndarray) -> None:
         """Records each admitted (or extended) sequence's first sampled token; it then decodes in its slot, has
-        finished, or waits for a tool's reply."""
+        finished, or waits for the environment's reply."""
         version = self.engine.version
         for (slot, t), y, lp in zip(go, tok, logp, strict=True):
             self._append(t, int(y), float(lp), version)
@@ -251,30 +254,30 @@ class Scheduler:
             self._settle(slot, t)
 
     def _settle(self, slot: int, t: Trajectory) -> None:
-        """After new tokens of the running ``t``: it finishes, waits for a tool's reply, or decodes on."""
+        """After new tokens of the running ``t``: it finishes, parks for the environment's reply, or decodes on."""
         if self._is_done(t):
             self._finish(slot, t)
-        elif self.tools is not None and self.tools.awaits_reply(t):
-            self._start_tool(slot, t, len(t.prompt) + t.num_tokens - 1)  # the closing tag is not cached yet
+        elif self.env is not None and self.env.awaits_reply(t):
+            self._park(slot, t, len(t.prompt) + t.num_tokens - 1)  # the stop token is not cached yet
 
-    def _start_tool(self, slot: int, t: Trajectory, cached: int) -> None:
-        """Runs ``t``'s tool call; its slot keeps the pages (decode already stopped it at the closing tag)."""
+    def _park(self, slot: int, t: Trajectory, cached: int) -> None:
+        """Asks the environment for ``t``'s reply; its slot keeps the pages (decode already stopped it)."""
         self.slots.pop(slot, None)
-        self.waits[slot] = _ToolWait(t, self.tools.start(t), cached)
+        self.waits[slot] = _Wait(t, self.env.request(t), cached)
 
     def _serve_replies(self) -> None:
-        """Appends every finished call's reply to its trajectory and continues those slots with one ``extend``
-        (their history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills,
-        reply included, when pages free up."""
-        running = [w.call for w in self.waits.values() if not w.call.future.done()]
-        if running and self.tools.config.reply_grace_s > 0:
+        """Appends every reply that came to its trajectory and continues those slots with one ``extend`` (their
+        history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills, reply
+        included, when pages free up."""
+        running = [w.request for w in self.waits.values() if not w.request.done()]
+        if running and self.env.reply_grace_s > 0:
             t0 = time.perf_counter()
-            ToolRunner.wait(running, self.tools.config.reply_grace_s, every=True)
-            self.stats.tool_blocked_time += time.perf_counter() - t0
+            self.env.wait(running, self.env.reply_grace_s, every=True)
+            self.stats.reply_blocked_time += time.perf_counter() - t0
         ready = []
         for slot, w in list(self.waits.items()):
             t = w.traj
-            reply = self.tools.reply(w.call, t.max_new_tokens - t.num_tokens - 1)
+            reply = self.env.reply(w.request, t.max_new_tokens - t.num_tokens - 1)
             if reply is None:
                 continue
             del self.waits[slot]
@@ -299,8 +302,9 @@ class Scheduler:
 
     def _verify(self, batch: list[tuple[int, _Pending]], response_logp) -> np.ndarray:
         """Keep lengths per admitted trajectory (everything for new prompts and ``keep=None``). Verification sees
-        the policy's tokens only: a tool reply's tokens are left out of the OPS, the segments and the acceptance,
-        and a cut lands on a policy token (everything after it, later calls and replies included, goes)."""
+        the policy's tokens only (``Trajectory.policy_view``): an environment reply's tokens are left out of the
+        OPS, the segments and the acceptance, and a cut lands on a policy token (everything after it, later turns
+        and replies included, goes)."""
         keeps = np.asarray([p.traj.num_tokens for _, p in batch], np.int64)
         rows = [i for i, (_, p) in enumerate(batch) if p.keep_fn is not None and p.traj.num_tokens > 0]
         if not rows:
@@ -313,31 +317,26 @@ class Scheduler:
         logp = distributed.fetch(response_logp)  # whole on every host: each decides the same cuts
         new_logp_all = np.zeros((max(logp.shape[0], self.engine.config.num_slots), logp.shape[1]), np.float32)
         new_logp_all[: logp.shape[0]] = logp
-        policy_at = {}  # row -> response positions of its policy tokens, for rows with tool replies
-        for i in rows:
-            t = batch[i][1].traj
-            if t.env_spans:
-                policy_at[i] = np.flatnonzero(t.policy_mask())
+        views = {i: batch[i][1].traj.policy_view() for i in rows}
+        for i, view in views.items():
+            if view.has_env:  # the row holds the policy's tokens only, in order
                 new_logp_all[i] = 0.0
-                new_logp_all[i, : len(policy_at[i])] = logp[i, policy_at[i]]
+                new_logp_all[i, : len(view)] = logp[i, view.positions]
         for idx in by_fn.values():
             behavior = np.zeros(new_logp_all.shape, np.float32)
             versions = np.zeros(new_logp_all.shape, np.int32)
             lengths = np.zeros(new_logp_all.shape[0], np.int32)
             for i in idx:
-                t = batch[i][1].traj
-                at = policy_at.get(i)
-                n = t.num_tokens if at is None else len(at)
-                behavior[i, :n] = t.logps if at is None else np.asarray(t.logps, np.float32)[at]
-                versions[i, :n] = t.versions if at is None else np.asarray(t.versions, np.int32)[at]
+                view = views[i]
+                n = len(view)
+                behavior[i, :n] = view.logps
+                versions[i, :n] = view.versions
                 lengths[i] = n
             keep = np.asarray(batch[idx[0]][1].keep_fn(new_logp_all, behavior, versions, lengths))[idx]
             keep = np.clip(keep, 0, lengths[idx])
             for i, k, n in zip(idx, keep.tolist(), lengths[idx].tolist(), strict=True):
                 t = batch[i][1].traj
-                at = policy_at.get(i)
-                # As a response index: the first policy token cut (everything when none is).
-                keeps[i] = t.num_tokens if k >= n else (k if at is None else int(at[k]))
+                keeps[i] = views[i].response_index(k)  # the first policy token cut (everything when none is)
                 (self.verified_finished if t.finished else self.verified).append((k, n))
                 t.history.append({"event": "verify", "version": self.engine.version, "kept": k, "of": n})
         return keeps
@@ -356,10 +355,10 @@ class Scheduler:
         t.versions.append(version)
 
     def _is_done(self, t: Trajectory) -> bool:
-        """At its cap or an EOS; or at a tool call past the tools' budget (no reply can follow)."""
+        """At its cap or an EOS; or where the environment would reply but cannot (``Environment.ends``)."""
         if t.num_tokens >= t.max_new_tokens or t.tokens[-1] in self._eos:
             return True
-        return self.tools is not None and self.tools.ends_call(t) and not self.tools.can_reply(t)
+        return self.env is not None and self.env.ends(t)
 
     def _finish(self, slot: int, t: Trajectory) -> None:
         self._cut_suffix.pop(t.uid, None)  # finished before regenerating the whole cut suffix
@@ -391,9 +390,8 @@ class Scheduler:
             self.engine.sync_page_table()
 
     def _pack_slots(self) -> None:
-        """Moves sequences (running, or waiting for a tool) above the smallest slot bucket that could hold them all
-        into free slots below it, so decode runs over that bucket only (the long tail of a batch decodes on a few
-        slots)."""
+        """Moves sequences (running, or parked) above the smallest slot bucket that could hold them all into free
+        slots below it, so decode runs over that bucket only (the long tail of a batch decodes on a few slots)."""
         engine = self.engine
         held = [*self.slots, *self.waits]
         target = next(b for b in engine.live_slot_buckets() if b >= len(held))
@@ -413,7 +411,7 @@ class Scheduler:
         or with ``dispatch_ahead`` the one before it, which is read once this one is on its way."""
         t0 = time.perf_counter()
         prefill_before, decode_before, blocked_before = (self.stats.prefill_time, self.stats.decode_time,
-                                                         self.stats.tool_blocked_time)
+                                                         self.stats.reply_blocked_time)
         if self.waits:
             self._serve_replies()
         self._admit()
@@ -425,18 +423,18 @@ class Scheduler:
             new = _InFlight(self.engine.dispatch_generate(), list(self.slots.items()),
                             self.engine.config.steps_per_dispatch)
             self.stats.decode_time += time.perf_counter() - t1
-            self.stats.tool_wait_slot_steps += len(self.waits) * self.engine.config.steps_per_dispatch
-        elif self.waits and self._inflight is None:  # nothing to decode until a tool replies: block, not spin
+            self.stats.parked_slot_steps += len(self.waits) * self.engine.config.steps_per_dispatch
+        elif self.waits and self._inflight is None:  # nothing to decode until a reply comes: block, not spin
             t1 = time.perf_counter()
-            ToolRunner.wait([w.call for w in self.waits.values()], timeout=0.05)
-            self.stats.tool_blocked_time += time.perf_counter() - t1
+            self.env.wait([w.request for w in self.waits.values()], timeout=0.05)
+            self.stats.reply_blocked_time += time.perf_counter() - t1
         done, self._inflight = self._inflight, None
         if not self.dispatch_ahead:
             done, new = new, None
         n = self._read(done) if done is not None else 0
         self._inflight = new
         self.stats.host_time += (time.perf_counter() - t0) - (self.stats.prefill_time - prefill_before) - (
-            self.stats.decode_time - decode_before) - (self.stats.tool_blocked_time - blocked_before)
+            self.stats.decode_time - decode_before) - (self.stats.reply_blocked_time - blocked_before)
         return n
 
     def _all_end_in_flight(self) -> bool:
@@ -504,11 +502,11 @@ class Scheduler:
             self.engine.allocator.release(slot)
         self.slots.clear()
         waiting = []
-        for slot, w in self.waits.items():  # a reply already in is kept; a call still running is run again
+        for slot, w in self.waits.items():  # a reply already in is kept; a request still open is asked again
             t = w.traj
-            reply = self.tools.reply(w.call, t.max_new_tokens - t.num_tokens - 1) if w.call.future.done() else None
+            reply = self.env.reply(w.request, t.max_new_tokens - t.num_tokens - 1) if w.request.done() else None
             if reply is None:
-                w.call.future.cancel()
+                w.request.cancel()
             else:
                 t.append_env(reply, self.engine.version)
             self.engine.allocator.release(slot)
@@ -528,8 +526,8 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.stats = RolloutStats()
-        if self.tools is not None:
-            self.tools.reset_stats()
+        if self.env is not None:
+            self.env.reset_stats()
         self.verified = []
         self.verified_finished = []
 

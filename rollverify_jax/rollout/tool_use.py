@@ -1,9 +1,12 @@
-"""Multi-turn tool use in the rollout (ReTool-style): when a policy turn ends at a tool call's closing token,
-the call is parsed from that turn's text, run off the decode loop (a thread pool: the calculator is in process,
-the python tool a sandboxed subprocess), and its reply comes back as tokens the policy reads but did not sample.
+"""Multi-turn tool use in the rollout (ReTool-style), as one ``Environment`` (``rollout/environment.py``): when a
+policy turn ends at a tool call's closing token, the call is parsed from that turn's text, run off the decode loop
+(a thread pool: the calculator is in process, the python tool a sandboxed subprocess), and its reply comes back as
+tokens the policy reads but did not sample.
 
-The scheduler owns the slots; this module owns what happens between a turn's end and the reply's tokens.
-JAX-free, so the rule that decides what a reply looks like is testable on its own.
+The scheduler owns the slots and parks one while its environment works; this module owns what happens between a
+turn's end and the reply's tokens. Each environment builds its own tools (``tools.builtin_tools``, the python
+tool with the run's ``SandboxConfig``): nothing is registered globally. JAX-free, so the rule that decides what a
+reply looks like is testable on its own.
 """
 
 from __future__ import annotations
@@ -12,19 +15,24 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from rollverify_jax.rollout.environment import Environment, Request
 from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.tools import (
-    PythonTool,
     SandboxConfig,
+    ToolRegistry,
     ToolResult,
     ToolStatus,
-    call_tool,
+    builtin_tools,
     format_tool_output,
-    get_tool,
     parse_tool_call,
-    register_tool,
 )
+
+if TYPE_CHECKING:
+    from rollverify_jax.rollout.scheduler import RolloutStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +45,8 @@ class ToolUseConfig:
     ``reply_prefix + output + reply_suffix`` (for Qwen3's chat format the prefix closes the assistant turn and
     opens a tool turn, the suffix opens the next assistant turn), at most ``max_reply_tokens`` tokens of output.
     max_calls: tool calls per trajectory; a call past it ends the trajectory. timeout_s: a call's wall-clock
-    limit (the python tool's sandbox limit too); a call that overruns it gets an error reply, never a stuck slot.
+    limit (the python tool's sandbox wall clock too; its other limits are ``SandboxConfig``); a call that overruns
+    it gets an error reply, never a stuck slot.
     workers: calls running at once. reply_grace_s: before each decode dispatch the scheduler waits this long for
     the calls still running: an in-process tool (the calculator) answers in microseconds, so its slot joins the
     next dispatch instead of sitting one out; a slow tool costs each dispatch at most this much."""
@@ -66,53 +75,53 @@ class ToolUseConfig:
 
 
 @dataclasses.dataclass
-class ToolCall:
-    """One call in flight: the future of its reply tokens, and when it started."""
-
-    future: concurrent.futures.Future
-    started: float
-
-
-@dataclasses.dataclass
 class ToolStats:
     calls: int = 0
     errors: int = 0  # timeouts, tool errors, calls that did not parse
     seconds: float = 0.0  # summed wall-clock of the calls (they overlap each other and decoding)
 
 
-class ToolRunner:
-    """Runs the tool calls of a rollout: ``start`` submits a trajectory's last call, ``reply`` reads its reply
+class ToolEnvironment(Environment):
+    """Runs the tool calls of a rollout: ``request`` submits a trajectory's last call, ``reply`` reads its reply
     tokens once done. Every fault (no parsable call, unknown tool, timeout, crash, huge output) becomes a short
-    error reply the policy reads."""
+    error reply the policy reads.
+
+    sandbox: the python tool's limits (default ``SandboxConfig()``), its wall clock being ``config.timeout_s``.
+    registry: the tools calls may reach (default: the built-in ones of ``config.tools``, built for this
+    environment); the environment's own, shared with no other."""
 
     def __init__(self, config: ToolUseConfig, encode: Callable[[str], list[int]],
-                 decode: Callable[[Sequence[int]], str], call_end_id: int):
+                 decode: Callable[[Sequence[int]], str], call_end_id: int, sandbox: SandboxConfig | None = None,
+                 registry: ToolRegistry | None = None):
         self.config = config
         self.encode, self.decode = encode, decode
         self.call_end_id = int(call_end_id)
+        self.reply_grace_s = config.reply_grace_s
         self.stats = ToolStats()
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="tool")
+        if registry is None:  # an unknown name fails here, naming the known ones
+            sandbox = dataclasses.replace(sandbox or SandboxConfig(), timeout_s=config.timeout_s)
+            registry = builtin_tools(config.tools, sandbox)
         for name in config.tools:
-            get_tool(name)  # an unknown name fails here, naming the known ones
-        if "python" in config.tools:  # the sandbox's own limit is the call's
-            register_tool(PythonTool(SandboxConfig(timeout_s=config.timeout_s)))
+            registry.get(name)
+        self.registry = registry
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="tool")
 
     @classmethod
-    def for_tokenizer(cls, config: ToolUseConfig, tokenizer) -> ToolRunner:
-        """A runner over ``tokenizer`` (``models.tokenizer.Tokenizer``); the call-end token must be one of its
-        tokens, else decoding could never stop at it."""
+    def for_tokenizer(cls, config: ToolUseConfig, tokenizer, sandbox: SandboxConfig | None = None) -> ToolEnvironment:
+        """An environment over ``tokenizer`` (``models.tokenizer.Tokenizer``); the call-end token must be one of
+        its tokens, else decoding could never stop at it."""
         try:
             end = tokenizer.token_id(config.call_end_token)
         except (KeyError, ValueError):
             raise ValueError(f"ToolUseConfig.call_end_token={config.call_end_token!r} is not one token of the "
                              "policy's tokenizer: name the token its tool calls end with (Qwen3: '</tool_call>')."
                              ) from None
-        return cls(config, tokenizer.encode, lambda ids: tokenizer.decode(ids, skip_special_tokens=False), end)
+        return cls(config, tokenizer.encode, lambda ids: tokenizer.decode(ids, skip_special_tokens=False), end,
+                   sandbox)
 
     def ends_call(self, t: Trajectory) -> bool:
         """The trajectory's last token closes a tool call the policy wrote (not one quoted in a reply)."""
-        return bool(t.tokens) and t.tokens[-1] == self.call_end_id and not (
-            t.env_spans and t.env_spans[-1][1] == t.num_tokens)
+        return bool(t.tokens) and t.tokens[-1] == self.call_end_id and t.turn_start < t.num_tokens
 
     def can_reply(self, t: Trajectory) -> bool:
         """Within the budget: calls left, and room for a reply and one more policy token."""
@@ -122,11 +131,14 @@ class ToolRunner:
         """An unfinished trajectory that stopped at a tool call within its budget: the reply comes next."""
         return not t.finished and self.ends_call(t) and self.can_reply(t)
 
-    def start(self, t: Trajectory) -> ToolCall:
+    def ends(self, t: Trajectory) -> bool:
+        """A tool call past the budget: no reply can follow, the trajectory ends at its closing tag."""
+        return self.ends_call(t) and not self.can_reply(t)
+
+    def request(self, t: Trajectory) -> Request:
         """Submits the call that ends ``t``'s current turn (the text since the last reply)."""
-        turn_start = t.env_spans[-1][1] if t.env_spans else 0
-        text = self.decode(t.tokens[turn_start:])
-        return ToolCall(self._pool.submit(self._run, text), time.perf_counter())
+        text = self.decode(t.tokens[t.turn_start:])
+        return Request(self._pool.submit(self._run, text), time.perf_counter())
 
     def _run(self, text: str) -> tuple[ToolResult, float]:
         t0 = time.perf_counter()
@@ -137,16 +149,16 @@ class ToolRunner:
             result = ToolResult("", ToolStatus.ERROR, 0.0,
                                 f"unknown tool {call[0]!r}; available: {', '.join(self.config.tools)}")
         else:
-            result = call_tool(*call)
+            result = self.registry.call(*call)
         return result, time.perf_counter() - t0
 
-    def reply(self, call: ToolCall, room: int) -> list[int] | None:
+    def reply(self, request: Request, room: int) -> list[int] | None:
         """The reply's tokens once the call is done (None while it runs), at most ``room`` of them (the reply's
         frame is kept whole and the output cut first). A call past its timeout gets a timeout reply."""
-        if call.future.done():
-            result, seconds = call.future.result()
-        elif time.perf_counter() - call.started > self.config.timeout_s:
-            call.future.cancel()  # a thread cannot be killed: its result, when it comes, is dropped
+        if request.done():
+            result, seconds = request.future.result()
+        elif time.perf_counter() - request.started > self.config.timeout_s:
+            request.cancel()  # a thread cannot be killed: its result, when it comes, is dropped
             result = ToolResult("", ToolStatus.TIMEOUT, self.config.timeout_s,
                                 f"the call ran past {self.config.timeout_s:g} s")
             seconds = self.config.timeout_s
@@ -177,11 +189,22 @@ class ToolRunner:
                     continue
             return out
 
-    @staticmethod
-    def wait(calls: Sequence[ToolCall], timeout: float, every: bool = False) -> None:
-        """Blocks until one of ``calls`` (``every``: all of them) is done or ``timeout`` seconds pass."""
-        concurrent.futures.wait([c.future for c in calls], timeout,
-                                concurrent.futures.ALL_COMPLETED if every else concurrent.futures.FIRST_COMPLETED)
+    def phase_metrics(self, batch: Sequence[Trajectory], wall: float, stats: RolloutStats,
+                      num_slots: int) -> dict:
+        """The batch's calls and turns per trajectory, the phase's calls, errors and tool seconds (their share of
+        the phase's wall-clock; calls overlap decoding and each other), the share of slot-steps spent holding a
+        trajectory whose call runs, and the time nothing could decode for want of a reply."""
+        calls = np.asarray([t.tool_calls for t in batch], np.float64)
+        return {
+            "tools/calls_per_trajectory": float(calls.mean()) if calls.size else 0.0,
+            "tools/turns_mean": float(calls.mean()) + 1.0 if calls.size else 0.0,
+            "tools/calls": self.stats.calls,
+            "tools/errors": self.stats.errors,
+            "tools/time_share": self.stats.seconds / max(wall, 1e-9),
+            "tools/blocked_time": stats.reply_blocked_time,
+            "rollout/tool_wait_fraction": stats.parked_slot_steps / max(1, num_slots * stats.decode_steps),
+            "rollout/extend_tokens": stats.extend_tokens,
+        }
 
     def reset_stats(self) -> None:
         self.stats = ToolStats()

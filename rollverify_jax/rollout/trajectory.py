@@ -1,10 +1,34 @@
-"""One sampled response and what verification needs of each of its tokens."""
+"""One sampled response and what verification needs of each of its tokens, and the policy's view of it."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyView:
+    """The tokens of a response the policy sampled (an environment's replies left out), in order: what
+    verification and the learner's loss read. ``n`` = how many."""
+
+    positions: np.ndarray  # int64[n]: their response positions
+    logps: np.ndarray  # float32[n]: their log mu
+    versions: np.ndarray  # int32[n]: the policy version that sampled each
+    mask: np.ndarray  # bool[num_tokens]: True where the policy sampled the token, False on environment tokens
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @property
+    def has_env(self) -> bool:
+        """Some response tokens are the environment's (the policy's are then not one prefix of the response)."""
+        return len(self.positions) < len(self.mask)
+
+    def response_index(self, k: int) -> int:
+        """The response position of the policy's ``k``-th token: where a cut that keeps ``k`` of them lands
+        (everything after it, later environment replies included, goes). The whole response when ``k >= n``."""
+        return len(self.mask) if k >= len(self.positions) else int(self.positions[k])
 
 
 @dataclasses.dataclass
@@ -25,9 +49,9 @@ class Trajectory:
     # What happened to it between phases, oldest first: {"event": "pause", "version", "tokens"} when a phase
     # ended with it unfinished, {"event": "verify", "version", "kept", "of"} when a resume verified it.
     history: list[dict] = dataclasses.field(default_factory=list)
-    # [start, end) response positions the environment wrote (tool replies), in order: the policy did not sample
-    # them, so they carry no log mu (0.0), stay out of the OPS, verification and the loss, and a cut never lands
-    # on one. Empty for a single-turn trajectory.
+    # [start, end) response positions the environment wrote (e.g. tool replies), in order: the policy did not
+    # sample them, so they carry no log mu (0.0), stay out of the OPS, verification and the loss (``policy_view``),
+    # and a cut never lands on one. Empty for a single-turn trajectory.
     env_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
@@ -36,18 +60,34 @@ class Trajectory:
 
     @property
     def tool_calls(self) -> int:
-        """Tool calls answered so far (each reply is one environment span)."""
+        """Environment replies so far (in tool use, calls answered: each reply is one environment span)."""
         return len(self.env_spans)
 
+    @property
+    def turn_start(self) -> int:
+        """The response position where the policy's current turn began (after the last environment reply)."""
+        return self.env_spans[-1][1] if self.env_spans else 0
+
     def policy_mask(self) -> np.ndarray:
-        """bool[num_tokens]: True where the policy sampled the token, False on tool replies."""
+        """bool[num_tokens]: True where the policy sampled the token, False on environment replies."""
         mask = np.ones((len(self.tokens),), bool)
         for start, end in self.env_spans:
             mask[start:end] = False
         return mask
 
+    def policy_view(self) -> PolicyView:
+        """The policy's own tokens with their log mu and versions: the one place that reads ``env_spans`` for
+        verification and the learner's batch."""
+        mask = self.policy_mask()
+        positions = np.flatnonzero(mask)
+        logps, versions = np.asarray(self.logps, np.float32), np.asarray(self.versions, np.int32)
+        if self.env_spans:
+            logps, versions = logps[positions], versions[positions]
+        return PolicyView(positions, logps, versions, mask)
+
     def append_env(self, tokens: list[int], version: int) -> None:
-        """Appends a tool reply: tokens the policy reads but did not sample (log mu 0.0, outside every OPS)."""
+        """Appends an environment reply: tokens the policy reads but did not sample (log mu 0.0, outside every
+        OPS)."""
         if tokens:
             self.env_spans.append((len(self.tokens), len(self.tokens) + len(tokens)))
             self.tokens.extend(tokens)
@@ -71,3 +111,26 @@ class Trajectory:
             self.env_spans = [(a, min(b, keep)) for a, b in self.env_spans if a < keep]
             self.finished = False
             self.draws += 1
+
+    def to_dict(self) -> dict:
+        """The trajectory as plain values and arrays (a checkpoint's paused cache, ``rl.buffer``)."""
+        return {
+            "uid": self.uid, "group_id": self.group_id, "prompt": np.asarray(self.prompt, np.int32), "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens, "tokens": np.asarray(self.tokens, np.int32),
+            "logps": np.asarray(self.logps, np.float32), "versions": np.asarray(self.versions, np.int32),
+            "finished": bool(self.finished), "draws": self.draws, "meta": self.meta, "history": self.history,
+            "env_spans": [[int(a), int(b)] for a, b in self.env_spans],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        return cls(
+            uid=int(d["uid"]), group_id=int(d["group_id"]), prompt=np.asarray(d["prompt"], np.int32),
+            seed=int(d["seed"]), max_new_tokens=int(d["max_new_tokens"]),
+            tokens=[int(x) for x in np.asarray(d["tokens"]).reshape(-1)],
+            logps=[float(x) for x in np.asarray(d["logps"], np.float32).reshape(-1)],
+            versions=[int(x) for x in np.asarray(d["versions"]).reshape(-1)],
+            finished=bool(d["finished"]), draws=int(d.get("draws", 0)), meta=dict(d.get("meta") or {}),
+            history=[dict(e) for e in d.get("history") or []],  # absent in checkpoints of earlier versions
+            env_spans=[(int(a), int(b)) for a, b in d.get("env_spans") or []],  # likewise (single-turn: none)
+        )

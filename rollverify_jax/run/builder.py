@@ -23,7 +23,7 @@ from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
-from rollverify_jax.rollout.tool_use import ToolRunner
+from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import eval_settings
 from rollverify_jax.run.fresh_start import check_fresh_start
@@ -147,7 +147,7 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> P
     if tok_path is None:
         raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
     tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=model.cfg.vocab_size)
-    tools = ToolRunner.for_tokenizer(spec.tool_use, tokenizer) if spec.tool_use.enabled else None
+    tools = ToolEnvironment.for_tokenizer(spec.tool_use, tokenizer, spec.sandbox) if spec.tool_use.enabled else None
     engine = Engine(model, spec.engine, spec.sampling, eos_ids=tokenizer.eos_ids, mesh=mesh, flash=spec.flash,
                     attention=spec.attention, stop_ids=(tools.call_end_id,) if tools else ())
     scorer = RewardScorer(**spec.reward)

@@ -32,9 +32,9 @@ from rollverify_jax.data.plugins import with_interaction
 from rollverify_jax.data.rewards import RewardScorer, extract_answer
 from rollverify_jax.infra import storage
 from rollverify_jax.rollout.engine import Engine
+from rollverify_jax.rollout.environment import Environment
 from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.rollout.scheduler import Scheduler
-from rollverify_jax.rollout.tool_use import ToolRunner
 from rollverify_jax.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def vote_key(response: str) -> str | None:
 def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[dict], np.ndarray],
                     decode: Callable[[list[int]], str], scorer: RewardScorer, k: int, max_new_tokens: int,
                     sampling: SamplingConfig | None = None, at_k: Sequence[int] = (),
-                    prefix: str = "eval/", tools: ToolRunner | None = None) -> tuple[dict, list[dict]]:
+                    prefix: str = "eval/", tools: Environment | None = None) -> tuple[dict, list[dict]]:
     """Samples k responses per record (fixed seeds, so evaluations at different steps see the same randomness)
     with ``sampling`` (default: the engine's). Returns the metrics (avg@k, pass@k, maj@k, mean response length,
     named ``prefix...``) and one row per response (problem, sample, prompt, response, answer, reward), problem by
@@ -178,7 +178,7 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
         metrics[f"{prefix}tool_calls"] = float(np.mean([t.tool_calls for t in done]))
     rows = [{"problem": t.group_id, "sample": t.uid % k, "prompt": records[t.group_id]["prompt"], "response": text,
              "answer": records[t.group_id]["answer"], "reward": float(r), "num_tokens": t.num_tokens,
-             **({"tool_calls": t.tool_calls} if t.env_spans else {})}
+             **({"tool_calls": t.tool_calls} if t.tool_calls else {})}
             for t, text, r in zip(done, texts, rewards, strict=True)]
     return metrics, rows
 

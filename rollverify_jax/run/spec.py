@@ -43,6 +43,7 @@ from rollverify_jax.run.metrics import MetricsConfig
 from rollverify_jax.scale.aot_config import AotConfig
 from rollverify_jax.sim.config import SimConfig
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
+from rollverify_jax.tools import SandboxConfig
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
 
@@ -191,6 +192,7 @@ PARTS: dict[str, tuple[str, Any]] = {
     "moe": ("expert_parallel_chunk", qwen3.expert_parallel_chunk),
     "synthetic_task": ("SyntheticTask", SyntheticTask),
     "tool_use": ("ToolUseConfig", ToolUseConfig),
+    "sandbox": ("SandboxConfig", SandboxConfig),
     "compile_cache": ("compilation_cache", compile_cache.compilation_cache),
     "distributed": ("initialize", distributed.initialize),
     "sim": ("SimConfig", SimConfig),
@@ -198,7 +200,7 @@ PARTS: dict[str, tuple[str, Any]] = {
     "roofline": ("RooflineCosts", RooflineCosts),
 }
 # Arguments the code passes at each call (the devices, the platform, the cluster flags), never bound in gin.
-_PER_CALL = {"mesh": {"devices"}, "attention": {"platform", "megacore"},
+_PER_CALL = {"mesh": {"devices"}, "attention": {"platform", "megacore"}, "sandbox": {"timeout_s"},
              "distributed": {"coordinator_address", "num_processes", "process_id"}}
 _AS_BINDINGS = {"reward", "synthetic_task"}  # classes built later from these bindings (a grader pool; per split)
 
@@ -303,6 +305,7 @@ class RunSpec:
     moe: Bindings  # expert_parallel_chunk's tokens
     synthetic_task: Bindings  # SyntheticTask's bindings, merged into the synthetic datasets' arguments
     tool_use: ToolUseConfig  # multi-turn tool use in the rollout (off by default)
+    sandbox: SandboxConfig  # the python tool's limits (its wall clock is ToolUseConfig.timeout_s)
     compile_cache: Bindings
     distributed: Bindings
     sim: SimConfig

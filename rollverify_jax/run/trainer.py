@@ -31,7 +31,7 @@ class Policy:
     scorer: Any
     eval_records: list  # the primary eval set (TrainConfig.eval_dataset)
     eval_sets: dict = dataclasses.field(default_factory=dict)  # name -> records of TrainConfig.eval_sets
-    tools: Any = None  # a rollout.tool_use.ToolRunner when ToolUseConfig.enabled (multi-turn tool use)
+    tools: Any = None  # a rollout.tool_use.ToolEnvironment when ToolUseConfig.enabled (multi-turn tool use)
 
     def encode(self, record: dict) -> np.ndarray:
         """A record's prompt ids: its ``prompt``, or with ``TrainConfig.chat_template`` its own ``messages`` when it

@@ -3,7 +3,7 @@
 Two tag formats (the rollout decides which its prompt teaches):
   ``<tool_call>NAME\\nARGUMENTS</tool_call>``: the first word is the tool, the rest its arguments; a JSON body
     ``{"name": ..., "arguments": ...}`` (Qwen3's / Hermes' own format) is read too.
-  ``<NAME>ARGUMENTS</NAME>`` for a registered tool's name, e.g. ``<calculator>2+3*4</calculator>``.
+  ``<NAME>ARGUMENTS</NAME>`` for a known tool's name, e.g. ``<calculator>2+3*4</calculator>``.
 The reply is the output wrapped in ``<tool_response>`` tags (or another tag), errors as one ``Error:`` line.
 """
 
@@ -14,7 +14,8 @@ import re
 import textwrap
 from collections.abc import Iterable
 
-from rollverify_jax.tools.registry import TOOLS, ToolResult, ToolStatus
+from rollverify_jax.tools.builtin import BUILTIN_TOOL_NAMES
+from rollverify_jax.tools.registry import ToolResult, ToolStatus
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NAME_AND_ARGS = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.-]*)(.*)", re.DOTALL)
@@ -23,11 +24,11 @@ _NAME_AND_ARGS = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.-]*)(.*)", re.DOTALL)
 def parse_tool_call(text: str, names: Iterable[str] | None = None) -> tuple[str, str] | None:
     """The last complete tool call in ``text`` as ``(name, arguments)``, or None.
 
-    ``names``: the tags accepted in the ``<NAME>...</NAME>`` form (default: the registered tools). A
-    ``<tool_call>`` may name any tool (an unknown one is for ``call_tool`` to answer). Arguments are dedented and
-    stripped of surrounding blank space. The last call is the one that ended generation (a rollout stops at a
-    closing tag)."""
-    names = sorted(TOOLS if names is None else names, key=len, reverse=True)
+    ``names``: the tags accepted in the ``<NAME>...</NAME>`` form (default: the built-in tools). A
+    ``<tool_call>`` may name any tool (an unknown one is for ``ToolRegistry.call`` to answer). Arguments are
+    dedented and stripped of surrounding blank space. The last call is the one that ended generation (a rollout
+    stops at a closing tag)."""
+    names = sorted(BUILTIN_TOOL_NAMES if names is None else names, key=len, reverse=True)
     found: list[tuple[int, str, str]] = []
     for m in _TOOL_CALL.finditer(text):
         call = _read_tool_call_body(m.group(1))

@@ -48,7 +48,8 @@ _STOP_GRACE_S = 2.0  # from the SIGTERM that asks the relay to kill the sandbox 
 class SandboxConfig:
     """The limits of one sandboxed run of the python tool.
 
-    timeout_s: wall-clock limit of a run; past it the sandbox is killed and the run is a timeout.
+    timeout_s: wall-clock limit of a run; past it the sandbox is killed and the run is a timeout. In a rollout it
+      is the call's limit, ``ToolUseConfig.timeout_s``, set by the tool environment (not bound in gin).
     cpu_s: CPU seconds each process of the run may use (RLIMIT_CPU, whole seconds, rounded up).
     memory_mb: address space of each process (RLIMIT_AS); past it an allocation fails with a MemoryError. The
       run's total is at most ``max_processes * memory_mb`` plus ``scratch_mb``.
