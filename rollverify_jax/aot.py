@@ -1,9 +1,10 @@
-"""Proves a run fits a TPU slice before anyone rents one: compiles its three programs deviceless.
+"""Proves a run fits a TPU slice before anyone rents one: compiles its programs deviceless.
 
     python -m rollverify_jax.aot --gin_file=configs/qwen3_8b_dapo.gin [--topology=v5p:4x4x2] [--json out.json]
 
 With libtpu installed (``pip install -e '.[tpu]'``), JAX compiles for a named TPU topology without the
-hardware. This compiles, for the config's mesh on that topology and at the config's real shapes:
+hardware. This compiles the very programs training builds (``run.programs``: the learner's and the engine
+plan's), for the config's mesh on that topology and at the config's real shapes:
 
 - ``train_step``: one GRPO update call at the batch's worst case (every row at the full context, one packed
   row per sequence), with the config's micro-batching, remat, chunked log-probs and splash attention;
@@ -33,8 +34,9 @@ import json  # noqa: E402
 
 from rollverify_jax.infra import compile_cache, storage  # noqa: E402
 from rollverify_jax.infra.cli import run_cli  # noqa: E402
+from rollverify_jax.run.programs import compile_run  # noqa: E402
 from rollverify_jax.run.spec import RunSpec, parse_gin  # noqa: E402
-from rollverify_jax.scale.fit import compile_run, format_report  # noqa: E402
+from rollverify_jax.scale.fit import format_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

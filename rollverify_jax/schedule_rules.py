@@ -2,17 +2,20 @@
 
 One home, so that the discrete-event replay (``rollverify_jax/sim``) cannot drift from what the engine compiles
 and the trainer decides: the rollout modes, the power-of-two buckets (prefill lengths and rows), the live
-slot and page-table buckets decode compiles for, and the switch to on-policy rollout. Pure Python + numpy:
+slot and page-table buckets decode compiles for, the switch to on-policy rollout, and the batch devices a
+step's rows split over. Pure Python + numpy:
 importing this never imports JAX or gin, so the simulator stays JAX-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 MODES = ("on_policy", "partial", "rollverify")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch's rows split over (infra.mesh's, defined here)
 
 MIN_LIVE_SLOTS = 8  # a live slot bucket holds at least this many slots
 MIN_LIVE_PAGES = 4  # a live page-table bucket holds at least this many pages
@@ -25,6 +28,12 @@ def pow2_bucket(n: int, lo: int, hi: int) -> int:
     if lo < 1:
         raise ValueError(f"pow2_bucket: lo={lo} must be >= 1.")
     return min(lo << max(-(-n // lo) - 1, 0).bit_length(), hi)
+
+
+def batch_devices(mesh_shape: Mapping[str, int]) -> int:
+    """Devices a batch's rows split over (data x fsdp) of a mesh's ``shape`` (``Mesh.shape``, an
+    ``AbstractMesh``'s, or a dict): a step's rows divide over them and packed rows are a multiple of them."""
+    return math.prod(int(mesh_shape[a]) for a in BATCH_AXES)
 
 
 TRAIN_LENGTH_MIN = 64  # the narrowest unpacked train batch

@@ -158,3 +158,15 @@ def test_tool_use_compiles_the_reply_extension_beside_the_engine(report, variant
     extend, peaks = variant["programs"]["extend"], variant["peak_bytes_by_program"]
     assert "extend" not in report["programs"] and extend["flops"] > 0
     assert peaks["extend"] <= variant["peak_bytes_per_device"] <= variant["budget_bytes_per_device"]
+
+
+def test_scale_reads_no_spec_and_imports_nothing_from_run():
+    """scale/ is pure analysis: the run's programs come in assembled (run/programs.py), no arrow points back up."""
+    import ast
+    from pathlib import Path
+
+    for path in sorted(Path(fit.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("rollverify_jax.run") for n in names), (path.name, names)

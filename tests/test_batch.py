@@ -4,8 +4,9 @@ import jax
 import numpy as np
 
 from rollverify_jax.infra import mesh as mesh_lib
-from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.rl import packing
 from rollverify_jax.rl.batch import build_batch, pad_rows
+from rollverify_jax.rl.learner import LearnerConfig
 from rollverify_jax.rollout.trajectory import Trajectory
 
 
@@ -30,6 +31,6 @@ def test_padded_rows_are_empty_outside_the_loss_and_packing_skips_them():
     assert not padded["loss_mask"][3].any() and not padded["attention_mask"][3].any()
     assert pad_rows(padded, 4) is padded  # already whole
     mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    packed = learner_lib.pack_for_learner(padded, learner_lib.LearnerConfig(), mesh)
+    packed = packing.pack_for_learner(padded, LearnerConfig(), mesh)
     assert (packed["packed_segments"] > 0).sum() == batch["attention_mask"].sum()
     assert (packed["unpack_index"][3] == 0).all()

@@ -202,3 +202,25 @@ def test_shared_prompt_copies_are_bucketed_so_group_sizes_share_a_program(model,
                       for u in range(members)])
         sizes.append(engine_lib._prefill_insert_jit._cache_size())
     assert sizes[2] == sizes[1]
+
+
+def test_engine_plan_is_the_engines_layout_on_its_own_mesh(model):
+    """`EnginePlan.of` (from the model's config: what the deviceless compile has) is what an engine is built from:
+    the same graph, static key, decode state and weight layout; each plan is laid out on the mesh it is given."""
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, top_k=40)
+    mesh = mesh_lib.make_mesh((2, 2, 2))
+    plan = engine_lib.EnginePlan.of(model.cfg, CFG, sampling, mesh, eos_ids=(3, 3), stop_ids=(3, 5),
+                                    attention={"pages_per_compute_block": 2})
+    assert plan.eos_ids == (3,) and plan.stop_ids == (5,) and plan.static().eos_ids == (3, 5)
+    engine = plan.engine(model)
+    assert engine.plan == plan and engine._static() == plan.static()  # one compiled-program cache key
+    assert engine.plan.graphdef == engine_lib.rollout_graphdef(model)  # the config's graph is the model's
+    abstract = plan.abstract_state()
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), engine.state) == jax.tree.map(lambda a: (a.shape, a.dtype),
+                                                                                    abstract)
+    assert engine.state.pages.k[0].sharding == abstract.pages.k[0].sharding
+    placed = jax.tree.leaves(engine.params)
+    assert [(a.shape, a.sharding) for a in jax.tree.leaves(plan.abstract_params(nnx.state(model)))] == [
+        (a.shape, a.sharding) for a in placed]
+    one = engine_lib.EnginePlan.of(model.cfg, CFG, sampling, mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1]))
+    assert one.layout.num_shards == 1 and plan.layout.num_shards == 4 and one.eos_ids == (-1,)

@@ -12,8 +12,8 @@ import pytest
 
 from rollverify_jax import train
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.run.builder import architecture
 from rollverify_jax.run.dry_run import mesh_shape
+from rollverify_jax.run.programs import architecture
 from rollverify_jax.run.spec import RunSpec, parse_gin
 
 CONFIG = "configs/qwen3_8b_dapo_8xh200.gin"

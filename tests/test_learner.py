@@ -1,20 +1,26 @@
-"""The GRPO learner: sharding invariance, exact micro-batch accumulation, minibatches, learning, donation."""
+"""The GRPO learner: sharding invariance, exact micro-batch accumulation, minibatches, learning, donation, and the
+train step against a reference written out here (full padded batch, one gradient per minibatch)."""
+
+import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import init_model, model_config, token_logprobs
-from rollverify_jax.rl import learner
+from rollverify_jax.rl import learner, losses, packing
 from rollverify_jax.rl.losses import LossConfig
 
 MODEL_CFG = model_config("tiny", hidden_size=64, num_hidden_layers=2, intermediate_size=128, head_dim=16)
 # A large Adam eps keeps the first update smooth in the gradient (no sign flips of near-zero gradients from
 # float noise), so "equal within 1e-5" compares the gradients rather than luck.
-OPT = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-3, eps=1e-4))
+OPT_CFG = learner.OptimizerConfig(learning_rate=1e-3, eps=1e-4)
+OPT = learner.make_optimizer(OPT_CFG)
 B, T, PROMPT = 8, 16, 4
 RESPONSE_LENGTHS = (3, 11, 6, 12, 2, 9, 5, 7)
 DROPPED_ROW = 5  # a trajectory a filter removed from the loss: all-zero loss_mask row
@@ -55,23 +61,47 @@ def batch_and_noise(model):
     return batch, noise
 
 
-def _step_fn(model, mesh, cfg: learner.LearnerConfig, flash: FlashConfig = DEFAULT_FLASH):
-    """One compiled train step per (mesh, config), shared across tests to keep compiles few."""
-    key = (tuple(mesh.devices.shape), cfg, flash)
+def _learner(model, mesh, cfg: learner.LearnerConfig, flash: FlashConfig = DEFAULT_FLASH) -> learner.Learner:
+    """One learner (its compiled programs) per (model config, mesh, config), shared across tests to keep compiles
+    few."""
+    key = (model.cfg, tuple(mesh.devices.shape), cfg, flash)
     if key not in _STEPS:
-        shardings = learner.train_state_shardings(model, OPT, mesh)
-        _STEPS[key] = learner.make_train_step(learner.split_params(model)[0], cfg, OPT, mesh, shardings, flash)
+        _STEPS[key] = learner.Learner.create(model, cfg, OPT_CFG, mesh, flash)
     return _STEPS[key]
 
 
 def _train(model, mesh, cfg, batch, steps=1, flash=DEFAULT_FLASH):
-    step = _step_fn(model, mesh, cfg, flash)
-    state = learner.init_train_state(model, OPT, mesh, seed=0)
+    """`steps` train steps from the model's params on `batch`, packed here unless it already is."""
+    run = _learner(model, mesh, cfg, flash)
+    batch = batch if "micro_index" in batch else packing.pack_for_learner(batch, cfg, mesh)
+    state = run.init_state(model, seed=0)
     history = []
     for _ in range(steps):
-        state, metrics = step(state, batch)
+        state, metrics = run.train_step(state, batch)
         history.append({k: float(v) for k, v in metrics.items()})
     return state, history
+
+
+def _reference(model, cfg: learner.LearnerConfig, batch):
+    """The train step written out plainly: per minibatch (rows k, k + n, ...) the loss of its whole right-padded
+    rows at once, its gradient and one optimizer update, for each epoch -> (params, per-update metrics)."""
+    graphdef, params = learner.split_params(model)
+    loss_fn, opt_state = losses.get_loss_fn(cfg.loss_name), OPT.init(params)
+
+    def loss(p, mb):
+        logp, entropy = learner._policy_logp(graphdef, p, mb["tokens"], mb["attention_mask"], cfg.logit_temperature)
+        mask = mb["loss_mask"].at[:, 0].set(0.0)
+        return loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss, ref_logp=mb.get("ref_logp"),
+                       entropy=entropy)
+
+    grad, history = jax.jit(jax.grad(loss, has_aux=True)), []
+    for _ in range(cfg.ppo_epochs):
+        for k in range(cfg.num_minibatches):
+            g, metrics = grad(params, {key: jnp.asarray(v[k::cfg.num_minibatches]) for key, v in batch.items()})
+            updates, opt_state = OPT.update(g, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            history.append({key: float(v) for key, v in metrics.items()})
+    return params, history
 
 
 def _flat(params) -> np.ndarray:
@@ -154,8 +184,10 @@ def test_positive_advantages_raise_logprob(model, mesh1, batch_and_noise):
 
 def test_state_is_donated_and_step_compiles_once(model, mesh1, batch_and_noise):
     batch, _ = batch_and_noise
-    step = _step_fn(model, mesh1, learner.LearnerConfig())
-    state = learner.init_train_state(model, OPT, mesh1)
+    cfg = learner.LearnerConfig()
+    run = _learner(model, mesh1, cfg)
+    step, batch = run.step_program, packing.pack_for_learner(batch, cfg, mesh1)
+    state = run.init_state(model)
     new_state, _ = step(state, batch)
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
     assert not any(x.is_deleted() for x in jax.tree.leaves(learner.split_params(model)[1]))  # model not aliased
@@ -185,7 +217,7 @@ def test_schedules_and_config_errors():
 
 
 def _packed(batch, mesh, cfg):
-    packed = learner.pack_for_learner(batch, cfg, mesh)
+    packed = packing.pack_for_learner(batch, cfg, mesh)
     assert packed["packed_tokens"].shape[0] <= batch["tokens"].shape[0]
     if cfg == learner.LearnerConfig() and mesh.size == 1:
         assert packed["packed_tokens"].shape[0] == 5  # 78 tokens of 7 live rows in 5 rows of 16, not 8
@@ -201,23 +233,30 @@ PACKED_CASES = {"plain": {}, "micro": {"aggregation": "seq-mean-token-mean", "mi
 
 
 @pytest.mark.parametrize("case", list(PACKED_CASES))
-def test_packed_step_equals_padded_step(model, mesh1, batch_and_noise, case):
-    """Packing changes the FLOPs, not the result: same parameters and metrics as the right-padded step."""
+def test_packed_step_equals_the_reference_and_the_unpacked_layout(model, mesh1, batch_and_noise, case):
+    """Packing changes the FLOPs, not the result: the step on packed rows, and on one sequence per row
+    (pack_sequences=False), gives the parameters and metrics of the plain padded reference."""
     kw = dict(PACKED_CASES[case])
     if "aggregation" in kw:
         kw["loss"] = LossConfig(aggregation=kw.pop("aggregation"))
     cfg = learner.LearnerConfig(**kw)
     batch, _ = batch_and_noise
-    padded, m_padded = _train(model, mesh1, cfg, batch)
+    want, m_want = _reference(model, cfg, batch)
     packed_batch = _packed(batch, mesh1, cfg)
     if case == "tail":
-        stats = learner.packing_stats(packed_batch, cfg)
+        stats = packing.packing_stats(packed_batch, cfg)
         assert stats["train/micro_batches"] == 3
         assert stats["train/useful_token_fraction"] == pytest.approx(74 / 88)
-    packed, m_packed = _train(model, mesh1, cfg, packed_batch)
-    np.testing.assert_allclose(_flat(packed.params), _flat(padded.params), atol=1e-5)
-    for k in ("loss", "grad_norm", "ops/token_mean", "policy/entropy", "policy/ratio_mean", "train/loss_tokens"):
-        np.testing.assert_allclose(m_packed[0][k], m_padded[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    unpacked_cfg = dataclasses.replace(cfg, pack_sequences=False, tail_row_width=None)
+    unpacked_batch = packing.pack_for_learner(batch, unpacked_cfg, mesh1)
+    assert (unpacked_batch["packed_segments"] <= 1).all()  # one sequence per row
+    for got_cfg, got_batch in ((cfg, packed_batch), (unpacked_cfg, unpacked_batch)):
+        got, m_got = _train(model, mesh1, got_cfg, got_batch)
+        np.testing.assert_allclose(_flat(got.params), _flat(want), atol=1e-5)
+        for k in ("loss", "policy/entropy", "policy/ratio_mean"):
+            np.testing.assert_allclose(m_got[0][k], np.mean([m[k] for m in m_want]), rtol=1e-5, atol=1e-6,
+                                       err_msg=k)
+        assert m_got[0]["train/loss_tokens"] == batch["loss_mask"].sum()
 
 
 @pytest.mark.parametrize("kw", [{}, {"micro_batch_size": 4, "tail_row_width": 8}])
@@ -246,9 +285,37 @@ def test_packed_step_with_splash_attention_equals_the_reference(model, mesh1, ba
         np.testing.assert_allclose(m_many[0][k], m_one[0][k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_packing_off_leaves_the_batch_alone(mesh1, batch_and_noise):
+def test_packing_off_is_one_sequence_per_row(mesh1, batch_and_noise):
+    """pack_sequences=False lays each live sequence in a row of its own (the unpacked batch, same train path);
+    the filtered row is skipped like in a packed batch."""
     batch, _ = batch_and_noise
-    assert learner.pack_for_learner(batch, learner.LearnerConfig(pack_sequences=False), mesh1) is batch
+    out = packing.pack_for_learner(batch, learner.LearnerConfig(pack_sequences=False), mesh1)
+    segments = out["packed_segments"]
+    assert segments.max() == 1 and sorted((segments > 0).sum(axis=1).tolist())[-7:] == sorted(
+        PROMPT + n for i, n in enumerate(RESPONSE_LENGTHS) if i != DROPPED_ROW)
+    assert out["micro_index"][DROPPED_ROW] == -1 and (np.delete(out["micro_index"], DROPPED_ROW) == 0).all()
+
+
+def test_an_unpacked_batch_is_refused_with_the_fix(model, mesh1, batch_and_noise):
+    batch, _ = batch_and_noise
+    run = _learner(model, mesh1, learner.LearnerConfig())
+    with pytest.raises(ValueError, match="packing.pack_for_learner"):
+        run.train_step(run.init_state(model), batch)
+
+
+def test_abstract_batch_is_the_layout_a_packed_batch_has(model, mesh1, batch_and_noise):
+    """What the deviceless compile lowers the train step for (`Learner.abstract_batch`) is the batch the run feeds
+    it: the same entries, shapes and dtypes, so the lowered program is the one that runs (one compile)."""
+    batch, _ = batch_and_noise
+    cfg = learner.LearnerConfig(micro_batch_size=2, tail_row_width=12)
+    run = _learner(model, mesh1, cfg)
+    packed = packing.pack_for_learner(batch, cfg, mesh1)
+    abstract = run.abstract_batch(B, T)
+    assert {k: (v.shape, np.dtype(v.dtype)) for k, v in abstract.items()} == {
+        k: (np.shape(v), np.asarray(v).dtype) for k, v in packed.items()}
+    lowered = run.lower_train_step(B, T).compile()
+    state, metrics = lowered(run.init_state(model), packed)
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
 
 
 def test_learner_scores_at_the_sampler_temperature():
@@ -280,6 +347,8 @@ def test_bfloat16_params_train_with_float32_moments(mesh1, batch_and_noise):
     want = [(a.shape, a.dtype) for a in jax.tree.leaves(state)]
     for source in (bf16, shapeless):
         assert [(a.shape, a.dtype) for a in jax.tree.leaves(learner.abstract_train_state(source, OPT, mesh1))] == want
+        assert [(a.shape, a.dtype) for a in jax.tree.leaves(learner.abstract_params(source, mesh1))] == [
+            (a.shape, a.dtype) for a in jax.tree.leaves(state.params)]
 
 
 @pytest.mark.parametrize("chunk", [4, 64])  # 4 does not divide T - 1 = 15; 64 is one padded chunk
@@ -362,19 +431,15 @@ def _kl_case(model, mesh1, batch_and_noise):
 
 
 def _logprob_fn(model, mesh, cfg: learner.LearnerConfig):
-    """One compiled log-prob pass per (mesh, config), shared across tests like `_step_fn`."""
-    key = ("logprobs", tuple(mesh.devices.shape), cfg)
-    if key not in _STEPS:
-        shardings = learner.train_state_shardings(model, OPT, mesh)
-        _STEPS[key] = learner.make_logprob_fn(learner.split_params(model)[0], cfg, mesh, shardings.params)
-    return _STEPS[key]
+    """The learner's log-prob pass (`Learner.logprob_fn`), shared across tests like its train step."""
+    return _learner(model, mesh, cfg).logprob_fn
 
 
 def test_logprob_pass_equals_the_unpacked_one(model, mesh1, batch_and_noise):
     """The packed, micro-batched, chunked log-prob pass (the reference's and the step start's) gives the unpacked
     compute_logprobs values on every scored token; 0 on token 0, padding and the rows the packing skipped."""
     batch, graphdef, params, ref, cfg, logprob = _kl_case(model, mesh1, batch_and_noise)
-    packed = learner.pack_for_learner(batch, cfg, mesh1)
+    packed = packing.pack_for_learner(batch, cfg, mesh1)
     want = np.asarray(learner.compute_logprobs(graphdef, ref, batch["tokens"], batch["attention_mask"], 1.0))
     got = np.asarray(logprob(ref, packed))
     live = batch["loss_mask"].sum(axis=1) > 0  # the dropped row is skipped by the packing
@@ -382,12 +447,11 @@ def test_logprob_pass_equals_the_unpacked_one(model, mesh1, batch_and_noise):
     scored[:, 0] = False
     np.testing.assert_allclose(got[scored], want[scored], atol=1e-5)
     assert np.all(got[~scored] == 0) and np.abs(got[scored]).min() > 0
-    # Unpacked (pack_sequences=False): micro-batches of the padded rows, the same values.
+    # Unpacked (pack_sequences=False): one sequence per row, micro-batches of 4 rows, the same values.
     flat = learner.LearnerConfig(pack_sequences=False, micro_batch_size=4, logits_chunk=4)
     unpacked = _logprob_fn(model, mesh1, flat)
-    valid = batch["attention_mask"].copy()
-    valid[:, 0] = False
-    np.testing.assert_allclose(np.asarray(unpacked(ref, batch))[valid], want[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(unpacked(ref, packing.pack_for_learner(batch, flat, mesh1)))[scored],
+                               want[scored], atol=1e-5)
 
 
 def test_kl_step_on_the_packed_reference_equals_the_unpacked_one(model, mesh1, batch_and_noise):

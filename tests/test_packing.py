@@ -1,9 +1,11 @@
-"""Sequence packing: layout invariants of `pack_minibatches` (the learner tests check packed = padded steps)."""
+"""Sequence packing: layout invariants of `pack_minibatches` and the learner's batch (`pack_for_learner`); the learner
+tests check that packed, one-per-row and plain padded steps agree."""
 
 import numpy as np
 import pytest
 
 from rollverify_jax.rl import packing
+from rollverify_jax.schedule_rules import batch_devices
 
 
 def test_row_bucket_is_few_shapes_with_bounded_waste():
@@ -115,3 +117,46 @@ def test_pack_minibatches_bad_input_is_named():
         packing.pack_minibatches(tokens, np.array([1, 2, 3, 4]), 3)
     with pytest.raises(ValueError, match="tail rows need a fixed number of rows"):
         packing.pack_minibatches(tokens, np.array([1, 2, 3, 4]), tail_width=4)
+
+
+def test_one_sequence_per_row_is_the_unpacked_layout():
+    """`one_per_row` (LearnerConfig.pack_sequences = False): every live sequence in a row of its own, in batch
+    order within its minibatch, micro-batches of `rows_per_micro` rows; the same round trip as packed rows."""
+    tokens, lengths = _batch()
+    out, shape = packing.pack_minibatches(tokens, lengths, 2, 3, one_per_row=True)
+    assert shape == packing.fixed_shape(16, 32, 2, 3)
+    assert (out["packed_segments"] <= 1).all() and (out["packed_segments"] > 0).any(axis=1).sum() == 16
+    for i in range(16):
+        tok, pos, seg = _block(out, shape, i % 2, out["micro_index"][i])
+        idx = out["unpack_index"][i, : lengths[i]]
+        np.testing.assert_array_equal(tok[idx], tokens[i, : lengths[i]])
+        assert idx[0] % shape.width == 0  # the row starts with it
+    assert out["micro_index"][0::2].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]  # minibatch 0, in order
+    with pytest.raises(ValueError, match="tail rows need a fixed number of rows"):
+        packing.pack_minibatches(tokens, lengths, 2, 3, tail_width=8, one_per_row=True)
+
+
+class _Mesh:
+    """What `pack_for_learner` reads of a mesh: its shape (packing is host-side numpy; no JAX here)."""
+
+    shape = {"data": 2, "fsdp": 2, "tensor": 1}
+
+
+def test_pack_for_learner_rounds_rows_to_the_batch_devices_and_skips_filtered_rows():
+    from rollverify_jax.rl.learner import LearnerConfig
+
+    tokens, lengths = _batch(b=8, t=32)
+    batch = {"tokens": tokens, "attention_mask": np.arange(32)[None] < lengths[:, None],
+             "loss_mask": np.ones((8, 32), np.float32)}
+    batch["loss_mask"][2] = 0.0  # a filtered trajectory: no forward
+    assert batch_devices(_Mesh.shape) == 4
+    for cfg in (LearnerConfig(num_minibatches=2), LearnerConfig(num_minibatches=2, pack_sequences=False)):
+        out = packing.pack_for_learner(batch, cfg, _Mesh)
+        shape = packing.pack_shape(out, cfg)
+        assert shape.rows_per_micro % 4 == 0 and out["micro_index"][2] == -1
+        assert (out["packed_segments"] > 0).sum() == lengths.sum() - lengths[2]
+        assert packing.packing_stats(out, cfg)["train/micro_batches"] == 1.0
+    with pytest.raises(ValueError, match="attention_mask"):
+        packing.pack_for_learner({k: v for k, v in batch.items() if k != "attention_mask"}, cfg, _Mesh)
+    with pytest.raises(ValueError, match="not divisible by LearnerConfig.num_minibatches=3"):
+        packing.pack_for_learner(batch, LearnerConfig(num_minibatches=3), _Mesh)

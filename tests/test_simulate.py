@@ -364,7 +364,7 @@ def test_train_cost_without_padding_is_the_per_token_cost():
 def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
     # The simulator's train step at a real config (its LearnerConfig read from the config itself) costs what
     # `fit.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model.
-    from rollverify_jax.run.builder import architecture
+    from rollverify_jax.run.programs import architecture
     from rollverify_jax.run.spec import RunSpec, parse_gin
     from rollverify_jax.scale import fit
 

@@ -1,9 +1,11 @@
 """The GRPO learner: optimizer, sharded train state and the jitted train step (METHOD.md section 6).
 
-One call of the train step consumes one rollout batch (fixed, padded shapes) and makes
-`ppo_epochs * num_minibatches` optimizer updates. Each update accumulates gradients over micro-batches with
-`jax.lax.scan`, weighting each micro-batch by its share of the loss normaliser so that the accumulated
-gradient equals the full-minibatch gradient for every aggregation of `losses.AGGREGATIONS` (see
+`Learner.create` assembles what the learner runs on its mesh (optimizer, graph, train-state shardings, the
+train step and the log-prob pass) for a concrete or an abstract model: the run and the deviceless compile use
+the same programs. One call of the train step consumes one rollout batch (fixed, packed shapes) and makes
+`ppo_epochs * num_minibatches` optimizer updates. Each update accumulates gradients over the micro-batches of
+packed rows its minibatch fills, weighting each micro-batch by its share of the loss normaliser so that the
+accumulated gradient equals the full-minibatch gradient for every aggregation of `losses.AGGREGATIONS` (see
 `_normaliser`).
 
 Batch layout (every entry has the batch dimension B first, sharded over ('data', 'fsdp')):
@@ -14,13 +16,13 @@ Batch layout (every entry has the batch dimension B first, sharded over ('data',
     behavior_logp   float32[B, T]  log mu(tokens[t]), aligned to tokens (entry 0 unused)
     advantages      float32[B]
     ref_logp        float32[B, T]  optional, needed when LossConfig.kl_coef > 0 (see `make_logprob_fn`)
-    attention_mask  bool[B, T]     optional, True on real tokens (padding keys are masked); with right padding
-                                   and causal attention it changes nothing at scored positions
+    attention_mask  bool[B, T]     True on real tokens (what packing reads each length from)
     packed_*, tail_*, unpack_index, micro_index
-                                   optional, the packed layout of `tokens` (`packing.pack_minibatches`, added
-                                   by `pack_for_learner`): the model then runs on micro-batches of packed rows,
-                                   as many as each minibatch fills, and the log-probs are gathered back to
-                                   [B, T]; the result is the same
+                                   the packed layout of `tokens` (`packing.pack_for_learner`): the model runs
+                                   on micro-batches of packed rows, as many as each minibatch fills, and the
+                                   log-probs are gathered back to [B, T]. An unpacked batch
+                                   (`LearnerConfig.pack_sequences = False`) is the same layout with one
+                                   sequence per row: there is one train path.
 
 The policy's log-prob of token t is read from the logits at position t - 1, so `loss_mask[:, 0]` is ignored.
 """
@@ -34,7 +36,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -44,6 +45,7 @@ from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, chunked_scores, score_tokens
 from rollverify_jax.rl import losses, packing
+from rollverify_jax.schedule_rules import batch_devices
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -57,6 +59,8 @@ RATIO_AGAINST = ("behavior", "step_start")  # LearnerConfig.ratio_against
 _SEQ_METRICS = frozenset({"vespo/phi_mean"})
 # Loss metrics reduced with the configured aggregation (their normaliser depends on it).
 _AGG_METRICS = frozenset({"loss", "policy/pg_loss"})
+# The batch entries the train step reads (the rest, e.g. attention_mask, never reach its program).
+_TRAIN_KEYS = frozenset({*REQUIRED_KEYS, "ref_logp", *packing.ALL_KEYS})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,6 +211,14 @@ def abstract_train_state(model: nnx.Module, optimizer: optax.GradientTransformat
     return _map_with_shardings(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
+def abstract_params(model: nnx.Module, mesh: Mesh) -> nnx.State:
+    """The params of `model` (concrete or abstract) as `jax.ShapeDtypeStruct`s in the train state's shardings: the
+    restore target of a checkpoint's params alone (evaluation, export), with no optimizer state."""
+    params = nnx.state(model, nnx.Param)
+    shardings = _state_sharding(params, mesh, model.cfg.rules())
+    return _map_with_shardings(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+
+
 def _map_with_shardings(fn: Callable[[Any, NamedSharding], Any], tree: Any, shardings: Any) -> Any:
     """`fn(array, sharding)` per array of `tree`; `shardings` holds one NamedSharding per Variable (a prefix)."""
     def one(x, s):
@@ -284,54 +296,6 @@ def _packed_rows_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Arr
     return _model_logp(model, tokens, positions, attention, temperature, chunk, remat, scan)
 
 
-def pack_for_learner(batch: dict, cfg: LearnerConfig, mesh: Mesh) -> dict:
-    """The batch plus its packed layout (`packing.pack_minibatches`) when `cfg.pack_sequences`, else unchanged.
-
-    Host-side numpy, before the train step: each minibatch of `_check_batch`'s split packs its own sequences
-    into micro-batches of `cfg.micro_batch_size` rows (None: one micro-batch of all its rows, their number a
-    multiple of the batch devices so that they shard evenly).
-    """
-    if not cfg.pack_sequences:
-        return batch
-    _check_batch(batch, cfg)
-    if "attention_mask" not in batch:
-        raise ValueError("packing needs batch['attention_mask'] (True on real tokens) to find each length.")
-    tokens = np.asarray(batch["tokens"])
-    lengths = np.asarray(batch["attention_mask"]).astype(bool).sum(axis=1)
-    devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    skip = np.asarray(batch["loss_mask"]).sum(axis=1) == 0  # filtered trajectories: no forward needed
-    packed, _ = packing.pack_minibatches(tokens, lengths, cfg.num_minibatches, cfg.micro_batch_size,
-                                         cfg.tail_row_width, row_multiple=devices, skip=skip)
-    return {**batch, **packed}
-
-
-def pack_shape(batch: dict, cfg: LearnerConfig) -> packing.PackShape:
-    """The `PackShape` of a packed batch, read from its array shapes (static under jit)."""
-    n = cfg.num_minibatches
-    rows, width = batch["packed_tokens"].shape
-    r = cfg.micro_batch_size or rows // n
-    tail = batch.get("tail_tokens")
-    if rows % (n * r) or (tail is not None and tail.shape[0] % (n * r)):
-        raise ValueError(f"packed rows ({rows}, tail {None if tail is None else tail.shape[0]}) do not split into "
-                         f"{n} minibatches of micro-batches of {r} rows; pack the batch with pack_for_learner and "
-                         "the same LearnerConfig.")
-    return packing.PackShape(n, r, rows // (n * r), width, None if tail is None else tail.shape[1],
-                             0 if tail is None else tail.shape[0] // (n * r))
-
-
-def packing_stats(batch: dict, cfg: LearnerConfig) -> dict[str, float]:
-    """Host metrics of a packed batch: the share of the train step's token positions that hold a real token
-    (`train/useful_token_fraction`) and the micro-batches it runs per optimizer update."""
-    if "micro_index" not in batch:
-        return {}
-    shape = pack_shape(batch, cfg)
-    full, tail = packing.micro_counts(np.asarray(batch["micro_index"]), shape)
-    positions = sum(shape.positions(int(f), int(t)) for f, t in zip(full, tail, strict=True))
-    useful = sum(int((np.asarray(batch[k]) > 0).sum()) for k in ("packed_segments", "tail_segments") if k in batch)
-    return {"train/useful_token_fraction": useful / max(positions, 1),
-            "train/micro_batches": float((full + tail).mean())}
-
-
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax.Array,
                      temperature: float = 1.0) -> jax.Array:
@@ -365,8 +329,9 @@ class LearnerConfig:
         With `pack_sequences` these are packed rows (one per batch device at real scale: a multiple of the
         data x fsdp devices, else rows are computed redundantly), and each minibatch runs as many micro-batches
         as its tokens fill, in one compiled program for every batch.
-    pack_sequences: run the model on packed rows (`packing`) instead of padded ones; same result, far fewer
-        FLOPs on long-tailed batches. Applied by `pack_for_learner` on the host before the step.
+    pack_sequences: several sequences per row (`packing`); False: one sequence per row of the same layout (the
+        padded batch). Same result, far fewer FLOPs on long-tailed batches. Applied by `packing.pack_for_learner`
+        on the host before the step.
     tail_row_width: packed rows this many tokens wide for a minibatch's last micro-batches (None: full rows
         only). A minibatch whose tokens would leave most of a last micro-batch of full rows empty puts its
         shorter sequences into narrow rows instead; needs `micro_batch_size` and `pack_sequences`. At the real
@@ -461,43 +426,39 @@ def _normaliser(mask: jax.Array, aggregation: str) -> tuple[jax.Array, jax.Array
 def _split(x: jax.Array, n: int, mesh: Mesh) -> jax.Array:
     """[N, ...] -> [n, N/n, ...], part k = rows k, k+n, ...; the second axis stays on the batch mesh axes."""
     parts = jnp.moveaxis(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 1, 0)
-    devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    if parts.shape[1] % devices == 0:
+    if parts.shape[1] % batch_devices(mesh.shape) == 0:
         spec = PartitionSpec(None, mesh_lib.BATCH_AXES, *([None] * (x.ndim - 1)))
         parts = jax.lax.with_sharding_constraint(parts, NamedSharding(mesh, spec))
     return parts
 
 
-def _check_batch(batch: Batch, cfg: LearnerConfig) -> tuple[int, int]:
-    """Validate shapes at trace time; returns (minibatch rows, micro-batches per minibatch)."""
+def _unsplit(parts: jax.Array) -> jax.Array:
+    """The inverse of `_split`: [n, N/n, ...] with part k = rows k, k + n, ... -> [N, ...]."""
+    return jnp.moveaxis(parts, 0, 1).reshape(parts.shape[0] * parts.shape[1], *parts.shape[2:])
+
+
+def _check_batch(batch: Batch, cfg: LearnerConfig) -> packing.PackShape:
+    """Validate shapes at trace time; returns the batch's packed layout."""
     missing = [k for k in REQUIRED_KEYS if k not in batch]
     if missing:
         raise ValueError(f"train batch lacks {missing}; it needs {list(REQUIRED_KEYS)} (+ optional ref_logp).")
+    if "micro_index" not in batch:
+        raise ValueError("the learner takes a packed batch (packed_*, unpack_index, micro_index): lay it out with "
+                         "packing.pack_for_learner and the same LearnerConfig.")
     b, t = batch["tokens"].shape
-    for k in ("loss_mask", "behavior_logp", "ref_logp", "attention_mask"):
+    for k in ("loss_mask", "behavior_logp", "ref_logp", "attention_mask", "unpack_index"):
         if k in batch and batch[k].shape != (b, t):
             raise ValueError(f"batch['{k}'] has shape {batch[k].shape}, expected tokens' shape {(b, t)}.")
-    if batch["advantages"].shape != (b,):
-        raise ValueError(f"batch['advantages'] has shape {batch['advantages'].shape}, expected {(b,)}.")
-    packed = "micro_index" in batch
-    if packed:
-        if batch["unpack_index"].shape != (b, t) or batch["micro_index"].shape != (b,):
-            raise ValueError(f"batch['unpack_index'] / ['micro_index'] have shapes {batch['unpack_index'].shape} / "
-                             f"{batch['micro_index'].shape}, expected {(b, t)} / {(b,)}.")
-        for keys in (packing.PACKED_KEYS, packing.TAIL_KEYS):
-            shapes = {batch[k].shape for k in keys if k in batch}
-            if len(shapes) > 1 or any(s[1] > t for s in shapes):
-                raise ValueError(f"packed entries {keys} need one shape [P, W <= {t}], got {shapes}.")
+    for k in ("advantages", "micro_index"):
+        if batch[k].shape != (b,):
+            raise ValueError(f"batch['{k}'] has shape {batch[k].shape}, expected {(b,)}.")
+    for keys in (packing.PACKED_KEYS, packing.TAIL_KEYS):
+        shapes = {batch[k].shape for k in keys if k in batch}
+        if len(shapes) > 1 or any(s[1] > t for s in shapes):
+            raise ValueError(f"packed entries {keys} need one shape [P, W <= {t}], got {shapes}.")
     if b % cfg.num_minibatches:
         raise ValueError(f"batch size {b} is not divisible by LearnerConfig.num_minibatches={cfg.num_minibatches}.")
-    rows = b // cfg.num_minibatches
-    micro = cfg.micro_batch_size or rows
-    if rows % micro and not packed:  # packed micro-batches are rows of packed tokens, any number of sequences
-        raise ValueError(
-            f"minibatch of {rows} rows (batch {b} / num_minibatches {cfg.num_minibatches}) is not divisible by "
-            f"LearnerConfig.micro_batch_size={micro}."
-        )
-    return rows, rows // micro
+    return packing.pack_shape(batch, cfg)
 
 
 def _over_packed_micro_batches(minibatch: Batch, shape: packing.PackShape, mesh: Mesh, body: Callable, carry: Any):
@@ -524,43 +485,76 @@ def _over_packed_micro_batches(minibatch: Batch, shape: packing.PackShape, mesh:
     return carry
 
 
+def _kernel(flash: FlashConfig, mesh: Mesh) -> dict:
+    """CausalAttention's impl / flash / mesh on `mesh` (read when the step is traced: an abstract mesh has no
+    devices to name a platform until then)."""
+    return {"impl": flash.resolved_impl(mesh.devices.flat[0].platform), "flash": flash, "mesh": mesh}
+
+
+def _weighted(metrics: Metrics, w_norm: jax.Array, w_tok: jax.Array, w_seq: jax.Array) -> Metrics:
+    """Each micro-batch metric times its share of the minibatch's normaliser (see `_normaliser`)."""
+    return {k: (w_norm if k in _AGG_METRICS else w_seq if k in _SEQ_METRICS else w_tok) * v
+            for k, v in metrics.items()}
+
+
 def _learning_rate(opt_state: Any) -> jax.Array:
     """The learning rate of the last update, read from `inject_hyperparams` state (NaN when there is none)."""
     lr = optax.tree_utils.tree_get(opt_state, "learning_rate", filtering=lambda _, v: isinstance(v, jax.Array))
     return jnp.asarray(jnp.nan if lr is None else lr, jnp.float32)
 
 
+def _apply_update(optimizer: optax.GradientTransformation, params: nnx.State, opt_state: Any, grads: Any,
+                  metrics: Metrics) -> tuple[tuple[nnx.State, Any], Metrics]:
+    """One optimizer update. A NaN or Inf in the loss or the gradients skips it: params and optimizer state (and
+    the schedule's count) stay as they were, and the metrics say which quantity it was."""
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    bad_loss, bad_grad = ~jnp.isfinite(metrics["loss"]), ~jnp.isfinite(metrics["grad_norm"])
+    ok = ~(bad_loss | bad_grad)
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_params, new_opt_state),
+                                     (params, opt_state))
+    metrics["learning_rate"] = _learning_rate(opt_state)
+    metrics["train/nonfinite_loss"], metrics["train/nonfinite_grad"] = bad_loss, bad_grad
+    metrics["train/skipped_updates"] = ~ok
+    return (params, opt_state), metrics
+
+
+def _step_metrics(metrics: Metrics, num_updates: int) -> Metrics:
+    """The step's metrics from the updates' ([ppo_epochs, num_minibatches] each): means, except the first
+    update's OPS, the last learning rate, the tokens counted once and the skip counts summed."""
+    out = {k: v.mean() for k, v in metrics.items()}
+    out["ops/token_mean"] = metrics["ops/token_mean"][0, 0]
+    out["learning_rate"] = metrics["learning_rate"][-1, -1]
+    out["train/loss_tokens"] = metrics["train/loss_tokens"][0].sum()
+    out["train/num_updates"] = jnp.asarray(num_updates, jnp.float32)
+    for k in ("train/skipped_updates", "train/nonfinite_loss", "train/nonfinite_grad"):
+        out[k] = metrics[k].sum()  # counts over the step's updates
+    return {k: v.astype(jnp.float32) for k, v in out.items()}
+
+
 def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimizer: optax.GradientTransformation,
                     mesh: Mesh, state_shardings: TrainState, flash: FlashConfig = DEFAULT_FLASH) -> TrainStep:
-    """`train_step(state, batch) -> (state, metrics)`, jitted on `mesh` with the state donated.
+    """`train_step(state, batch) -> (state, metrics)` on a packed batch (`packing.pack_for_learner`), jitted on
+    `mesh` with the state donated (one process; `Learner.train_step` places a batch over several).
 
+    Each minibatch loops over the micro-batches of packed rows it fills; each micro-batch's loss is weighted by
+    its sequences' share of the minibatch's normaliser, so the accumulated gradient is the minibatch's exactly.
     Metrics (replicated float32 scalars): `loss`, `policy/*` and `grad_norm` averaged over the updates;
     `train/skipped_updates` (updates not applied because the loss or the gradient norm was NaN or Inf; then
-    `train/nonfinite_loss` / `train/nonfinite_grad` count which);
-    `ops/token_mean` of the first minibatch of the first epoch (the train-time OPS, before any update of this
-    step moved the policy); `learning_rate` of the last update; `train/num_updates`; `train/loss_tokens`.
-    Shapes fix the compilation: calls with the same batch shapes reuse one executable. `flash` picks the
-    attention implementation (`FlashConfig`: splash on TPU, cuDNN on GPU, the jnp reference on CPU).
+    `train/nonfinite_loss` / `train/nonfinite_grad` count which); `ops/token_mean` of the first minibatch of the
+    first epoch (before any update of this step moved the policy); `learning_rate` of the last update;
+    `train/num_updates`; `train/loss_tokens`. Calls with the same batch shapes reuse one executable. `flash`
+    picks the attention implementation (splash on TPU, cuDNN on GPU, the jnp reference on CPU).
     """
-    cfg = learner_cfg
-    loss_fn = losses.get_loss_fn(cfg.loss_name)
-    agg = cfg.loss.aggregation
-    kernel = {"impl": flash.resolved_impl(mesh.devices.flat[0].platform), "flash": flash, "mesh": mesh}
+    cfg, loss_fn, agg = learner_cfg, losses.get_loss_fn(learner_cfg.loss_name), learner_cfg.loss.aggregation
 
-    def micro_loss(params, mb: Batch, weight: jax.Array):
-        logp, entropy = _policy_logp(graphdef, params, mb["tokens"], mb.get("attention_mask"),
-                                     cfg.logit_temperature, cfg.logits_chunk, cfg.remat, kernel, cfg.scan_layers)
-        mask = mb["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # token 0 has no prediction
-        loss, metrics = loss_fn(logp, mb["behavior_logp"], mb["advantages"], mask, cfg.loss,
-                                ref_logp=mb.get("ref_logp"), entropy=entropy)
-        return weight * loss, metrics
-
-    def packed_micro_loss(params, rows: tuple[jax.Array, ...], seqs: Batch, member: jax.Array, mask: jax.Array,
-                          weight: jax.Array):
+    def micro_loss(params, rows: tuple[jax.Array, ...], seqs: Batch, member: jax.Array, mask: jax.Array,
+                   weight: jax.Array):
         """Loss of the minibatch's sequences `member` [S] holds, scored on one micro-batch's packed `rows`
         (tokens, positions, segments [r, W]); the other sequences keep ratio 1 and mask 0."""
         logp, entropy = _packed_rows_logp(graphdef, params, *rows, cfg.logit_temperature, cfg.logits_chunk,
-                                          cfg.remat, kernel, cfg.scan_layers)
+                                          cfg.remat, _kernel(flash, mesh), cfg.scan_layers)
         index, keep = seqs["unpack_index"], member[:, None]
         logp = jnp.where(keep, jnp.take(logp.reshape(-1), index, mode="clip"), seqs["behavior_logp"])
         entropy = jnp.where(keep, jnp.take(entropy.reshape(-1), index, mode="clip"), 0.0)
@@ -569,82 +563,36 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
         return weight * loss, metrics
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
-    packed_grad_fn = jax.grad(packed_micro_loss, has_aux=True)
 
-    def weighted(metrics: Metrics, w_norm, w_tok, w_seq) -> Metrics:
-        """Each micro-batch metric times its share of the minibatch's normaliser (see `_normaliser`)."""
-        return {k: (w_norm if k in _AGG_METRICS else w_seq if k in _SEQ_METRICS else w_tok) * v
-                for k, v in metrics.items()}
-
-    def minibatch_grads(params, minibatch: Batch, n_micro: int) -> tuple[Any, Metrics]:
-        """Gradient and metrics of one minibatch, accumulated exactly over `n_micro` micro-batches."""
-        micro = jax.tree.map(lambda x: _split(x, n_micro, mesh), minibatch)  # [n_micro, rows/n_micro, ...]
-        mask = micro["loss_mask"].astype(jnp.float32).at[:, :, 0].set(0.0)
-        norm, tok, seq = jax.vmap(lambda m: _normaliser(m, agg))(mask)  # [n_micro] each
-        total_norm, total_tok, total_seq = _normaliser(mask.reshape(-1, mask.shape[-1]), agg)
-        w_norm, w_tok, w_seq = norm / total_norm, tok / total_tok, seq / total_seq
-
-        def body(acc, xs):
-            mb, w = xs
-            g, m = grad_fn(params, mb, w)
-            return jax.tree.map(jnp.add, acc, g), m
-
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)  # accumulate in f32 (bf16 params)
-        grads, metrics = jax.lax.scan(body, zeros, (micro, w_norm))  # metrics: [n_micro] each
-        metrics = {k: jnp.sum(v, axis=0) for k, v in weighted(metrics, w_norm, w_tok, w_seq).items()}
-        metrics["train/loss_tokens"] = mask.sum()
-        return grads, metrics
-
-    def packed_minibatch_grads(params, minibatch: Batch, shape: packing.PackShape) -> tuple[Any, Metrics]:
-        """Gradient and metrics of one packed minibatch: a loop over the micro-batches of full rows, then of tail
-        rows, each as many as the minibatch fills (`micro_index`): the cost follows its tokens. Exact: each
-        micro-batch's loss is weighted by its sequences' share of the minibatch's normaliser."""
-        mask = minibatch["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # [S, T]
+    def minibatch_grads(params, minibatch: Batch, shape: packing.PackShape) -> tuple[Any, Metrics]:
+        """Gradient and metrics of one minibatch, accumulated exactly over the micro-batches it fills."""
+        mask = minibatch["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # [S, T]; token 0 has no prediction
         totals = _normaliser(mask, agg)
         seqs = {k: minibatch[k] for k in ("behavior_logp", "advantages", "ref_logp", "unpack_index") if k in minibatch}
-        micro_index = minibatch["micro_index"]
 
         def body(member, rows, carry):
             grads, acc = carry
             mask_j = mask * member[:, None]
             w = [a / b for a, b in zip(_normaliser(mask_j, agg), totals, strict=True)]
-            g, m = packed_grad_fn(params, rows, seqs, member, mask_j, w[0])
-            return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, acc, weighted(m, *w))
+            g, m = grad_fn(params, rows, seqs, member, mask_j, w[0])
+            return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, acc, _weighted(m, *w))
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)  # accumulate in f32 (bf16 params)
         rows0 = tuple(jax.ShapeDtypeStruct((shape.rows_per_micro, shape.width), jnp.int32) for _ in range(3))
-        template = jax.eval_shape(packed_micro_loss, params, rows0, seqs, micro_index >= 0, mask, 1.0)[1]
+        template = jax.eval_shape(micro_loss, params, rows0, seqs, minibatch["micro_index"] >= 0, mask, 1.0)[1]
         carry = (zeros, jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), template))
         grads, metrics = _over_packed_micro_batches(minibatch, shape, mesh, body, carry)
         metrics["train/loss_tokens"] = mask.sum()
         return grads, metrics
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        _, n_micro = _check_batch(batch, cfg)
-        shape = pack_shape(batch, cfg) if "micro_index" in batch else None
-        keep = (*REQUIRED_KEYS, "ref_logp", *(packing.ALL_KEYS if shape else ("attention_mask",)))
-        batch = {k: v for k, v in batch.items() if k in keep}
+        shape = _check_batch(batch, cfg)
+        batch = {k: v for k, v in batch.items() if k in _TRAIN_KEYS}
         minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh), batch)
 
         def update(carry, minibatch):
-            params, opt_state = carry
-            if shape is None:
-                grads, metrics = minibatch_grads(params, minibatch, n_micro)
-            else:
-                grads, metrics = packed_minibatch_grads(params, minibatch, shape)
-            metrics["grad_norm"] = optax.tree.norm(grads)
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            # A NaN or Inf in the loss or the gradients skips the update: params and optimizer state (and the
-            # schedule's count) stay as they were, and the metrics say which quantity it was.
-            bad_loss, bad_grad = ~jnp.isfinite(metrics["loss"]), ~jnp.isfinite(metrics["grad_norm"])
-            ok = ~(bad_loss | bad_grad)
-            params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_params, new_opt_state),
-                                             (params, opt_state))
-            metrics["learning_rate"] = _learning_rate(opt_state)
-            metrics["train/nonfinite_loss"], metrics["train/nonfinite_grad"] = bad_loss, bad_grad
-            metrics["train/skipped_updates"] = ~ok
-            return (params, opt_state), metrics
+            grads, metrics = minibatch_grads(carry[0], minibatch, shape)
+            return _apply_update(optimizer, *carry, grads, metrics)
 
         def epoch(carry, _):
             return jax.lax.scan(update, carry, minibatches)
@@ -653,24 +601,12 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
             epoch, (state.params, state.opt_state), None, length=cfg.ppo_epochs
         )  # metrics: [ppo_epochs, num_minibatches] each
         num_updates = cfg.ppo_epochs * cfg.num_minibatches
-        out = {k: v.mean() for k, v in metrics.items()}
-        out["ops/token_mean"] = metrics["ops/token_mean"][0, 0]
-        out["learning_rate"] = metrics["learning_rate"][-1, -1]
-        out["train/loss_tokens"] = metrics["train/loss_tokens"][0].sum()
-        out["train/num_updates"] = jnp.asarray(num_updates, jnp.float32)
-        for k in ("train/skipped_updates", "train/nonfinite_loss", "train/nonfinite_grad"):
-            out[k] = metrics[k].sum()  # counts over the step's updates
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + num_updates)
-        return new_state, {k: v.astype(jnp.float32) for k, v in out.items()}
+        return new_state, _step_metrics(metrics, num_updates)
 
     batch_shardings = mesh_lib.batch_sharding(mesh, 1)  # prefix for every [B, ...] entry of the batch dict
-    step = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))
-    if jax.process_count() == 1:
-        return step
-    # Several processes: jit takes no numpy array for a sharding that spans other hosts' devices. Every host
-    # built the same batch, so each places the rows its own devices hold.
-    return lambda state, batch: step(state, distributed.to_global(batch, mesh))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -678,19 +614,14 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _unsplit(parts: jax.Array) -> jax.Array:
-    """The inverse of `_split`: [n, N/n, ...] with part k = rows k, k + n, ... -> [N, ...]."""
-    return jnp.moveaxis(parts, 0, 1).reshape(parts.shape[0] * parts.shape[1], *parts.shape[2:])
-
-
 def make_logprob_fn(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, mesh: Mesh, param_shardings: Any,
                     flash: FlashConfig = DEFAULT_FLASH) -> LogProbStep:
     """`logprobs(params, batch) -> float32[B, T]`, log pi(tokens[t] | tokens[:t]) of `params`, jitted on `mesh`.
 
-    The train step's forward of the policy without its backward: the same packed rows of `pack_for_learner` (or
-    padded micro-batches when unpacked), micro-batch by micro-batch through the same loop, with the same logits
-    chunking, layer scan and attention kernel. So it costs one epoch's forward (about a third of an epoch's
-    FLOPs) and holds one micro-batch's activations, not the [B, T, V] logits of an unpacked full-context pass.
+    The train step's forward of the policy without its backward: the same packed rows of `pack_for_learner`,
+    micro-batch by micro-batch through the same loop, with the same logits chunking, layer scan and attention
+    kernel. So it costs one epoch's forward (about a third of an epoch's FLOPs) and holds one micro-batch's
+    activations, not the [B, T, V] logits of an unpacked full-context pass.
 
     It computes the reference log-probs of the KL (`ref_params`) and the step-start ones (the OPS filter, pi_old)
     on the host's batch before the step: a program of its own, not a part of the train step, because the
@@ -701,43 +632,106 @@ def make_logprob_fn(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, mesh: Me
     0 at each sequence's token 0, on padding and on the rows the packing skipped (all-zero loss mask).
     """
     cfg = learner_cfg
-    kernel = {"impl": flash.resolved_impl(mesh.devices.flat[0].platform), "flash": flash, "mesh": mesh}
     temperature = cfg.logit_temperature
-
-    def unpacked(params, minibatch: Batch, n_micro: int) -> jax.Array:
-        micro = jax.tree.map(lambda x: _split(x, n_micro, mesh), minibatch)  # [n_micro, S/n_micro, T]
-        return _unsplit(jax.lax.map(lambda mb: _policy_logp(
-            graphdef, params, mb["tokens"], mb["attention_mask"], temperature, cfg.logits_chunk, cfg.remat,
-            kernel, cfg.scan_layers)[0], micro))
 
     def packed(params, minibatch: Batch, shape: packing.PackShape) -> jax.Array:
         index = minibatch["unpack_index"]  # [S, T] into the micro-batch's flat [r, W] block
 
         def body(member, rows, acc):
-            logp, _ = _packed_rows_logp(graphdef, params, *rows, temperature, cfg.logits_chunk, cfg.remat, kernel,
-                                        cfg.scan_layers)
+            logp, _ = _packed_rows_logp(graphdef, params, *rows, temperature, cfg.logits_chunk, cfg.remat,
+                                        _kernel(flash, mesh), cfg.scan_layers)
             return jnp.where(member[:, None], jnp.take(logp.reshape(-1), index, mode="clip"), acc)
 
         return _over_packed_micro_batches(minibatch, shape, mesh, body, jnp.zeros(index.shape, jnp.float32))
 
     def logprobs(params, batch: Batch) -> jax.Array:
-        _, n_micro = _check_batch(batch, cfg)
+        shape = _check_batch(batch, cfg)
         if "attention_mask" not in batch:
             raise ValueError("the log-prob pass needs batch['attention_mask'] (True on real tokens).")
-        shape = pack_shape(batch, cfg) if "micro_index" in batch else None
-        keep = ("tokens", "attention_mask", *(packing.ALL_KEYS if shape else ()))
+        keep = ("tokens", "attention_mask", *packing.ALL_KEYS)
         minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh),
                                    {k: v for k, v in batch.items() if k in keep})
-        if shape is None:
-            parts = jax.lax.map(lambda mb: unpacked(params, mb, n_micro), minibatches)
-        else:
-            parts = jax.lax.map(lambda mb: packed(params, mb, shape), minibatches)
+        parts = jax.lax.map(lambda mb: packed(params, mb, shape), minibatches)
         valid = batch["attention_mask"].astype(bool).at[:, 0].set(False)  # token 0 has no prediction
         return jnp.where(valid, _unsplit(parts), 0.0)
 
-    batch_shardings = mesh_lib.batch_sharding(mesh, 1)
-    fn = jax.jit(logprobs, in_shardings=(param_shardings, batch_shardings),
-                 out_shardings=mesh_lib.batch_sharding(mesh, 2))
-    if jax.process_count() == 1:
-        return fn
-    return lambda params, batch: fn(params, distributed.to_global(batch, mesh))
+    return jax.jit(logprobs, in_shardings=(param_shardings, mesh_lib.batch_sharding(mesh, 1)),
+                   out_shardings=mesh_lib.batch_sharding(mesh, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The learner: its programs on its mesh
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Learner:
+    """What the learner runs, assembled once on its own mesh (`create`): the optimizer, the policy's graph, the
+    train state's shardings and abstract value, and the two jitted programs, the train step and the log-prob
+    pass. The run trains with these and the deviceless compile lowers these, so what is sized is what runs.
+
+    `mesh` is the learner's alone: an engine may sample on another one (`rollout.engine.EnginePlan`).
+    """
+
+    cfg: LearnerConfig
+    optimizer: optax.GradientTransformation
+    graphdef: nnx.GraphDef
+    mesh: Mesh
+    shardings: TrainState  # NamedSharding per leaf
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings: the checkpoint restore target
+    step_program: TrainStep  # jitted: (state, batch) -> (state, metrics), the state donated
+    logprob_program: LogProbStep  # jitted: (params, batch) -> float32[B, T]
+
+    @classmethod
+    def create(cls, model: nnx.Module, learner_cfg: LearnerConfig, optimizer_cfg: OptimizerConfig, mesh: Mesh,
+               flash: FlashConfig = DEFAULT_FLASH) -> Learner:
+        """The learner of `model` (concrete, or abstract from `nnx.eval_shape`: nothing is allocated here)."""
+        optimizer = make_optimizer(optimizer_cfg)
+        graphdef, _ = split_params(model)
+        shardings = train_state_shardings(model, optimizer, mesh)
+        return cls(cfg=learner_cfg, optimizer=optimizer, graphdef=graphdef, mesh=mesh, shardings=shardings,
+                   abstract_state=abstract_train_state(model, optimizer, mesh),
+                   step_program=make_train_step(graphdef, learner_cfg, optimizer, mesh, shardings, flash),
+                   logprob_program=make_logprob_fn(graphdef, learner_cfg, mesh, shardings.params, flash))
+
+    def init_state(self, model: nnx.Module, seed: int = 0) -> TrainState:
+        """The initial train state of a concrete `model` on the learner's mesh (`init_train_state`)."""
+        return init_train_state(model, self.optimizer, self.mesh, seed=seed)
+
+    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        """One call of the train step (`make_train_step`) on a packed host batch."""
+        return self.step_program(state, self._place(batch))
+
+    def logprob_fn(self, params: nnx.State, batch: Batch) -> jax.Array:
+        """The log-prob pass (`make_logprob_fn`) of `params` on a packed host batch."""
+        return self.logprob_program(params, self._place(batch))
+
+    def _place(self, batch: Batch) -> Batch:
+        # Several processes: jit takes no numpy array for a sharding that spans other hosts' devices. Every host
+        # built the same batch, so each places the rows its own devices hold.
+        return batch if jax.process_count() == 1 else distributed.to_global(batch, self.mesh)
+
+    def abstract_batch(self, rows: int, width: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The batch of `rows` sequences of `width` tokens at its largest packed layout
+        (`packing.largest_shape`): one program serves every batch of that size, since each minibatch loops over
+        only the micro-batches its tokens fill. What the deviceless compile lowers the programs for."""
+        cfg = self.cfg
+
+        def b(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(self.mesh, len(shape)))
+        batch = {"tokens": b((rows, width), jnp.int32), "loss_mask": b((rows, width), jnp.float32),
+                 "behavior_logp": b((rows, width), jnp.float32), "advantages": b((rows,), jnp.float32),
+                 "attention_mask": b((rows, width), bool)}
+        if cfg.loss.kl_coef > 0:  # the reference log-probs, from the log-prob pass
+            batch["ref_logp"] = b((rows, width), jnp.float32)
+        shape = packing.largest_shape(rows, width, cfg.num_minibatches, cfg.micro_batch_size, cfg.tail_row_width,
+                                      batch_devices(self.mesh.shape))
+        return {**batch, **{k: b(s, jnp.int32) for k, s in shape.shapes(rows).items()}}
+
+    def lower_train_step(self, rows: int, width: int) -> jax.stages.Lowered:
+        """The train step lowered for the abstract state and `abstract_batch(rows, width)`."""
+        return self.step_program.lower(self.abstract_state, self.abstract_batch(rows, width))
+
+    def lower_logprobs(self, rows: int, width: int) -> jax.stages.Lowered:
+        """The log-prob pass lowered for params of the train state's shapes and `abstract_batch(rows, width)`."""
+        return self.logprob_program.lower(self.abstract_state.params, self.abstract_batch(rows, width))

@@ -30,19 +30,27 @@ can need, `r = rows_per_micro`, `W = tail_width`):
 
 The row index of the full rows composes two strided splits (the learner's `_split`): splitting by `n` gives
 minibatch `k`, splitting that by `M` gives micro-batch `j` with its `r` rows, each device keeping its own rows.
+
+The train step has this one layout: a batch that is not packed (`LearnerConfig.pack_sequences = False`) is laid
+out the same way with one sequence per row (`pack_for_learner`). Everything here is host-side numpy (no JAX), so
+the simulator plans the learner's rows with the very code the run packs them with.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollverify_jax.schedule_rules import first_fit, row_bucket
+from rollverify_jax.schedule_rules import batch_devices, first_fit, row_bucket
 
-__all__ = ["PACKED_KEYS", "TAIL_KEYS", "PackShape", "first_fit", "pack_minibatches", "plan_minibatch",
-           "row_bucket"]
+if TYPE_CHECKING:  # the learner imports this module; its config is only a type here
+    from rollverify_jax.rl.learner import LearnerConfig
+
+__all__ = ["PACKED_KEYS", "TAIL_KEYS", "PackShape", "first_fit", "pack_for_learner", "pack_minibatches",
+           "pack_shape", "packing_stats", "plan_minibatch", "row_bucket"]
 
 PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_segments")
 TAIL_KEYS = ("tail_tokens", "tail_positions", "tail_segments")
@@ -141,9 +149,11 @@ def plan_minibatch(lengths: Sequence[int], width: int, rows_per_micro: int,
 
 
 def plan_batch(lengths: np.ndarray, num_minibatches: int, width: int, rows_per_micro: int | None,
-               tail_width: int | None = None, live: np.ndarray | None = None) -> list[tuple[np.ndarray, Rows, Rows]]:
+               tail_width: int | None = None, live: np.ndarray | None = None,
+               one_per_row: bool = False) -> list[tuple[np.ndarray, Rows, Rows]]:
     """Per minibatch: (its batch rows, full rows, tail rows), rows holding batch-row indices. `rows_per_micro`
-    None: every full row of a minibatch in one micro-batch (no tail)."""
+    None: every full row of a minibatch in one micro-batch (no tail). `one_per_row`: each sequence in a full row
+    of its own, in batch order (an unpacked batch, `LearnerConfig.pack_sequences = False`)."""
     b = len(lengths)
     live = np.ones(b, bool) if live is None else live
     out = []
@@ -151,7 +161,10 @@ def plan_batch(lengths: np.ndarray, num_minibatches: int, width: int, rows_per_m
         members = np.flatnonzero(live & (np.arange(b) % num_minibatches == k))
         sub = [int(lengths[i]) for i in members]
         r = rows_per_micro or max(1, len(sub))
-        full, tail = plan_minibatch(sub, width, r, tail_width if rows_per_micro else None)
+        if one_per_row:
+            full, tail = [[j] for j in range(len(sub))], []
+        else:
+            full, tail = plan_minibatch(sub, width, r, tail_width if rows_per_micro else None)
         out.append((members, [[int(members[j]) for j in row] for row in full],
                     [[int(members[j]) for j in row] for row in tail]))
     return out
@@ -181,7 +194,8 @@ def planned_positions(plans, shape: PackShape) -> tuple[int, int, int]:
 
 def pack_minibatches(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: int = 1,
                      rows_per_micro: int | None = None, tail_width: int | None = None, row_multiple: int = 1,
-                     skip: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], PackShape]:
+                     skip: np.ndarray | None = None,
+                     one_per_row: bool = False) -> tuple[dict[str, np.ndarray], PackShape]:
     """Packed layout of a right-padded batch and the `PackShape` it has.
 
     Args:
@@ -194,6 +208,7 @@ def pack_minibatches(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: i
       tail_width: width of the optional narrower rows (needs `rows_per_micro`).
       skip: bool[B], rows left out of the packed layout (`micro_index` -1): rows with an all-zero loss mask,
         which add nothing to the loss, its normaliser or the metrics, so the model need not run on them.
+      one_per_row: every sequence in a row of its own (no tail rows): the unpacked layout.
     """
     b, t = tokens.shape
     lengths = np.asarray(lengths, np.int64)
@@ -203,9 +218,10 @@ def pack_minibatches(tokens: np.ndarray, lengths: np.ndarray, num_minibatches: i
         raise ValueError(f"lengths must be {b} integers in [1, {t}] (0 allowed on skipped rows), got {lengths!r}.")
     if b % num_minibatches:
         raise ValueError(f"batch of {b} rows does not split into {num_minibatches} minibatches.")
-    if tail_width is not None and rows_per_micro is None:
-        raise ValueError("tail rows need a fixed number of rows per micro-batch (LearnerConfig.micro_batch_size).")
-    plans = plan_batch(lengths, num_minibatches, t, rows_per_micro, tail_width, live)
+    if tail_width is not None and (rows_per_micro is None or one_per_row):
+        raise ValueError("tail rows need a fixed number of rows per micro-batch (LearnerConfig.micro_batch_size) "
+                         "and packing (LearnerConfig.pack_sequences).")
+    plans = plan_batch(lengths, num_minibatches, t, rows_per_micro, tail_width, live, one_per_row)
     shape = plan_shape(plans, b, t, num_minibatches, rows_per_micro, tail_width, row_multiple)
     out = {k: np.zeros(s, np.int32) for k, s in shape.shapes(b).items()}
     out["micro_index"][:] = -1
@@ -236,3 +252,58 @@ def micro_counts(micro_index: np.ndarray, shape: PackShape) -> tuple[np.ndarray,
     full = np.where(per_mini < shape.max_micro, per_mini, -1).max(axis=1) + 1
     tail = np.where(per_mini >= shape.max_micro, per_mini - shape.max_micro, -1).max(axis=1) + 1
     return full, tail
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The learner's batch (host side, before the train step)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def pack_for_learner(batch: Mapping[str, Any], cfg: LearnerConfig, mesh: Any) -> dict[str, Any]:
+    """The batch plus its packed layout (`pack_minibatches`): what the train step and the log-prob pass take.
+
+    Each minibatch of the learner's strided split packs its own sequences into micro-batches of
+    `cfg.micro_batch_size` rows (None: one micro-batch of all its rows, their number a multiple of the batch
+    devices of `mesh` so that they shard evenly). With `cfg.pack_sequences` False every sequence gets a row of
+    its own (the unpacked layout, same result). Rows with an all-zero loss mask (filtered trajectories) are
+    skipped: they need no forward.
+    """
+    if "attention_mask" not in batch:
+        raise ValueError("packing needs batch['attention_mask'] (True on real tokens) to find each length.")
+    tokens = np.asarray(batch["tokens"])
+    if tokens.shape[0] % cfg.num_minibatches:
+        raise ValueError(f"batch size {tokens.shape[0]} is not divisible by LearnerConfig.num_minibatches="
+                         f"{cfg.num_minibatches}.")
+    lengths = np.asarray(batch["attention_mask"]).astype(bool).sum(axis=1)
+    skip = np.asarray(batch["loss_mask"]).sum(axis=1) == 0  # filtered trajectories: no forward needed
+    packed, _ = pack_minibatches(tokens, lengths, cfg.num_minibatches, cfg.micro_batch_size, cfg.tail_row_width,
+                                 row_multiple=batch_devices(mesh.shape), skip=skip,
+                                 one_per_row=not cfg.pack_sequences)
+    return {**batch, **packed}
+
+
+def pack_shape(batch: Mapping[str, Any], cfg: LearnerConfig) -> PackShape:
+    """The `PackShape` of a packed batch, read from its array shapes (static under jit)."""
+    n = cfg.num_minibatches
+    rows, width = batch["packed_tokens"].shape
+    r = cfg.micro_batch_size or rows // n
+    tail = batch.get("tail_tokens")
+    if rows % (n * r) or (tail is not None and tail.shape[0] % (n * r)):
+        raise ValueError(f"packed rows ({rows}, tail {None if tail is None else tail.shape[0]}) do not split into "
+                         f"{n} minibatches of micro-batches of {r} rows; pack the batch with pack_for_learner and "
+                         "the same LearnerConfig.")
+    return PackShape(n, r, rows // (n * r), width, None if tail is None else tail.shape[1],
+                     0 if tail is None else tail.shape[0] // (n * r))
+
+
+def packing_stats(batch: Mapping[str, Any], cfg: LearnerConfig) -> dict[str, float]:
+    """Host metrics of a packed batch: the share of the train step's token positions that hold a real token
+    (`train/useful_token_fraction`) and the micro-batches it runs per optimizer update."""
+    if "micro_index" not in batch:
+        return {}
+    shape = pack_shape(batch, cfg)
+    full, tail = micro_counts(np.asarray(batch["micro_index"]), shape)
+    positions = sum(shape.positions(int(f), int(t)) for f, t in zip(full, tail, strict=True))
+    useful = sum(int((np.asarray(batch[k]) > 0).sum()) for k in ("packed_segments", "tail_segments") if k in batch)
+    return {"train/useful_token_fraction": useful / max(positions, 1),
+            "train/micro_batches": float((full + tail).mean())}

@@ -12,12 +12,13 @@ import numpy as np
 from rollverify_jax.data.plugins import with_interaction
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
+from rollverify_jax.rl import packing
 from rollverify_jax.rl.batch import build_batch, pad_rows
 from rollverify_jax.rl.buffer import Group
 from rollverify_jax.rl.filters import FilterConfig, FilterInputs, apply_filter
 from rollverify_jax.verify.ops import token_ops
 
-# The learner's batch (padded to whole batches, packed by `learner.pack_for_learner`) -> log-probs [N, T] on the
+# The learner's batch (padded to whole batches, packed by `packing.pack_for_learner`) -> log-probs [N, T] on the
 # host: `learner.make_logprob_fn`'s pass, the train step's packed forward
 LogProbFn = Callable[[dict], np.ndarray]
 
@@ -70,7 +71,7 @@ def select(scored: Scored, learner: learner_lib.LearnerConfig, filter_cfg: Filte
     response = batch["loss_mask"] > 0
     n = len(scored.trajs)
     step_start_logp = functools.cache(
-        lambda: policy_logp(learner_lib.pack_for_learner(pad_rows(batch, rows), learner, mesh))[:n])
+        lambda: policy_logp(packing.pack_for_learner(pad_rows(batch, rows), learner, mesh))[:n])
     inputs = FilterInputs(
         versions=[t.versions for t in scored.trajs], current_version=current_version,
         behavior_logp=batch["behavior_logp"], response_mask=response, current_logp=step_start_logp)
@@ -85,8 +86,8 @@ def select(scored: Scored, learner: learner_lib.LearnerConfig, filter_cfg: Filte
         batch["behavior_logp"] = np.where(response, pi_old, batch["behavior_logp"])
     batch["loss_mask"] *= keep[:, None].astype(np.float32)
     batch = pad_rows(batch, rows)  # more than B groups: whole batches' shapes
-    batch = learner_lib.pack_for_learner(batch, learner, mesh)
+    batch = packing.pack_for_learner(batch, learner, mesh)
     if ref_logp is not None:  # on the packed rows of the kept trajectories (0 on the skipped ones: outside the loss)
         batch["ref_logp"] = np.asarray(ref_logp(batch), np.float32)
     return batch, {**metrics, "filter/kept_fraction": float(keep.mean()),
-                   **learner_lib.packing_stats(batch, learner)}
+                   **packing.packing_stats(batch, learner)}

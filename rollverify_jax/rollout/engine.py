@@ -495,28 +495,6 @@ def compiled_programs() -> int:
     return sum(f._cache_size() for f in (_prefill_jit, _insert_jit, _prefill_insert_jit, _generate_jit))
 
 
-def lower_prefill(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: bool = True):
-    """The resume prefill lowered for these (abstract) arguments: what the deviceless compile sizes (``aot``)."""
-    return _prefill_jit.lower(static, params, state, packed, with_logp)
-
-
-def lower_decode(static: EngineStatic, params, state: DecodeState, steps: int, live_pages: int | None = None):
-    """One decode dispatch of ``steps`` tokens per slot, lowered for these (abstract) arguments (``aot``);
-    ``live_pages``: the page-table bucket the dispatch reads (None: the whole table)."""
-    return _generate_jit.lower(static, params, state, steps, live_pages)
-
-
-def lower_extend(static: EngineStatic, params, state: DecodeState, rows: int, width: int, sharding=None):
-    """``Engine.extend`` of ``rows`` slots at once, ``width`` new tokens each (tool replies), lowered for these
-    (abstract) arguments (``aot``); ``sharding``: the host arguments' (replicated) sharding."""
-    def arg(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    pps = state.page_table.shape[1]
-    return _extend_jit.lower(static, params, state, arg((rows, width), jnp.int32), arg((rows, width), jnp.int32),
-                             arg((rows, width), bool), *[arg((rows,), jnp.int32)] * 3, arg((rows,), jnp.uint32),
-                             arg((rows,), jnp.int32), arg((rows, pps), jnp.int32), arg((rows,), bool))
-
-
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_page_table_fn(state: DecodeState, table: jax.Array) -> DecodeState:
     return dataclasses.replace(state, page_table=table)
@@ -601,6 +579,98 @@ class PendingDecode:
         return np.pad(tokens, pad), np.pad(logps, pad), np.pad(emitted, pad)
 
 
+@functools.cache
+def _config_graphdef(model_cfg, compute_dtype: str | None) -> nnx.GraphDef:
+    """The rollout graph of a model of ``model_cfg`` (``rollout_graphdef`` of an abstract one): no weights."""
+    return rollout_graphdef(nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0))), compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """The engine's static layout on its own mesh, from the model's config (``of``): the decode state's place
+    (``PoolLayout``, the pool's pages), the graph its programs merge params into, the sampler and stop tokens, the
+    attention kernels, and from those ``EngineStatic``, the key its compiled programs are cached on. The
+    ``Engine`` is built from it (``engine``), and the deviceless compile lowers the same programs from it
+    (``lower_*``), so what is sized is what runs. Its mesh is the engine's: a learner may train on another."""
+
+    model_cfg: Any  # Qwen3Config
+    config: EngineConfig
+    sampling: SamplingConfig
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    layout: PoolLayout
+    num_pages: int
+    eos_ids: tuple[int, ...]  # sorted; (-1,) when there are none
+    stop_ids: tuple[int, ...]  # sorted, none of them an EOS
+    flash: FlashConfig = DEFAULT_FLASH
+    attention: tuple[tuple[str, Any], ...] = ()  # paged_attention's knobs, sorted (name, value) pairs
+
+    @classmethod
+    def of(cls, model_cfg, engine_cfg: EngineConfig, sampling: SamplingConfig, mesh: Mesh, *,
+           eos_ids: tuple[int, ...] = (), stop_ids: tuple[int, ...] = (), flash: FlashConfig = DEFAULT_FLASH,
+           attention: Mapping[str, Any] | None = None, graphdef: nnx.GraphDef | None = None) -> EnginePlan:
+        """The plan of an engine for a model of ``model_cfg`` on ``mesh``. ``graphdef``: the concrete model's
+        ``rollout_graphdef`` (None: derived from ``model_cfg``, without weights)."""
+        eos = tuple(sorted(set(eos_ids))) or (-1,)
+        layout = PoolLayout.for_mesh(mesh, engine_cfg.num_slots, model_cfg.num_key_value_heads,
+                                     model_cfg.num_attention_heads, engine_cfg.megacore)
+        return cls(model_cfg=model_cfg, config=engine_cfg, sampling=sampling, mesh=mesh,
+                   graphdef=graphdef if graphdef is not None else _config_graphdef(model_cfg,
+                                                                                    engine_cfg.compute_dtype),
+                   layout=layout, num_pages=pool_pages(model_cfg, engine_cfg, layout.num_shards), eos_ids=eos,
+                   stop_ids=tuple(sorted(set(stop_ids) - set(eos))), flash=flash,
+                   attention=tuple(sorted(dict(attention or {}).items())))
+
+    def static(self, sampling: SamplingConfig | None = None) -> EngineStatic:
+        """What the compiled programs specialise on, sampling with ``sampling`` (None: the plan's)."""
+        return EngineStatic(self.graphdef, sampling or self.sampling, tuple(sorted(self.eos_ids + self.stop_ids)),
+                            self.layout, self.config.logits_chunk, self.flash, self.attention)
+
+    def abstract_state(self) -> DecodeState:
+        """The decode state the engine allocates, as ``jax.ShapeDtypeStruct``s with their shardings."""
+        return abstract_decode_state(self.model_cfg, self.config, self.layout, self.num_pages)
+
+    def param_shardings(self, params: nnx.State) -> nnx.State:
+        """The shardings the engine holds ``params`` in (``EngineConfig.serving_layout``)."""
+        return serving_param_shardings(params, self.mesh, self.config.serving_layout, self.model_cfg.rules())
+
+    def abstract_params(self, params: nnx.State) -> nnx.State:
+        """``params`` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs in the engine's shardings."""
+        return jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
+                            self.param_shardings(params), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def lower_prefill(self, params, rows: int, width: int | None = None) -> jax.stages.Lowered:
+        """The resume prefill (with verification log-probs) of ``rows`` packed rows of ``width`` tokens (default
+        ``max_seq_len``) for (abstract) ``params``."""
+        width = width or self.config.max_seq_len
+
+        def sds(shape):
+            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=mesh_lib.replicated(self.mesh))
+        packed = PackedPrefill(*[sds((rows, width))] * 5, *[sds((rows,))] * 3)
+        return _prefill_jit.lower(self.static(), params, self.abstract_state(), packed, True)
+
+    def lower_decode(self, params, live_pages: int | None = None) -> jax.stages.Lowered:
+        """One decode dispatch (``steps_per_dispatch`` tokens over every slot) for (abstract) ``params``;
+        ``live_pages``: the page-table bucket the dispatch reads (None: the whole table)."""
+        return _generate_jit.lower(self.static(), params, self.abstract_state(), self.config.steps_per_dispatch,
+                                   live_pages)
+
+    def lower_extend(self, params, width: int) -> jax.stages.Lowered:
+        """``Engine.extend`` of every slot at once, ``width`` new tokens each (tool replies)."""
+        def arg(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.replicated(self.mesh))
+        rows, pps = self.config.num_slots, -(-self.config.max_seq_len // self.config.page_size)
+        return _extend_jit.lower(self.static(), params, self.abstract_state(), arg((rows, width), jnp.int32),
+                                 arg((rows, width), jnp.int32), arg((rows, width), bool),
+                                 *[arg((rows,), jnp.int32)] * 3, arg((rows,), jnp.uint32), arg((rows,), jnp.int32),
+                                 arg((rows, pps), jnp.int32), arg((rows,), bool))
+
+    def engine(self, model: Qwen3ForCausalLM) -> Engine:
+        """The engine of this plan holding ``model``'s weights (concrete), on the plan's mesh."""
+        return Engine(model, self.config, self.sampling, self.eos_ids, self.mesh, self.flash, dict(self.attention),
+                      self.stop_ids)
+
+
 class Engine:
     """Owns the compiled prefill/insert/generate functions and the decode state of ``num_slots`` slots."""
 
@@ -611,21 +681,14 @@ class Engine:
         part of what the compiled functions are cached on). ``stop_ids``: tokens that end a policy turn without
         ending the sequence (a tool call's closing tag): decode stops there like at an EOS, and the host decides
         what follows (``extend`` with the tool's reply)."""
-        self.config = config
-        self.sampling = sampling
-        self.flash = flash
-        self.attention = tuple(sorted(dict(attention or {}).items()))
-        self.model_config = model.cfg
-        self.graphdef = rollout_graphdef(model, config.compute_dtype)
-        params = nnx.state(model)
-        self.mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-        self.params = self._place_params(params)
-        self.eos_ids = tuple(sorted(set(eos_ids))) or (-1,)
-        self.stop_ids = tuple(sorted(set(stop_ids) - set(self.eos_ids)))
-        self.layout = PoolLayout.for_mesh(self.mesh, config.num_slots, model.cfg.num_key_value_heads,
-                                          model.cfg.num_attention_heads, config.megacore)
-        num_pages = pool_pages(model.cfg, config, self.layout.num_shards)
-        self.allocator = paged_cache.PageAllocator(num_pages, config.page_size, config.num_slots,
+        mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+        self.plan = EnginePlan.of(model.cfg, config, sampling, mesh, eos_ids=eos_ids, stop_ids=stop_ids, flash=flash,
+                                  attention=attention, graphdef=rollout_graphdef(model, config.compute_dtype))
+        self.config, self.sampling, self.flash, self.attention = config, sampling, flash, self.plan.attention
+        self.model_config, self.graphdef, self.mesh = model.cfg, self.plan.graphdef, mesh
+        self.eos_ids, self.stop_ids, self.layout = self.plan.eos_ids, self.plan.stop_ids, self.plan.layout
+        self.params = self._place_params(nnx.state(model))
+        self.allocator = paged_cache.PageAllocator(self.plan.num_pages, config.page_size, config.num_slots,
                                                    config.max_seq_len, self.layout.num_shards)
         self.state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
                                   abstract_decode_state(model.cfg, config, self.layout, self.allocator.num_pages))
@@ -636,8 +699,7 @@ class Engine:
     # Placement
 
     def _place_params(self, params):
-        return jax.device_put(params, serving_param_shardings(params, self.mesh, self.config.serving_layout,
-                                                              self.model_config.rules()))
+        return jax.device_put(params, self.plan.param_shardings(params))
 
     def update_params(self, params: nnx.State, version: int) -> None:
         """New policy weights (e.g. after a train step) and their version number. A serving copy replaces the
@@ -656,8 +718,8 @@ class Engine:
         return self.config.compute_dtype or self.model_config.dtype
 
     def _static(self) -> EngineStatic:
-        return EngineStatic(self.graphdef, self.sampling, tuple(sorted(self.eos_ids + self.stop_ids)), self.layout,
-                            self.config.logits_chunk, self.flash, self.attention)
+        """The plan's static with the current sampler (evaluation swaps ``sampling`` for its own)."""
+        return self.plan.static(self.sampling)
 
     @property
     def static(self) -> EngineStatic:

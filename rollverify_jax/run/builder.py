@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,10 +13,9 @@ from etils import epath
 
 from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset, records_fingerprint
 from rollverify_jax.data.rewards import RewardScorer
-from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.infra import storage
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
-from rollverify_jax.models.hf import config_from_hf, config_to_hf
+from rollverify_jax.models.hf import config_to_hf
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
@@ -27,32 +25,9 @@ from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import eval_settings
 from rollverify_jax.run.fresh_start import check_fresh_start
+from rollverify_jax.run.programs import execution_config, make_learner, make_mesh
 from rollverify_jax.run.spec import RunSpec, check_resume_settings
 from rollverify_jax.run.trainer import Policy, Trainer
-
-
-def execution_config(cfg, spec: RunSpec):
-    """A model config with the spec's logical-axis rules and expert-parallel chunk (how it runs on the mesh)."""
-    return cfg.replace(axis_rules=spec.axis_rules.get("rules", ()), expert_parallel_chunk=expert_parallel_chunk(
-        **spec.moe))
-
-
-def architecture(spec: RunSpec):
-    """The policy's architecture without loading weights: the checkpoint's config.json when present, else the
-    gin-configured preset (the layout a run on a machine without the checkpoint is sized by), with the run's
-    execution settings (logical-axis rules, expert-parallel chunk)."""
-    train_cfg = spec.train
-    hf_config = Path(train_cfg.policy_path or "", "config.json")
-    if train_cfg.policy_path and hf_config.exists():
-        cfg = config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
-    else:
-        dtype = train_cfg.param_dtype or "float32"
-        cfg = model_config(**{**spec.model, "param_dtype": dtype, "dtype": train_cfg.compute_dtype or dtype})
-    return execution_config(cfg, spec)
-
-
-def make_mesh(spec: RunSpec, devices=None):
-    return mesh_lib.make_mesh(**spec.mesh, **({"devices": devices} if devices is not None else {}))
 
 
 def prompt_lengths(tokenizer: Tokenizer, records: Sequence[dict], chat: bool, chunk: int = 4096, *,
@@ -186,25 +161,21 @@ def build_trainer(spec: RunSpec, workdir: storage.PathLike) -> Trainer:
 def _training(policy: Policy, workdir: epath.Path) -> Trainer:
     spec, model, mesh, engine = policy.spec, policy.model, policy.mesh, policy.engine
     spec.check_mesh(dict(mesh.shape))
-    optimizer = learner_lib.make_optimizer(spec.optimizer)
-    graphdef, _ = learner_lib.split_params(model)
-    shardings = learner_lib.train_state_shardings(model, optimizer, mesh)
-    train_state = learner_lib.init_train_state(model, optimizer, mesh, seed=spec.train.seed)
-    train_step = learner_lib.make_train_step(graphdef, spec.learner, optimizer, mesh, shardings, spec.flash)
+    learner = make_learner(spec, model, mesh)  # the programs the deviceless compile lowers too
+    train_state = learner.init_state(model, seed=spec.train.seed)
     ref_params = jax.tree.map(lambda x: x.copy(), train_state.params) if spec.loss.kl_coef > 0 else None
-    logprob_fn = learner_lib.make_logprob_fn(graphdef, spec.learner, mesh, shardings.params, spec.flash)
     records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"), policy.tokenizer,
                            spec.train.chat_template, spec.max_prompt_len(), **prompt_options(spec.train))
     iterator = PromptIterator(records, batch_size=1, seed=spec.train.seed)
     manager = RolloutManager(spec.rollout, Scheduler(engine, policy.tools), lambda: iterator.next_batch()[0],
                              policy.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
     checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
-    trainer = Trainer(policy=policy, workdir=workdir, graphdef=graphdef, train_state=train_state,
-                      train_step=train_step, manager=manager, iterator=iterator, checkpointer=checkpointer,
-                      ref_params=ref_params, logprob_fn=logprob_fn,
+    trainer = Trainer(policy=policy, workdir=workdir, graphdef=learner.graphdef, train_state=train_state,
+                      train_step=learner.train_step, manager=manager, iterator=iterator, checkpointer=checkpointer,
+                      ref_params=ref_params, logprob_fn=learner.logprob_fn,
                       inputs=input_identity(spec, records, policy.tokenizer))
     try:
-        _restore(trainer, learner_lib.abstract_train_state(model, optimizer, mesh))
+        _restore(trainer, learner.abstract_state)
     except BaseException:
         checkpointer.close()
         raise
@@ -246,7 +217,7 @@ def restore_params(model, mesh, checkpoint: storage.PathLike, spec: RunSpec) -> 
     """(step, params) of an orbax checkpoint (see ``resolve_checkpoint``), read read-only onto the shardings of
     ``model``'s params (an abstract model from ``nnx.eval_shape`` works): no optimizer state, no host state."""
     root, step = resolve_checkpoint(checkpoint)
-    abstract = learner_lib.abstract_train_state(model, learner_lib.make_optimizer(spec.optimizer), mesh).params
+    abstract = learner_lib.abstract_params(model, mesh)
     with Checkpointer(root, spec.checkpoint, model_fingerprint=model_fingerprint(model), read_only=True) as ckpt:
         step = step if step is not None else ckpt.latest_step()
         if step is None:

@@ -1,6 +1,7 @@
 """Validates a gin configuration without weights or accelerators: every configurable is built (so every
-range check runs), the model architecture is instantiated abstractly, and its parameters are laid out on an
-abstract mesh of the configured shape and device count.
+range check runs), the model architecture is instantiated abstractly, and the run's programs (``run.programs``:
+the learner and the engine plan training builds) are laid out on an abstract mesh of the configured shape and
+device count.
 
 It also opens what the run will read: the policy checkpoint directory (a missing one is said, with what belongs
 there, and the sizes are then those of the gin preset, labelled so), the tokenizer, and the train and eval data
@@ -15,19 +16,18 @@ import json
 import math
 from pathlib import Path
 
-import jax
-from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from rollverify_jax.data.datasets import get_dataset, length_summary
 from rollverify_jax.data.rewards import get_reward_spec
 from rollverify_jax.infra import mesh as mesh_lib
-from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer, model_config
-from rollverify_jax.rl import learner as learner_lib
-from rollverify_jax.rl.losses import get_loss_fn
+from rollverify_jax.models import Tokenizer, model_config
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.run.builder import architecture, prompt_lengths, prompt_options
+from rollverify_jax.run import programs
+from rollverify_jax.run.builder import prompt_lengths, prompt_options
+from rollverify_jax.run.programs import architecture
 from rollverify_jax.run.spec import RunSpec
+from rollverify_jax.scale.fit import format_report, per_device_bytes
 
 
 def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
@@ -35,8 +35,6 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     ``num_devices``: the device count the mesh is laid on (None: the mesh shape's own product, 8 when it holds
     a -1)."""
     train_cfg, rollout, engine, learner_cfg = spec.train, spec.rollout, spec.engine, spec.learner
-    get_loss_fn(learner_cfg.loss_name)
-    learner_lib.make_optimizer(spec.optimizer)
     get_reward_spec(spec.reward.get("name", "math"))
     policy, problems = check_policy(spec)
     cfg = architecture(spec)
@@ -53,14 +51,8 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     if math.prod(shape) != num_devices:
         raise ValueError(f"make_mesh.shape={shape} does not cover {num_devices} devices.")
     mesh = AbstractMesh(tuple(shape), mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    specs = nnx.to_flat_state(mesh_lib.param_specs(nnx.state(abstract), mesh, cfg.rules()))
-    params = dict(nnx.to_flat_state(nnx.state(abstract)))
-    per_device = 0
-    for path, pspec in specs:
-        v = params[path]
-        split = math.prod(mesh.shape[a] for s in pspec if s for a in ((s,) if isinstance(s, str) else s))
-        per_device += math.prod(v.shape) * jax.numpy.dtype(v.dtype).itemsize // split
+    run = programs.programs(spec, programs.abstract_model(cfg), mesh)  # what training builds, laid out abstractly
+    per_device = per_device_bytes(run.learner.abstract_state.params)
     spec.check_mesh(dict(mesh.shape))
     rows = rollout.batch_groups * rollout.group_size
     kv_per_seq = kv_bytes_per_page(cfg, engine.page_size, engine.kv_dtype) * math.ceil(engine.max_seq_len /
@@ -218,9 +210,7 @@ def compile_for_topology(spec: RunSpec) -> None:
         print("dry run: AotConfig.topology is set but libtpu is not installed (pip install -e '.[tpu]'); "
               "skipping the compile for it.")
         return
-    from rollverify_jax.scale import fit
-
-    report = fit.compile_run(spec)
-    print(fit.format_report(report))
+    report = programs.compile_run(spec)
+    print(format_report(report))
     if not report["fits"]:
         raise SystemExit(1)

@@ -22,6 +22,7 @@ from typing import Any
 
 import gin
 
+from rollverify_jax import schedule_rules
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.data.synthetic import SyntheticTask
 from rollverify_jax.infra import compile_cache, distributed, spec_json, storage
@@ -419,7 +420,7 @@ class RunSpec:
 
     def check_mesh(self, mesh_shape: Mapping[str, int]) -> None:
         rows = self.rollout.batch_groups * self.rollout.group_size
-        batch_devices = mesh_shape["data"] * mesh_shape["fsdp"]
+        batch_devices = schedule_rules.batch_devices(mesh_shape)
         if rows % batch_devices:
             raise ValueError(f"batch_groups x group_size = {rows} rows do not divide over data x fsdp = "
                              f"{batch_devices}.")

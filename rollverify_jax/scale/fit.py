@@ -1,5 +1,6 @@
 """The deviceless compile of a run's programs for a TPU slice, and the fit report (``python -m
-rollverify_jax.aot`` and ``train --dry_run`` of a config naming ``AotConfig.topology``).
+rollverify_jax.aot`` and ``train --dry_run`` of a config naming ``AotConfig.topology``, through
+``run.programs.compile_run``, which assembles the programs; this module reads no spec).
 
 For the config's mesh on that topology and at the config's real shapes it compiles the train step (one GRPO
 update at the batch's worst case), the resume prefill (with verification log-probs, ``AotConfig.prefill_rows``
@@ -13,26 +14,20 @@ step times (analytic FLOPs at the chip's peak, not measurements).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from rollverify_jax import schedule_rules
 from rollverify_jax.infra import mesh as mesh_lib
-from rollverify_jax.models import Qwen3ForCausalLM
-from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl import packing
-from rollverify_jax.rollout import engine as engine_lib
-from rollverify_jax.run.builder import architecture, make_mesh
-from rollverify_jax.run.spec import RunSpec
 from rollverify_jax.scale import aot_decode
-from rollverify_jax.scale.aot_config import CHIPS, AotConfig, GiB
+from rollverify_jax.scale.aot_config import CHIPS, AotConfig, Chip, GiB
+from rollverify_jax.schedule_rules import batch_devices
 
 
 def get_topology_devices(name: str) -> list:
@@ -45,7 +40,7 @@ def get_topology_devices(name: str) -> list:
                          "and use a name like 'v5p:2x2x1', 'v5e:4x4' or 'v6e:4x8'.") from None
 
 
-def _per_device_bytes(tree) -> int:
+def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
     total = 0
     for a in jax.tree.leaves(tree):
@@ -68,31 +63,6 @@ def _compile(name: str, lowered_fn) -> tuple[dict, object]:
     return out, compiled
 
 
-def _sds(shape, dtype, mesh, spec: PartitionSpec | None = None):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
-
-
-def train_batch(rows: int, width: int, mesh, learner_cfg) -> dict:
-    """The train step's batch at its largest packed layout (`packing.largest_shape`): one program serves
-    every batch, since each minibatch loops over only the micro-batches its tokens fill."""
-    def b(shape, dtype):
-        return _sds(shape, dtype, mesh, PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1))))
-    batch = {"tokens": b((rows, width), jnp.int32), "loss_mask": b((rows, width), jnp.float32),
-             "behavior_logp": b((rows, width), jnp.float32), "advantages": b((rows,), jnp.float32),
-             "attention_mask": b((rows, width), bool)}
-    if learner_cfg.loss.kl_coef > 0:  # the reference log-probs, from the log-prob pass
-        batch["ref_logp"] = b((rows, width), jnp.float32)
-    if not learner_cfg.pack_sequences:
-        return batch
-    shape = packing.largest_shape(rows, width, learner_cfg.num_minibatches, learner_cfg.micro_batch_size,
-                                  learner_cfg.tail_row_width, _batch_devices(mesh))
-    return {**batch, **{k: b(s, jnp.int32) for k, s in shape.shapes(rows).items()}}
-
-
-def _batch_devices(mesh) -> int:
-    return math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
-
-
 def sample_lengths(rng: np.random.Generator, rows: int, width: int, max_new: int, aot: AotConfig) -> np.ndarray:
     """Sequence lengths (prompt + response) of one batch under the length model (`AotConfig`)."""
     response = np.exp(np.log(aot.response_length_median) + aot.response_length_sigma * rng.standard_normal(rows))
@@ -103,16 +73,14 @@ def packed_train_estimate(cfg, learner_cfg, rows: int, width: int, max_new: int,
                           batches: int = 16, seed: int = 0) -> dict:
     """What the train step computes at the length model: the packing of ``batches`` sampled batches (the host
     code that packs real batches), its useful share of positions and its FLOPs against the unpacked layout
-    (every sequence a full row of its own, which the step ran before micro-batches were made of packed rows)."""
+    (every sequence a full row of its own, as `LearnerConfig.pack_sequences = False` lays it out)."""
     rng = np.random.default_rng(seed)
     useful = full = tail = micro = 0
     n = learner_cfg.num_minibatches
     for _ in range(batches):
         lengths = sample_lengths(rng, rows, width, max_new, aot)
-        if not learner_cfg.pack_sequences:
-            useful, full, micro = useful + int(lengths.sum()), full + rows * width, micro + rows
-            continue
-        plans = packing.plan_batch(lengths, n, width, learner_cfg.micro_batch_size, learner_cfg.tail_row_width)
+        plans = packing.plan_batch(lengths, n, width, learner_cfg.micro_batch_size, learner_cfg.tail_row_width,
+                                   one_per_row=not learner_cfg.pack_sequences)
         shape = packing.plan_shape(plans, rows, width, n, learner_cfg.micro_batch_size, learner_cfg.tail_row_width,
                                    batch_devices)
         f, t, m = packing.planned_positions(plans, shape)
@@ -142,85 +110,56 @@ def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
     return forward * (4 if remat == "full" else 3)
 
 
-def logprob_pass_users(spec: RunSpec) -> list[str]:
-    """What runs the packed log-prob pass (`learner.make_logprob_fn`) in ``select``: 'reference' (the KL's
-    ref_logp, kl_coef > 0), 'step_start' (the OPS filter, the pi_old ablation); empty: the run has no such pass."""
-    users = ["reference"] if spec.loss.kl_coef > 0 else []
-    if spec.filter.name == "ops" or spec.learner.ratio_against == "step_start":  # the readers of current_logp
-        users.append("step_start")
-    return users
-
-
-def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
-    """Compiles the run's programs for ``topology`` (default: AotConfig.topology) -> the report: the train step,
-    prefill, decode and, when ``logprob_pass_users`` names a user, the log-prob pass."""
-    aot = spec.aot
-    topology = topology or aot.topology
-    devices = get_topology_devices(topology)
-    chip = CHIPS.get(devices[0].device_kind)
+def chip_for(device_kind: str) -> Chip:
+    """The HBM and peak figures of a TPU device kind."""
+    chip = CHIPS.get(device_kind)
     if chip is None:
-        raise ValueError(f"no HBM figure for {devices[0].device_kind!r}; known: {sorted(CHIPS)}.")
-    mesh = make_mesh(spec, devices=devices)
-    rollout, engine_cfg, sampling, learner_cfg = spec.rollout, spec.engine, spec.sampling, spec.learner
-    cfg = architecture(spec)
-    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
-    print(f"{topology}: {len(devices)} x {devices[0].device_kind}, mesh {dict(mesh.shape)}, "
-          f"{cfg.num_params() / 1e9:.2f}B parameters", flush=True)
-    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    optimizer = learner_lib.make_optimizer(spec.optimizer)
+        raise ValueError(f"no HBM figure for {device_kind!r}; known: {sorted(CHIPS)}.")
+    return chip
+
+
+def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology: str, devices: Sequence,
+                     logprob_users: Sequence[str] = (), extend_width: int | None = None) -> dict:
+    """Compiles the run's programs -> the fit report: ``learner``'s (`rl.learner.Learner`) train step and, when
+    ``logprob_users`` names a user, its log-prob pass, at the rollout batch (``RolloutConfig``) at its largest
+    packed layout; ``plan``'s (`rollout.engine.EnginePlan`) resume prefill (``AotConfig.prefill_rows`` rows of
+    ``max_seq_len`` tokens, default one per batch device), one decode dispatch and, with ``extend_width``, the
+    extend of every slot's tool reply. ``model``: the abstract model (its params, in the engine's layout).
+    Everything run-specific comes in assembled (``run.programs.compile_run``): this reads no spec."""
+    chip = chip_for(devices[0].device_kind)
+    mesh, cfg, engine_cfg, learner_cfg = learner.mesh, plan.model_cfg, plan.config, learner.cfg
     programs = {}
 
-    # Train step
-    state = learner_lib.abstract_train_state(model, optimizer, mesh)
+    # Train step and the log-prob pass of select (reference and/or step-start params: the train state's layout)
     rows, width = rollout.batch_groups * rollout.group_size, engine_cfg.max_seq_len
-    train_graphdef = learner_lib.split_params(model)[0]
-    state_shardings = learner_lib.train_state_shardings(model, optimizer, mesh)
-    step = learner_lib.make_train_step(train_graphdef, learner_cfg, optimizer, mesh, state_shardings, flash)
-    programs["train_step"], _ = _compile("train_step", lambda: step.lower(state, train_batch(rows, width, mesh,
-                                                                                             learner_cfg)))
-    # The log-prob pass of select (reference and/or step-start params: the train state's shapes and shardings)
-    logprob_users = logprob_pass_users(spec)
+    state = learner.abstract_state
+    programs["train_step"], _ = _compile("train_step", lambda: learner.lower_train_step(rows, width))
     if logprob_users:
-        logprobs = learner_lib.make_logprob_fn(train_graphdef, learner_cfg, mesh, state_shardings.params, flash)
-        programs["logprobs"], _ = _compile(f"logprobs ({', '.join(logprob_users)})", lambda: logprobs.lower(
-            state.params, train_batch(rows, width, mesh, learner_cfg)))
+        programs["logprobs"], _ = _compile(f"logprobs ({', '.join(logprob_users)})",
+                                           lambda: learner.lower_logprobs(rows, width))
 
-    # Resume prefill and one decode dispatch
-    layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
-                                            cfg.num_attention_heads, engine_cfg.megacore)
-    num_pages = engine_lib.pool_pages(cfg, engine_cfg, layout.num_shards)
-    decode_state = engine_lib.abstract_decode_state(cfg, engine_cfg, layout, num_pages)
+    # Resume prefill, one decode dispatch and the tool replies' extend, on the engine's weights
     _, params = nnx.split(model)
-    graphdef = engine_lib.rollout_graphdef(model, engine_cfg.compute_dtype)  # the engine's activation dtype
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     model_param_bytes = sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
                             for v in jax.tree.leaves(params, is_leaf=is_var))
-    rules = cfg.rules()
-    serving = engine_lib.serving_param_shardings(params, mesh, engine_cfg.serving_layout, rules)  # as the engine
-    train_layout = jax.tree.leaves(mesh_lib.param_shardings(params, mesh, rules))
-    copied = any(a != b for a, b in zip(jax.tree.leaves(serving), train_layout, strict=True))
-    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
-                          serving, is_leaf=is_var)
-    static = engine_lib.EngineStatic(graphdef, sampling, (-1,), layout, engine_cfg.logits_chunk, flash,
-                                     tuple(sorted(spec.attention.items())))
-    n = aot.prefill_rows or math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
-    packed = engine_lib.PackedPrefill(*[_sds((n, width), jnp.int32, mesh)] * 5, *[_sds((n,), jnp.int32, mesh)] * 3)
-    programs["prefill"], _ = _compile("prefill", lambda: engine_lib.lower_prefill(
-        static, params, decode_state, packed))
-    programs["decode"], decode_compiled = _compile("decode", lambda: engine_lib.lower_decode(
-        static, params, decode_state, engine_cfg.steps_per_dispatch))
-    if spec.tool_use.enabled:  # every slot's reply at once: the reply cap plus 16 tokens of frame and closing tag
-        width = schedule_rules.pow2_bucket(spec.tool_use.max_reply_tokens + 16, 1, engine_cfg.max_seq_len)
-        programs["extend"], _ = _compile("extend", lambda: engine_lib.lower_extend(
-            static, params, decode_state, engine_cfg.num_slots, width, mesh_lib.replicated(mesh)))
+    train_layout = jax.tree.leaves(mesh_lib.param_shardings(params, plan.mesh, cfg.rules()))
+    copied = any(a != b for a, b in zip(jax.tree.leaves(plan.param_shardings(params)), train_layout, strict=True))
+    params = plan.abstract_params(params)
+    decode_state = plan.abstract_state()
+    prefill_rows = aot.prefill_rows or batch_devices(plan.mesh.shape)
+    programs["prefill"], _ = _compile("prefill", lambda: plan.lower_prefill(params, prefill_rows))
+    programs["decode"], decode_compiled = _compile("decode", lambda: plan.lower_decode(params))
+    if extend_width is not None:
+        programs["extend"], _ = _compile("extend", lambda: plan.lower_extend(params, extend_width))
 
     # Resident and peak bytes per device
-    state_bytes, kv_bytes = _per_device_bytes(state), _per_device_bytes(decode_state.pages)
-    param_bytes = _per_device_bytes(state.params)
+    state_bytes, kv_bytes = per_device_bytes(state), per_device_bytes(decode_state.pages)
+    param_bytes = per_device_bytes(state.params)
     # A serving layout other than the train state's is a copy the engine holds through the train step too.
-    copy_bytes = _per_device_bytes(params) if copied else 0
+    copy_bytes = per_device_bytes(params) if copied else 0
     # kl_coef > 0: the reference params (a copy of the initial params, the train state's layout) stay resident.
-    ref_bytes = param_bytes if spec.loss.kl_coef > 0 else 0
+    ref_bytes = param_bytes if learner_cfg.loss.kl_coef > 0 else 0
     resident = state_bytes + kv_bytes + copy_bytes + ref_bytes
     engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
     outside = {"train_step": kv_bytes + copy_bytes + ref_bytes, "prefill": engine_outside + ref_bytes,
@@ -231,11 +170,12 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
              for k, p in programs.items()}
     peak = max(peaks.values())
     budget = int(chip.hbm_bytes * aot.hbm_fraction)
-    train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot, _batch_devices(mesh))
+    train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot,
+                                  batch_devices(mesh.shape))
     decode = aot_decode.decode_report(
         decode_compiled, programs["decode"], cfg=cfg, engine_cfg=engine_cfg, rollout=rollout, aot=aot, chip=chip,
-        layout=layout, mesh=mesh, attention=spec.attention, device_kind=devices[0].device_kind,
-        engine_param_bytes=_per_device_bytes(params),
+        layout=plan.layout, mesh=plan.mesh, attention=dict(plan.attention), device_kind=devices[0].device_kind,
+        engine_param_bytes=per_device_bytes(params),
         model_param_bytes=model_param_bytes, num_devices=len(devices))
     return {
         "topology": topology, "device_kind": devices[0].device_kind, "num_devices": len(devices),

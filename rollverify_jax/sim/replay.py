@@ -60,7 +60,7 @@ RESERVATIONS = ("incremental", "full")
 class TrainLayout:
     """The rows the learner's train step computes for a batch: ``LearnerConfig`` (minibatches, micro-batch rows,
     tail rows, packing, epochs) and the width it packs into (``EngineConfig.max_seq_len``, as ``train.select``
-    builds the batch). ``rows`` plans them with ``rl/packing.py``, the code ``learner.pack_for_learner`` runs."""
+    builds the batch). ``rows`` plans them with ``rl/packing.py``, the code ``packing.pack_for_learner`` runs."""
 
     width: int  # T: the packed rows' width (the engine's max_seq_len)
     num_minibatches: int = 1

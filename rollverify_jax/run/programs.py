@@ -1,0 +1,119 @@
+"""What a run compiles, assembled once from its spec: the learner (``rl.learner.Learner``) and the engine's plan
+(``rollout.engine.EnginePlan``), each on the mesh it is given.
+
+The builder trains with these programs, ``train --dry_run`` lays them out on an abstract mesh, and ``aot``
+compiles them deviceless for a TPU slice (``compile_run``): like MaxText's train_compile, the compile
+lowers the very train step, log-prob pass, prefill and decode that training builds. ``scale/fit`` only analyses
+what it is handed; it never reads a spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from rollverify_jax import schedule_rules
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.models import Qwen3Config, Qwen3ForCausalLM, model_config
+from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.hf import config_from_hf
+from rollverify_jax.models.qwen3 import expert_parallel_chunk
+from rollverify_jax.rl.learner import Learner
+from rollverify_jax.rollout.engine import EnginePlan
+from rollverify_jax.run.spec import RunSpec
+from rollverify_jax.scale import fit
+
+
+def execution_config(cfg: Qwen3Config, spec: RunSpec) -> Qwen3Config:
+    """A model config with the spec's logical-axis rules and expert-parallel chunk (how it runs on the mesh)."""
+    return cfg.replace(axis_rules=spec.axis_rules.get("rules", ()), expert_parallel_chunk=expert_parallel_chunk(
+        **spec.moe))
+
+
+def architecture(spec: RunSpec) -> Qwen3Config:
+    """The policy's architecture without loading weights: the checkpoint's config.json when present, else the
+    gin-configured preset (the layout a run on a machine without the checkpoint is sized by), with the run's
+    execution settings (logical-axis rules, expert-parallel chunk)."""
+    train_cfg = spec.train
+    hf_config = Path(train_cfg.policy_path or "", "config.json")
+    if train_cfg.policy_path and hf_config.exists():
+        cfg = config_from_hf(json.loads(hf_config.read_text()), dtype=train_cfg.param_dtype)
+    else:
+        dtype = train_cfg.param_dtype or "float32"
+        cfg = model_config(**{**spec.model, "param_dtype": dtype, "dtype": train_cfg.compute_dtype or dtype})
+    return execution_config(cfg, spec)
+
+
+def make_mesh(spec: RunSpec, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The spec's mesh (``make_mesh.shape``) over ``devices`` (default: every device JAX sees)."""
+    return mesh_lib.make_mesh(**spec.mesh, **({"devices": devices} if devices is not None else {}))
+
+
+def abstract_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
+    """A model of ``cfg`` whose arrays are ShapeDtypeStructs (``nnx.eval_shape``): nothing is allocated."""
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The run's two halves: the learner on its mesh and the engine's plan on its own (the same mesh today)."""
+
+    learner: Learner
+    engine: EnginePlan
+
+
+def make_learner(spec: RunSpec, model: nnx.Module, mesh: Mesh, flash: FlashConfig | None = None) -> Learner:
+    """The spec's learner of ``model`` (concrete or abstract) on ``mesh``."""
+    return Learner.create(model, spec.learner, spec.optimizer, mesh, flash or spec.flash)
+
+
+def make_engine_plan(spec: RunSpec, model_cfg: Qwen3Config, mesh: Mesh, *, eos_ids: tuple[int, ...] = (),
+                     stop_ids: tuple[int, ...] = (), flash: FlashConfig | None = None) -> EnginePlan:
+    """The spec's engine plan for a model of ``model_cfg`` on ``mesh``."""
+    return EnginePlan.of(model_cfg, spec.engine, spec.sampling, mesh, eos_ids=eos_ids, stop_ids=stop_ids,
+                         flash=flash or spec.flash, attention=spec.attention)
+
+
+def programs(spec: RunSpec, model: nnx.Module, mesh: Mesh, engine_mesh: Mesh | None = None, *,
+             flash: FlashConfig | None = None) -> Programs:
+    """The learner and the engine plan of ``model`` (concrete or abstract); the engine on ``engine_mesh``
+    (default: the learner's ``mesh``). ``flash``: the attention kernel (default: the spec's)."""
+    return Programs(learner=make_learner(spec, model, mesh, flash),
+                    engine=make_engine_plan(spec, model.cfg, engine_mesh or mesh, flash=flash))
+
+
+def logprob_pass_users(spec: RunSpec) -> list[str]:
+    """What runs the packed log-prob pass (``Learner.logprob_fn``) in ``select``: 'reference' (the KL's
+    ref_logp, kl_coef > 0), 'step_start' (the OPS filter, the pi_old ablation); empty: the run has no such pass."""
+    users = ["reference"] if spec.loss.kl_coef > 0 else []
+    if spec.filter.name == "ops" or spec.learner.ratio_against == "step_start":  # the readers of current_logp
+        users.append("step_start")
+    return users
+
+
+def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
+    """Compiles the run's programs for ``topology`` (default: AotConfig.topology) deviceless -> the fit report
+    (``scale.fit.compile_programs``): the train step, prefill, decode, the extend of a tool-use run and, when
+    ``logprob_pass_users`` names a user, the log-prob pass."""
+    topology = topology or spec.aot.topology
+    devices = fit.get_topology_devices(topology)
+    fit.chip_for(devices[0].device_kind)  # an unknown chip fails before anything is built
+    mesh = make_mesh(spec, devices=devices)
+    cfg = architecture(spec)
+    print(f"{topology}: {len(devices)} x {devices[0].device_kind}, mesh {dict(mesh.shape)}, "
+          f"{cfg.num_params() / 1e9:.2f}B parameters", flush=True)
+    model = abstract_model(cfg)
+    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
+    run = programs(spec, model, mesh, flash=flash)
+    max_len = spec.engine.max_seq_len
+    # A tool-use run extends every slot's reply at once: the reply cap plus 16 tokens of frame and closing tag.
+    extend = (schedule_rules.pow2_bucket(spec.tool_use.max_reply_tokens + 16, 1, max_len)
+              if spec.tool_use.enabled else None)
+    return fit.compile_programs(run.learner, run.engine, model, spec.rollout, spec.aot, topology=topology,
+                                devices=devices, logprob_users=logprob_pass_users(spec), extend_width=extend)
