@@ -53,8 +53,9 @@ def admit(needs: Sequence[int], free_slots: Sequence[int], slots_per_shard: int,
     request behind it), so requests start in queue order.
 
     ``needs``: pages each of the first queued requests must own through its first dispatch (at least
-    ``min(len(queue), len(free_slots))`` of them, queue order). ``free_slots``: ascending. Slot ``s`` lives on pool
-    shard ``s // slots_per_shard`` and takes only that shard's pages. ``free_pages``: free pages per shard (None:
+    ``min(len(queue), len(free_slots))`` of them, queue order). ``free_slots``: ascending; ``n`` requests take
+    at most the ``n`` lowest free slots of a shard, so those suffice. Slot ``s`` lives on pool shard
+    ``s // slots_per_shard`` and takes only that shard's pages. ``free_pages``: free pages per shard (None:
     a pool that never binds, every head fits). ``busy``: running (or parked) slots per shard. ``headroom``: pages
     kept free per busy slot of the shard (1 under incremental reservation, so the running sequences can grow at
     their next dispatch instead of being preempted at once; 0 under full reservation). A head takes the first free

@@ -485,7 +485,8 @@ class _Slots:
         return np.where(self.live_np, np.maximum(need, self.floor_np), 0)
 
     def lowest_free(self, n: int) -> list[int]:
-        """The ``n`` lowest free slots of every shard, ascending: all an admission of ``n`` requests may take."""
+        """The ``n`` lowest free slots of every shard, ascending: all that an admission of ``n`` requests may take
+        (``schedule_decisions.admit``), without sorting every free slot at every round."""
         return [s for heap in self.free for s in heapq.nsmallest(n, heap)]
 
     def by_shard(self, per_slot: np.ndarray) -> np.ndarray:
@@ -722,6 +723,7 @@ class Replay:
         w, slots, held = self.w, self.slots, []
         verified_tokens = 0
         calls: dict[int, _Call] = collections.defaultdict(_Call)
+        placed: list[tuple[int, int, _Traj, int]] = []  # (length bucket, slot, trajectory, pages granted)
         head = list(itertools.islice(self.queue, slots.num_free))
         needs, free_pages, busy = [0] * len(head), None, [0] * slots.shards
         if w.pool_binds:
@@ -730,7 +732,6 @@ class Replay:
             busy = slots.by_shard(slots.live_np.astype(np.int64)).tolist()
         admission = schedule_decisions.admit(needs, slots.lowest_free(len(head)), slots.per_shard, free_pages, busy,
                                              headroom=int(w.page_reservation == "incremental"))
-        self.page_blocked = admission.page_blocked
         rec.page_waits += admission.page_blocked
         for slot, need in zip(admission.slots, needs, strict=False):
             slots.take(slot)  # held through the round even if the sequence leaves
@@ -738,7 +739,8 @@ class Replay:
             if self._is_new(t):
                 self.new_queued -= 1
             length = w.prompt_len + t.tokens
-            call = calls[w.prefill_bucket(length)]
+            bucket = w.prefill_bucket(length)
+            call = calls[bucket]
             call.lengths.append(length)
             call.new_group.append(t.gid if t.tokens == 0 else -1)  # no tokens yet: its prompt can be shared
             if t.verify and t.tokens > 0:
@@ -761,9 +763,16 @@ class Replay:
                 self._finish(t)
                 held.append(slot)
                 continue
+            placed.append((bucket, slot, t, need))
+        # They start decoding in the order the scheduler activates them, one prefill per length bucket (ascending)
+        # in queue order: the order a pause returns them in, and the next phase resumes them in.
+        for _, slot, t, need in sorted(placed, key=lambda p: p[0]):
             slots.place(slot, t.uid, t.tokens, t.target, need)
         for slot in held:
             slots.give(slot)
+        # A head waiting for pages waits for an end or a preemption, unless a sequence admitted with it already
+        # left (it ended at insert, or a finished member survived): its pages are free for the next round.
+        self.page_blocked = admission.page_blocked and not held
         self._charge_prefill(rec, list(calls.values()), verified_tokens)
 
     def _charge_prefill(self, rec: StepRecord, calls: list[_Call], verified_tokens: int) -> None:
@@ -878,11 +887,13 @@ class Replay:
         return min(room)
 
     def _pause_all(self) -> list[int]:
+        """Everything unfinished, running (in the order they started decoding, as the scheduler's slots are
+        ordered) then queued (``schedule_decisions.pause_order``); every slot is freed and the queue emptied."""
         running = []
-        for slot, uid in enumerate(self.slots.uid):
-            if uid >= 0:
-                self._grow_tokens(self.trajs[uid], self.slots.tokens(slot))
-                running.append(uid)
+        for slot in sorted((s for s, uid in enumerate(self.slots.uid) if uid >= 0), key=lambda s: self.slots.stamp[s]):
+            uid = self.slots.uid[slot]
+            self._grow_tokens(self.trajs[uid], self.slots.tokens(slot))
+            running.append(uid)
         self.slots.clear()
         queued, self.queue, self.new_queued = list(self.queue), collections.deque(), 0
         return schedule_decisions.pause_order(running, [], queued)
