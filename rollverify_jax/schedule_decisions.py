@@ -2,10 +2,11 @@
 
 ``rollout/scheduler.py`` (over a real engine's allocator and trajectories) and ``sim/replay.py`` (over a dispatch
 clock and token counts) decide with the same code: which queued requests are admitted into which free slots, how
-many pages a slot reserves, which running slots grow and which are preempted when pages run short, how many new
-groups a partial phase keeps queued, when the phase is done and in what order it pauses what is left. Each side
-only translates its state into the arguments (pages per shard, slots, token counts), so the simulator cannot drift
-from the scheduler (``tests/test_scheduler_parity.py`` replays a recorded scheduler trace through the replay).
+many pages a slot reserves, which running slots grow and which are preempted when pages run short, which slots
+move down so that decode runs over fewer (live slots), how many new groups a partial phase keeps queued, when the
+phase is done and in what order it pauses what is left. Each side only translates its state into the arguments
+(pages per shard, slots, token counts), so the simulator cannot drift from the scheduler
+(``tests/test_scheduler_parity.py`` replays recorded scheduler traces through the replay, call for call).
 Pure Python + numpy: importing this never imports JAX or gin.
 """
 
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import numpy as np
+
+from rollverify_jax import schedule_rules
 
 T = TypeVar("T")
 
@@ -100,6 +103,20 @@ def grow_or_preempt(shards: Sequence[int], have: Sequence[int], need: Sequence[i
         else:
             preempted.append(i)
     return tuple(preempted)
+
+
+def pack_moves(held: Sequence[int], buckets: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``(from, to)`` slot moves that pack the held slots (running, or parked on a reply) below the smallest of the
+    ascending slot ``buckets`` holding them all, so decode runs over that bucket only: each held slot at or above
+    it, ascending, moves to the lowest free slot below it. A moved sequence counts as activated anew (it is last
+    in the scheduler's slot order, which is the order a pause returns)."""
+    target = schedule_rules.smallest_holding(buckets, len(held))
+    high = sorted(s for s in held if s >= target)
+    if not high:
+        return ()
+    taken = set(held)
+    low = [s for s in range(target) if s not in taken][: len(high)]
+    return tuple(zip(high, low, strict=True))
 
 
 def queue_target(queue_groups: int, num_slots: int, group_size: int) -> int:

@@ -1,13 +1,14 @@
 """The replay decides as the scheduler does: a real scheduler on a tiny engine with a KV pool too small for every
 slot at full length (so slots grow page by page and get preempted) records every call of the shared decision
-functions (``schedule_decisions.admit`` and ``grow_or_preempt``) with its inputs; the replay of the same run (the
-same shape, each request's length as the engine sampled it) must make the same calls, in the same order, with
-the same inputs and the same decisions: the same admissions into the same slots, the same preemption victims.
-Partial phases add the phase end, the queue top-up and the pause order (what the next phase resumes first)."""
+functions (``schedule_decisions``) with its inputs; the replay of the same run (the same shape, each request's
+length as the engine sampled it) must make the same calls, in the same order, with the same inputs and the same
+decisions: the same admissions into the same slots, the same preemption victims, the same slot moves. Partial
+phases add the queue top-up, the phase end and the pause order (what the next phase resumes first)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from rollverify_jax import schedule_decisions
 from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
@@ -15,15 +16,15 @@ from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Schedul
 from rollverify_jax.sim import CostModel, LengthModel, Workload, simulate
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
-PROMPT, CAP, K, PAGE, SLOTS = 6, 40, 3, 8, 4  # 6 + 40 tokens: 6 pages of 8 at full length
+PROMPT, CAP, K, PAGE = 6, 40, 3, 8  # 6 + 40 tokens: 6 pages of 8 at full length
 
 
-def _engine(model, usable_pages: int) -> Engine:
-    """4 slots over ``usable_pages`` pages (24 hold every slot at full length): admissions wait for pages and
-    running slots are preempted. Fewer than 8 slots: decode never packs slots, so slot numbers mean the same on
-    both sides."""
+def _engine(model, slots: int, usable_pages: int) -> Engine:
+    """``slots`` slots over ``usable_pages`` pages (fewer than 6 per slot): admissions wait for pages and running
+    slots are preempted. From 16 slots on, decode runs over 8 once at most 8 slots are held, and the scheduler
+    moves the running sequences down to them."""
     page_bytes = paged_cache.kv_bytes_per_page(model.cfg, PAGE, "float32")
-    cfg = EngineConfig(num_slots=SLOTS, page_size=PAGE, max_seq_len=64, steps_per_dispatch=K,
+    cfg = EngineConfig(num_slots=slots, page_size=PAGE, max_seq_len=64, steps_per_dispatch=K,
                        kv_memory_bytes=(usable_pages + 1) * page_bytes)
     engine = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
     assert engine.allocator.shard_capacity == usable_pages
@@ -53,23 +54,25 @@ def _record(monkeypatch) -> list:
             log.append((name, _plain((*args, *kwargs.values())), _plain(out)))
             return out
         monkeypatch.setattr(schedule_decisions, name, call)
-    for name in ("admit", "grow_or_preempt", "groups_to_queue", "pause_order"):
+    for name in ("admit", "grow_or_preempt", "pack_moves", "groups_to_queue", "pause_order"):
         wrap(name)
     return log
 
 
 def _decisions(log) -> list:
-    """The calls that decided something (an admission, a preemption, new groups queued, a pause): the replay
-    jumps over dispatches where nothing can happen (no free slot, an empty queue, a head waiting for pages, every
-    shard's pages enough), so it makes no call there while the scheduler calls at every dispatch. An admission's
-    free slots are cut to the ``n`` lowest of each shard for ``n`` queue heads (all ``admit`` can take; the
-    replay lists only those)."""
+    """The calls that decided something (an admission, a preemption, a slot move, new groups queued, a pause): the
+    replay jumps over dispatches where nothing can happen (no free slot, an empty queue, a head waiting for pages,
+    every shard's pages enough, every slot below the live bucket), so it makes no call there while the scheduler
+    calls at every dispatch. An admission's free slots are cut to the ``n`` lowest of each shard for ``n`` queue
+    heads (all ``admit`` can take; the replay lists only those); the slots ``pack_moves`` is given are a set."""
     out = []
     for name, inputs, decision in log:
         if name == "admit" and decision.slots:
             needs, free, per_shard, *rest = inputs
             free = tuple(s for s in free if sum(f // per_shard == s // per_shard and f < s for f in free) < len(needs))
             out.append((name, (needs, free, per_shard, *rest), decision))
+        elif name == "pack_moves" and decision:
+            out.append((name, (tuple(sorted(inputs[0])), inputs[1]), decision))
         elif name != "admit" and decision:
             out.append((name, inputs, decision))
     return out
@@ -95,7 +98,7 @@ def _prompt(uid: int) -> np.ndarray:
 
 
 def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision(model, monkeypatch):
-    engine = _engine(model, 11)
+    engine = _engine(model, 4, 11)
     b, g = 3, 4
     requests = [Trajectory(uid=u, group_id=u // g, prompt=_prompt(u), seed=100 + u, max_new_tokens=CAP)
                 for u in range(b * g)]
@@ -117,12 +120,14 @@ def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision
     _assert_same(_decisions(log), real)
 
 
-def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, monkeypatch):
+@pytest.mark.parametrize("slots, pages, b, g", [(4, 17, 1, 3), (16, 30, 2, 4)], ids=["4_slots", "16_slots_packed"])
+def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, monkeypatch, slots, pages, b, g):
     """Three naive partial phases: each ends once B groups are complete, pauses what runs and what is queued,
     and the next resumes them first. The replay makes the same decisions in every phase, so it also ended each
-    phase where the scheduler did and resumed the paused trajectories in the same order."""
-    b, g, steps = 1, 3, 3
-    engine = _engine(model, 17)
+    phase where the scheduler did and resumed the paused trajectories in the same order (running ones in the
+    order they were last activated or moved, as the scheduler's slots are ordered)."""
+    steps = 3
+    engine = _engine(model, slots, pages)
     records = iter(range(10**6))
     log = _record(monkeypatch)
     sched = Scheduler(engine)
@@ -140,6 +145,7 @@ def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, mon
     assert sum(p for p, _, _ in phases) >= 1  # slots were preempted
     pauses = [inputs for name, inputs, _ in real if name == "pause_order"]
     assert len(pauses) == steps and max(len(running) for running, _, _ in pauses) >= 2  # in their order
+    assert (slots > 8) == any(name == "pack_moves" for name, _, _ in real)  # 16 slots: packed below 8
     # The lengths the cached trajectories would reach: run them out (their samples do not depend on when).
     sched.resume(manager.cache.take_for_resume(include_finished=False))
     sched.run()

@@ -399,15 +399,12 @@ class Scheduler:
         """Moves sequences (running, or waiting for a tool) above the smallest slot bucket that could hold them all
         into free slots below it, so decode runs over that bucket only (the long tail of a batch decodes on a few
         slots)."""
-        engine = self.engine
-        held = [*self.slots, *self.waits]
-        target = next(b for b in engine.live_slot_buckets() if b >= len(held))
-        high = sorted(s for s in held if s >= target)
-        if not high:
+        moves = schedule_decisions.pack_moves([*self.slots, *self.waits], self.engine.live_slot_buckets())
+        if not moves:
             return
-        low = [s for s in range(target) if s not in self.slots and s not in self.waits][: len(high)]
-        engine.move_slots(high, low)
-        for a, b in zip(high, low, strict=True):
+        high, low = [a for a, _ in moves], [b for _, b in moves]
+        self.engine.move_slots(high, low)
+        for a, b in moves:
             if a in self.slots:
                 self.slots[b] = self.slots.pop(a)
             else:

@@ -439,6 +439,22 @@ class _Slots:
         self.active += 1
         self.base_sum += base
 
+    def move(self, src: int, dst: int) -> None:
+        """Moves the running sequence of ``src`` to the free ``dst``, the lowest free slot (``pack_moves``); it
+        counts as admitted anew (a new stamp: the scheduler's slot order puts a moved sequence last)."""
+        if heapq.heappop(self.free[dst // self.per_shard]) != dst:
+            raise RuntimeError(f"slot {dst} is not the lowest free slot of its shard.")
+        heapq.heappush(self.free[src // self.per_shard], src)
+        self.uid[dst], self.base[dst], self.target[dst] = self.uid[src], self.base[src], self.target[src]
+        self.base_np[dst], self.target_np[dst] = self.base[dst], self.target[dst]
+        self.floor_np[dst] = self.floor_np[src]
+        self.live_np[dst], self.live_np[src] = True, False
+        self.uid[src], self.stamp[src] = -1, -1
+        self.stamp[dst] = self._admissions
+        self._admissions += 1
+        heapq.heappush(self.ends, (self.clock - (self.tokens(dst) - self.target[dst]) // self.k, self.stamp[dst], dst))
+        heapq.heappush(self.longest, (-self.base[dst], self.stamp[dst], dst))
+
     def remove(self, slot: int) -> None:
         """Frees a running slot (its sequence ended or was preempted); its heap entries go stale."""
         self.uid[slot], self.stamp[slot] = -1, -1
@@ -845,6 +861,11 @@ class Replay:
         m = slots.active
         if not m:
             return
+        # some running slot above the live bucket: pack them below it (one pool shard: a sharded pool's engine
+        # decodes over all slots and never moves one)
+        if slots.shards == 1 and slots.live_np[self.w.slot_bucket(m):].any():
+            for src, dst in schedule_decisions.pack_moves(np.flatnonzero(slots.live_np).tolist(), self.w.slot_buckets):
+                slots.move(src, dst)
         # a slot left free by a sequence that ended at insert is refilled at the next dispatch if anything can
         # be admitted (partial phases top the queue up before every dispatch); a queue head waiting for pages
         # waits until a sequence ends or is preempted (running sequences only ever take pages)
