@@ -31,6 +31,11 @@ def _engine(model, slots: int, usable_pages: int) -> Engine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def small_engine(model) -> Engine:
+    return _engine(model, 4, 17)
+
+
 def _plain(x):
     """A decision's input or output as plain ints (a trajectory as its uid, which is what the replay holds)."""
     if x is None or isinstance(x, int | bool):
@@ -97,9 +102,8 @@ def _prompt(uid: int) -> np.ndarray:
     return np.random.default_rng(uid).integers(4, 64, size=PROMPT).astype(np.int32)
 
 
-def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision(model, monkeypatch):
-    engine = _engine(model, 4, 11)
-    b, g = 3, 4
+def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision(small_engine, monkeypatch):
+    engine, b, g = small_engine, 4, 4
     requests = [Trajectory(uid=u, group_id=u // g, prompt=_prompt(u), seed=100 + u, max_new_tokens=CAP)
                 for u in range(b * g)]
     log = _record(monkeypatch)
@@ -121,13 +125,14 @@ def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision
 
 
 @pytest.mark.parametrize("slots, pages, b, g", [(4, 17, 1, 3), (16, 30, 2, 4)], ids=["4_slots", "16_slots_packed"])
-def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, monkeypatch, slots, pages, b, g):
+def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, small_engine, monkeypatch, slots, pages,
+                                                                      b, g):
     """Three naive partial phases: each ends once B groups are complete, pauses what runs and what is queued,
     and the next resumes them first. The replay makes the same decisions in every phase, so it also ended each
     phase where the scheduler did and resumed the paused trajectories in the same order (running ones in the
     order they were last activated or moved, as the scheduler's slots are ordered)."""
     steps = 3
-    engine = _engine(model, slots, pages)
+    engine = small_engine if slots == 4 else _engine(model, slots, pages)
     records = iter(range(10**6))
     log = _record(monkeypatch)
     sched = Scheduler(engine)
