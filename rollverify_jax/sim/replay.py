@@ -2,7 +2,10 @@
 
 It follows ``rl/partial_rollout.py`` and ``rollout/scheduler.py`` dispatch by dispatch, jumping from one
 sequence's end to the next (between two ends every active slot generates ``k`` tokens per dispatch, so the
-jump is exact and the cost of the dispatches in between has a closed form, ``CostModel.decode``):
+jump is exact and the cost of the dispatches in between has a closed form, ``CostModel.decode``). Every
+scheduling decision (admission into slots, page reservation, growth or preemption, slot packing, the queue
+top-up, the phase end, the pause order) is the scheduler's own code, ``schedule_decisions``, called on the
+replay's state; ``tests/test_scheduler_parity.py`` replays recorded scheduler traces call for call:
 
 - on-policy: a phase admits exactly ``B`` groups of ``G`` samples and runs until every one has finished; freed
   slots take queued samples of the same batch, then idle through the long tail.
@@ -29,9 +32,9 @@ decreasing, ``row_bucket`` rows). A bucket that verifies nothing is one call tha
 (``Engine.prefill_and_sample``), and a group's new members in it compute their prompt once (the others copy its
 K/V); a bucket with a verified resume is a log-prob prefill call, then an insert call. With a KV page pool
 too small for every slot at full length (``Workload.kv_pages_per_shard``), a request waits at the queue head
-until its shard has its pages plus a page of headroom per running slot (``Scheduler._admit``), and a running
-sequence that cannot get the pages of its next dispatch is preempted back to the queue head
-(``Scheduler._grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
+until its shard has its pages plus a page of headroom per running slot (``schedule_decisions.admit``), and a
+running sequence that cannot get the pages of its next dispatch is preempted back to the queue head
+(``schedule_decisions.grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
 step + overhead (``CostModel``); nothing overlaps. The train step computes the rows the learner packs the batch
 into (``TrainLayout``, with ``rl/packing.py``'s own planner), the batch in the order the trainer builds it:
 complete groups in the order they were created, each group's members in order.
