@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollverify_jax import schedule_decisions
 from rollverify_jax.models import model_config
 from rollverify_jax.rollout import paged_cache
 
@@ -45,9 +46,10 @@ def test_sharded_pool_keeps_each_slot_on_its_own_shard():
     alloc.allocate(2, 5)  # shard 1: pages 6, 7
     assert list(alloc.table[0, :3]) == [1, 2, 3] and list(alloc.table[2, :2]) == [6, 7]
     assert not alloc.can_allocate(8, slot=1) and alloc.can_allocate(8, slot=3)
-    # slot 1 (shard 0) has no room for 8 tokens; slot 3 (shard 1) has, even with 1 page of headroom per busy slot
-    assert alloc.slot_with_room([1, 3], 8, busy_slots=[0, 2], headroom_tokens=0) == 3
-    assert alloc.slot_with_room([1, 3], 8, busy_slots=[0, 2], headroom_tokens=4) is None
+    # slot 1 (shard 0) has no room for 8 tokens; slot 3 (shard 1) has, but not with 1 page of headroom per busy slot
+    free = [len(f) for f in alloc.free]
+    assert schedule_decisions.admit([2], [1, 3], alloc.slots_per_shard, free, [1, 1], headroom=0).slots == (3,)
+    assert schedule_decisions.admit([2], [1, 3], alloc.slots_per_shard, free, [1, 1], headroom=1).page_blocked
     assert alloc.grow(2, 16) and list(alloc.table[2]) == [6, 7, 8, 9]
     alloc.release(2)
     assert list(alloc.table[2]) == [5] * 4 and sorted(alloc.free[1]) == [6, 7, 8, 9]

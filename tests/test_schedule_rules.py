@@ -1,5 +1,6 @@
 """The engine, the switching state and the simulator agree on the shared scheduling rules (schedule_rules.py):
-the same buckets for every shape, the same switch for every acceptance sequence."""
+the same buckets for every shape, the same switch for every acceptance sequence; and the scheduler's decisions
+(schedule_decisions.py) by hand (tests/test_scheduler_parity.py replays recorded scheduler traces)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from rollverify_jax import schedule_rules
+from rollverify_jax import schedule_decisions, schedule_rules
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rl import partial_rollout
-from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, paged_cache
 from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.sim import CostModel, CutModel, LengthModel, Workload, simulate
 from rollverify_jax.sim import config as sim_config
@@ -204,10 +205,98 @@ def test_the_replay_switches_where_the_trainer_would():
 
 
 def test_schedule_rules_import_nothing_heavy():
-    # The rules import neither JAX nor gin; the simulator (which binds its costs through gin) no JAX.
-    code = ("import sys; import rollverify_jax.schedule_rules; "
+    # The rules and the decisions import neither JAX nor gin; the simulator (which binds its costs through gin) no JAX.
+    code = ("import sys; import rollverify_jax.schedule_rules, rollverify_jax.schedule_decisions; "
             "print(sorted(m for m in ('jax', 'gin', 'flax') if m in sys.modules)); "
             "import rollverify_jax.sim, rollverify_jax.sim.calibrate; "
             "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["[]", "[]"]
+
+
+# -- the scheduler's decisions (schedule_decisions.py), shared by the scheduler and the replay ---------------------
+
+
+def test_reserved_tokens_for_one_and_two_dispatches_capped_and_full():
+    # prompt 4, 3 steps per dispatch: the positions written plus the one the next token is read from, at most the cap
+    assert schedule_decisions.reserved_tokens(4, 0, 40, 3) == 8
+    assert schedule_decisions.reserved_tokens(4, 0, 40, 3, dispatches=2) == 11
+    assert schedule_decisions.reserved_tokens(4, 0, 40, 3, dispatches=0) == 5  # what a slot holds after a dispatch
+    assert schedule_decisions.reserved_tokens(4, 39, 40, 3) == 44
+    assert schedule_decisions.reserved_tokens(4, 0, 40, 3, full=True) == 44
+    tokens = np.arange(41)
+    assert schedule_decisions.reserved_tokens(4, tokens, 40, 3).tolist() == [
+        schedule_decisions.reserved_tokens(4, t, 40, 3) for t in range(41)]
+    assert schedule_decisions.pages_for(np.asarray([0, 1, 8, 9]), 8).tolist() == [0, 1, 1, 2]
+    w = Workload("partial", 1, 1, 4, 3, 40, prompt_len=4, page_size=8)
+    assert [w.reserved_pages(t) for t in (0, 1, 39)] == [1, 2, 6]  # 8, 9 and 44 positions
+
+
+def test_admission_keeps_queue_order_and_a_page_of_headroom_per_running_slot():
+    admit = schedule_decisions.admit
+    # one shard, 4 free pages, three 1-page requests: the third would leave no page for the first two to grow
+    assert admit([1, 1, 1], [0, 1, 2], 3, [4], [0], headroom=1) == schedule_decisions.Admission((0, 1), True)
+    assert admit([1, 1, 1], [0, 1, 2], 3, [4], [0], headroom=0).slots == (0, 1, 2)  # full reservation: no headroom
+    # a head that does not fit holds back the request behind it, though that one would fit
+    assert admit([3, 1], [0, 1], 2, [2], [0], headroom=0) == schedule_decisions.Admission((), True)
+    # out of free slots is not a wait for pages; no page limit takes the lowest free slots
+    assert admit([1, 1, 1], [1, 3], 4, [9], [2], headroom=1) == schedule_decisions.Admission((1, 3), False)
+    assert admit([5, 5, 5], [2, 5], 4, None, [0, 0], headroom=1) == schedule_decisions.Admission((2, 5), False)
+    # two shards of 2 slots: the first free slot whose shard has room (shard 0 is full, shard 1 is not)
+    assert admit([2, 2], [1, 2, 3], 2, [1, 5], [1, 0], headroom=1).slots == (2, 3)
+
+
+def test_admission_decisions_always_fit_the_allocator():
+    """Random pools: every admitted request's pages are granted by a real allocator, and a head left waiting
+    for pages could not have had them with the headroom on any free slot."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        shards, per_shard, page = int(rng.integers(1, 4)), int(rng.integers(1, 4)), 4
+        alloc = paged_cache.PageAllocator(shards * int(rng.integers(3, 12)), page, shards * per_shard, 64, shards)
+        for slot in rng.permutation(shards * per_shard)[: int(rng.integers(0, shards * per_shard))].tolist():
+            tokens = page * int(rng.integers(1, 3))
+            if alloc.can_allocate(tokens, slot):
+                alloc.allocate(slot, tokens)
+        free_slots = [s for s in range(shards * per_shard) if s not in alloc.owned]
+        busy = [sum(alloc.shard_of(s) == sh for s in alloc.owned) for sh in range(shards)]
+        needs = rng.integers(1, 4, size=len(free_slots)).tolist()
+        headroom = int(rng.integers(0, 2))
+        out = schedule_decisions.admit(needs, free_slots, per_shard, [len(f) for f in alloc.free], busy, headroom)
+        for slot, need in zip(out.slots, needs, strict=False):
+            alloc.allocate(slot, need * page)  # raises if the decision handed out pages the shard lacks
+            busy[alloc.shard_of(slot)] += 1
+        if out.page_blocked:
+            need = needs[len(out.slots)]
+            left = [s for s in free_slots if s not in out.slots]
+            assert left and not any(alloc.can_allocate((need + headroom * busy[alloc.shard_of(s)]) * page, s)
+                                    for s in left)
+
+
+def test_the_oldest_running_slots_grow_and_the_others_are_preempted():
+    grow = schedule_decisions.grow_or_preempt
+    # one free page: the oldest takes it; the next two lack theirs (the preempted slot's pages help nobody now)
+    assert grow([0, 0, 0], [2, 2, 1], [3, 4, 2], [1]) == (1, 2)
+    # a younger slot that needs nothing more keeps running while an older one that needs more is preempted
+    assert grow([0, 0, 0], [2, 2, 1], [4, 3, 1], [2]) == (1,)
+    # shards are separate pools
+    assert grow([0, 1, 0], [1, 1, 1], [2, 2, 2], [1, 0]) == (1, 2)
+    assert grow([0, 1], [3, 3], [3, 3], [0, 0]) == ()
+
+
+def test_pack_moves_take_the_lowest_free_slots_below_the_live_bucket():
+    assert schedule_decisions.pack_moves([12, 0, 9, 3], [8, 16]) == ((9, 1), (12, 2))
+    assert schedule_decisions.pack_moves([0, 5], [8, 16]) == ()
+    assert schedule_decisions.pack_moves(list(range(9)), [8, 16]) == ()  # 9 held: the 16-slot bucket
+    assert schedule_decisions.pack_moves([4, 15], [16]) == ()  # one bucket (live slots off): never moves
+
+
+def test_queue_top_up_and_phase_end():
+    assert schedule_decisions.queue_target(0, 16, 3) == 18 and schedule_decisions.queue_target(2, 16, 3) == 6
+    for new_queued in range(0, 25):  # the whole groups the manager's loop submitted (one group at a time)
+        submitted, n = 0, new_queued
+        while n < 18:
+            n, submitted = n + 3, submitted + 1
+        assert schedule_decisions.groups_to_queue(new_queued, 18, 3) == submitted
+    assert not schedule_decisions.phase_done(1, 2) and schedule_decisions.phase_done(2, 2)
+    assert schedule_decisions.phase_done(3, 2)  # groups completed together beyond B
+    assert schedule_decisions.pause_order([4, 1], [7], [2, 3]) == [4, 1, 7, 2, 3]

@@ -485,6 +485,17 @@ def test_page_pool_preempts_a_sequence_that_cannot_grow():
     assert (s.preemptions, s.dispatches, s.prefill_tokens, s.inserted_tokens, s.batch_tokens) == (1, 11, 3, 3, 16)
 
 
+def test_a_head_waiting_for_pages_is_retried_once_a_sequence_admitted_with_it_ends_at_insert():
+    # 4 pages of 4 tokens, 3 slots, k = 1, lengths (8, 1, 8). Round 1: u0 and u1 take a page each; u2 needs its
+    # page plus one of headroom for each of the two running: 3 > 2 free, it waits. u1 ends at insert, so its page
+    # is free at the next round (as the scheduler, which releases it at once): after 1 dispatch u2 is admitted
+    # (1 + 1 <= 3), u0 needs 6 more dispatches and u2 7, no preemption (2 + 2 pages): 8 dispatches. The copy of
+    # the scheduler this replaced waited for u0's end (bounded at 4 dispatches by the page check): 11.
+    w = Workload("on_policy", 1, 3, 3, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=4)
+    (s,) = simulate(w, UNIT, LengthModel(8, lengths=[8, 1, 8]), num_steps=1).steps
+    assert (s.dispatches, s.tokens_generated, s.inserted_tokens, s.preemptions, s.page_waits) == (8, 14, 3, 0, 1)
+
+
 def test_page_pool_over_shards_matches_an_unlimited_pool_when_it_never_binds():
     # A budget that holds every slot at full length never changes a decision: identical records.
     base = dict(mode="rollverify", batch_groups=4, group_size=4, num_slots=16, steps_per_dispatch=4,

@@ -9,13 +9,12 @@ the log-probs of its resume prefill (no extra forward pass) and resumes from its
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from rollverify_jax import schedule_rules
+from rollverify_jax import schedule_decisions, schedule_rules
 from rollverify_jax.rl.buffer import Group, PausedCache
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
@@ -206,20 +205,15 @@ class RolloutManager:
         self._collect_finished()
         return self.cache.pop_complete(self.config.batch_groups)
 
-    def _queue_target(self) -> int:
-        slots = self.scheduler.engine.config.num_slots
-        return self.config.queue_groups or math.ceil(slots / self.config.group_size)
-
     def _partial_phase(self) -> list[Group]:
         sched, cfg = self.scheduler, self.config
         resumed = self.cache.take_for_resume(include_finished=self.verifying and self.verify_cfg.verify_finished)
         sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
         self._collect_finished()  # finished members resumed unverified are back in their groups at once
-        while self.cache.num_complete() < cfg.batch_groups:
-            fresh_queued = sched.num_new_queued()
-            while fresh_queued < self._queue_target() * cfg.group_size:
+        target = schedule_decisions.queue_target(cfg.queue_groups, sched.engine.config.num_slots, cfg.group_size)
+        while not schedule_decisions.phase_done(self.cache.num_complete(), cfg.batch_groups):
+            for _ in range(schedule_decisions.groups_to_queue(sched.num_new_queued(), target, cfg.group_size)):
                 sched.submit(self._new_group())
-                fresh_queued += cfg.group_size
             sched.step()
             self._collect_finished()
         groups = self.cache.pop_complete(cfg.batch_groups if cfg.extra_complete_groups == "carry" else None)

@@ -7,7 +7,6 @@ so a masked write never lands on a live sequence.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 
@@ -161,17 +160,6 @@ class PageAllocator:
     def can_allocate(self, num_tokens: int, slot: int = 0) -> bool:
         """Whether ``slot``'s shard has the pages for ``num_tokens``."""
         return self.pages_needed(num_tokens) <= len(self.free[self.shard_of(slot)])
-
-    def slot_with_room(self, free_slots: list[int], num_tokens: int, busy_slots: list[int],
-                       headroom_tokens: int) -> int | None:
-        """The first of ``free_slots`` whose shard has pages for ``num_tokens`` plus ``headroom_tokens`` per
-        busy slot of that shard (room for the running sequences to grow), or None."""
-        busy = collections.Counter(self.shard_of(s) for s in busy_slots)
-        for slot in free_slots:
-            shard = self.shard_of(slot)
-            if self.can_allocate(num_tokens + busy[shard] * headroom_tokens, slot):
-                return slot
-        return None
 
     def allocate(self, slot: int, num_tokens: int) -> None:
         """Pages for a newly admitted sequence of ``num_tokens``."""

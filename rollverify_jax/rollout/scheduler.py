@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from rollverify_jax import schedule_decisions
 from rollverify_jax.infra import distributed
 from rollverify_jax.rollout.engine import Engine, PendingDecode
 from rollverify_jax.rollout.environment import Environment, Request
@@ -162,31 +164,27 @@ class Scheduler:
 
     def _tokens_to_reserve(self, t: Trajectory, dispatches: int = 1) -> int:
         """Cache positions a slot must own through its next ``dispatches`` dispatches (2 while one it runs in is
-        not read yet; everything, under 'full' reservation)."""
-        full = len(t.prompt) + t.max_new_tokens
-        if self.engine.config.page_reservation == "full":
-            return full
-        return min(full, len(t.prompt) + t.num_tokens + dispatches * self.engine.config.steps_per_dispatch + 1)
+        not read yet; everything, under 'full' reservation): ``schedule_decisions.reserved_tokens``."""
+        cfg = self.engine.config
+        return schedule_decisions.reserved_tokens(len(t.prompt), t.num_tokens, t.max_new_tokens,
+                                                  cfg.steps_per_dispatch, dispatches, cfg.page_reservation == "full")
 
     def _admit(self) -> None:
         """Fills free slots from the queue head while pages fit (a request that does not fit yet waits).
         Under incremental reservation, one page per running slot of a shard stays free on that shard as
         headroom for their growth."""
         alloc = self.engine.allocator
-        batch: list[tuple[int, _Pending]] = []
         free = self.free_slots
-        incremental = self.engine.config.page_reservation == "incremental"
-        while self.queue and free:
-            p = self.queue[0]
-            need = self._tokens_to_reserve(p.traj)
-            busy = [*self.slots, *self.waits, *(s for s, _ in batch)]
-            slot = alloc.slot_with_room(free, need, busy, alloc.page_size if incremental else 0)
-            if slot is None:
-                break
-            self.queue.popleft()
-            free.remove(slot)
-            alloc.allocate(slot, need)
-            batch.append((slot, p))
+        need = [self._tokens_to_reserve(p.traj) for p in itertools.islice(self.queue, len(free))]
+        busy = collections.Counter(alloc.shard_of(s) for s in [*self.slots, *self.waits])
+        admission = schedule_decisions.admit(
+            [alloc.pages_needed(n) for n in need], free, alloc.slots_per_shard, [len(f) for f in alloc.free],
+            [busy[shard] for shard in range(alloc.num_shards)],
+            headroom=int(self.engine.config.page_reservation == "incremental"))
+        batch: list[tuple[int, _Pending]] = []
+        for slot, tokens in zip(admission.slots, need, strict=False):  # need: one per queue head, maybe more
+            alloc.allocate(slot, tokens)
+            batch.append((slot, self.queue.popleft()))
         # One packed prefill per length bucket: a bucket's sequences share rows of its width (no padding of each
         # to the longest), and a few long resumed trajectories do not make the short ones attend over long rows.
         groups: dict[int, list[tuple[int, _Pending]]] = collections.defaultdict(list)
@@ -372,14 +370,21 @@ class Scheduler:
         to the queue head (it resumes later by re-prefill, with the same seeds, so its sample is unchanged)."""
         if self.engine.config.page_reservation == "full":
             return
-        alloc, grew, preempted = self.engine.allocator, False, []
+        alloc = self.engine.allocator
         flying = {id(t) for _, t in self._inflight.slots} if self._inflight else set()
-        for slot, t in sorted(self.slots.items(), key=lambda kv: kv[1].uid):
-            before = len(alloc.owned.get(slot, []))
-            if alloc.grow(slot, self._tokens_to_reserve(t, 2 if id(t) in flying else 1)):
-                grew |= len(alloc.owned[slot]) > before
-            else:
-                preempted.append(slot)
+        running = sorted(self.slots.items(), key=lambda kv: kv[1].uid)
+        need = [self._tokens_to_reserve(t, 2 if id(t) in flying else 1) for _, t in running]
+        have = [len(alloc.owned.get(slot, [])) for slot, _ in running]
+        out = set(schedule_decisions.grow_or_preempt([alloc.shard_of(slot) for slot, _ in running], have,
+                                                     [alloc.pages_needed(n) for n in need],
+                                                     [len(f) for f in alloc.free]))
+        preempted = [slot for i, (slot, _) in enumerate(running) if i in out]
+        grew = False
+        for i, (slot, _) in enumerate(running):  # in the decision's order: the same pages as granted one by one
+            if i not in out:
+                if not alloc.grow(slot, need[i]):
+                    raise RuntimeError(f"slot {slot} could not grow to {need[i]} tokens as decided.")
+                grew |= len(alloc.owned[slot]) > have[i]
         if preempted:
             self.engine.deactivate(preempted)
             for slot in reversed(preempted):
@@ -392,15 +397,12 @@ class Scheduler:
     def _pack_slots(self) -> None:
         """Moves sequences (running, or parked) above the smallest slot bucket that could hold them all into free
         slots below it, so decode runs over that bucket only (the long tail of a batch decodes on a few slots)."""
-        engine = self.engine
-        held = [*self.slots, *self.waits]
-        target = next(b for b in engine.live_slot_buckets() if b >= len(held))
-        high = sorted(s for s in held if s >= target)
-        if not high:
+        moves = schedule_decisions.pack_moves([*self.slots, *self.waits], self.engine.live_slot_buckets())
+        if not moves:
             return
-        low = [s for s in range(target) if s not in self.slots and s not in self.waits][: len(high)]
-        engine.move_slots(high, low)
-        for a, b in zip(high, low, strict=True):
+        high, low = [a for a, _ in moves], [b for _, b in moves]
+        self.engine.move_slots(high, low)
+        for a, b in moves:
             if a in self.slots:
                 self.slots[b] = self.slots.pop(a)
             else:
@@ -512,7 +514,7 @@ class Scheduler:
             self.engine.allocator.release(slot)
             waiting.append(t)
         self.waits.clear()
-        paused = [t for _, t in running] + waiting + [p.traj for p in self.queue]
+        paused = schedule_decisions.pause_order([t for _, t in running], waiting, [p.traj for p in self.queue])
         self.queue.clear()
         for t in paused:  # one pause per stretch it ran (one resumed but never admitted again adds none)
             last = t.history[-1] if t.history else {}

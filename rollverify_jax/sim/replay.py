@@ -2,7 +2,10 @@
 
 It follows ``rl/partial_rollout.py`` and ``rollout/scheduler.py`` dispatch by dispatch, jumping from one
 sequence's end to the next (between two ends every active slot generates ``k`` tokens per dispatch, so the
-jump is exact and the cost of the dispatches in between has a closed form, ``CostModel.decode``):
+jump is exact and the cost of the dispatches in between has a closed form, ``CostModel.decode``). Every
+scheduling decision (admission into slots, page reservation, growth or preemption, slot packing, the queue
+top-up, the phase end, the pause order) is the scheduler's own code, ``schedule_decisions``, called on the
+replay's state; ``tests/test_scheduler_parity.py`` replays recorded scheduler traces call for call:
 
 - on-policy: a phase admits exactly ``B`` groups of ``G`` samples and runs until every one has finished; freed
   slots take queued samples of the same batch, then idle through the long tail.
@@ -29,9 +32,9 @@ decreasing, ``row_bucket`` rows). A bucket that verifies nothing is one call tha
 (``Engine.prefill_and_sample``), and a group's new members in it compute their prompt once (the others copy its
 K/V); a bucket with a verified resume is a log-prob prefill call, then an insert call. With a KV page pool
 too small for every slot at full length (``Workload.kv_pages_per_shard``), a request waits at the queue head
-until its shard has its pages plus a page of headroom per running slot (``Scheduler._admit``), and a running
-sequence that cannot get the pages of its next dispatch is preempted back to the queue head
-(``Scheduler._grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
+until its shard has its pages plus a page of headroom per running slot (``schedule_decisions.admit``), and a
+running sequence that cannot get the pages of its next dispatch is preempted back to the queue head
+(``schedule_decisions.grow_or_preempt``). Time of a step = prefill calls + decode dispatches + train
 step + overhead (``CostModel``); nothing overlaps. The train step computes the rows the learner packs the batch
 into (``TrainLayout``, with ``rl/packing.py``'s own planner), the batch in the order the trainer builds it:
 complete groups in the order they were created, each group's members in order.
@@ -43,12 +46,13 @@ import collections
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 import statistics
 
 import numpy as np
 
-from rollverify_jax import schedule_rules
+from rollverify_jax import schedule_decisions, schedule_rules
 from rollverify_jax.rl import packing
 from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim.costs import CostModel
@@ -215,12 +219,13 @@ class Workload:
             return tokens
         return schedule_rules.pow2_bucket(tokens, self.min_prefill_len, self.max_seq_len or self.full_tokens)
 
-    def reserved_pages(self, tokens: int) -> int:
-        """Pages a sequence holding ``tokens`` response tokens must own through its next dispatch
-        (``Scheduler._tokens_to_reserve``): prompt + tokens + k + 1 positions, at most the cap."""
-        if self.page_reservation == "full":
-            return self.full_pages
-        return -(-min(self.full_tokens, self.prompt_len + tokens + self.steps_per_dispatch + 1) // self.page_size)
+    def reserved_pages(self, tokens, dispatches: int = 1):
+        """Pages a sequence holding ``tokens`` response tokens (an int, or an array of them) must own through its
+        next ``dispatches`` dispatches (``schedule_decisions.reserved_tokens``, as the scheduler reserves): prompt
+        + tokens + k + 1 positions for one, at most the cap."""
+        return schedule_decisions.pages_for(schedule_decisions.reserved_tokens(
+            self.prompt_len, tokens, self.max_new_tokens, self.steps_per_dispatch, dispatches,
+            self.page_reservation == "full"), self.page_size)
 
     @functools.cached_property
     def pool_binds(self) -> bool:
@@ -412,10 +417,11 @@ class _Slots:
         self.live_np = np.zeros(self.num_slots, bool)
         self.active = self.base_sum = 0
 
-    def take(self, shard: int = 0) -> int:
-        """The lowest free slot of ``shard``."""
+    def take(self, slot: int) -> None:
+        """Takes the free ``slot``, the lowest free one of its shard (admission takes no other)."""
+        if heapq.heappop(self.free[slot // self.per_shard]) != slot:
+            raise RuntimeError(f"slot {slot} is not the lowest free slot of its shard.")
         self.num_free -= 1
-        return heapq.heappop(self.free[shard])
 
     def give(self, slot: int) -> None:
         self.num_free += 1
@@ -435,6 +441,22 @@ class _Slots:
         self.target_np[slot] = target
         self.active += 1
         self.base_sum += base
+
+    def move(self, src: int, dst: int) -> None:
+        """Moves the running sequence of ``src`` to the free ``dst``, the lowest free slot (``pack_moves``); it
+        counts as admitted anew (a new stamp: the scheduler's slot order puts a moved sequence last)."""
+        if heapq.heappop(self.free[dst // self.per_shard]) != dst:
+            raise RuntimeError(f"slot {dst} is not the lowest free slot of its shard.")
+        heapq.heappush(self.free[src // self.per_shard], src)
+        self.uid[dst], self.base[dst], self.target[dst] = self.uid[src], self.base[src], self.target[src]
+        self.base_np[dst], self.target_np[dst] = self.base[dst], self.target[dst]
+        self.floor_np[dst] = self.floor_np[src]
+        self.live_np[dst], self.live_np[src] = True, False
+        self.uid[src], self.stamp[src] = -1, -1
+        self.stamp[dst] = self._admissions
+        self._admissions += 1
+        heapq.heappush(self.ends, (self.clock - (self.tokens(dst) - self.target[dst]) // self.k, self.stamp[dst], dst))
+        heapq.heappush(self.longest, (-self.base[dst], self.stamp[dst], dst))
 
     def remove(self, slot: int) -> None:
         """Frees a running slot (its sequence ended or was preempted); its heap entries go stale."""
@@ -475,15 +497,16 @@ class _Slots:
             self.longest = []
         return ended
 
-    def pages(self, w: Workload, ahead: int) -> np.ndarray:
-        """[S] pages each running slot holds with ``ahead`` positions past its tokens reserved (1: what it holds
-        after a dispatch; k + 1: what its next dispatch needs), never below its admission grant; 0 when free."""
-        if w.page_reservation == "full":
-            need = np.full(self.num_slots, w.full_pages, np.int64)
-        else:
-            tok = self.base_np + self.k * self.clock
-            need = -(-np.minimum(w.full_tokens, w.prompt_len + tok + ahead) // w.page_size)
+    def pages(self, w: Workload, dispatches: int) -> np.ndarray:
+        """[S] pages each running slot reserves through its next ``dispatches`` dispatches (0: what it holds
+        after a dispatch; 1: what its next dispatch needs), never below its admission grant; 0 when free."""
+        need = w.reserved_pages(self.base_np + self.k * self.clock, dispatches)
         return np.where(self.live_np, np.maximum(need, self.floor_np), 0)
+
+    def lowest_free(self, n: int) -> list[int]:
+        """The ``n`` lowest free slots of every shard, ascending: all that an admission of ``n`` requests may take
+        (``schedule_decisions.admit``), without sorting every free slot at every round."""
+        return [s for heap in self.free for s in heapq.nsmallest(n, heap)]
 
     def by_shard(self, per_slot: np.ndarray) -> np.ndarray:
         return per_slot.reshape(self.shards, self.per_shard).sum(1)
@@ -711,47 +734,32 @@ class Replay:
             rec.num_restarted += keep == 0
         return keep
 
-    def _take_slot(self, t: _Traj, free_pages: list[int] | None, busy: list[int] | None) -> int | None:
-        """The slot the queue head gets (``PageAllocator.slot_with_room``: the lowest free slot whose shard has
-        the pages of its next dispatch plus a page per other running slot there), or None: it waits."""
-        slots = self.slots
-        if free_pages is None:
-            return slots.take(0)
-        need = self.w.reserved_pages(t.tokens)
-        headroom = self.w.page_reservation == "incremental"
-        for shard in range(slots.shards):
-            if slots.free[shard] and need + headroom * busy[shard] <= free_pages[shard]:
-                free_pages[shard] -= need
-                busy[shard] += 1
-                self._grant = need
-                return slots.take(shard)
-        return None
-
     def _admit(self, rec: StepRecord, step: int) -> None:
-        """Fills free slots from the queue head while pages fit (``Scheduler._admit``): verifies and cuts resumed
-        trajectories, prefills prompt + cached tokens (per length bucket, ``_charge_prefill``), and ``insert``
-        samples each admitted sequence's next token; one that reaches its length there finishes without taking a
-        slot."""
-        slots, held = self.slots, []
+        """Fills free slots from the queue head while pages fit (``schedule_decisions.admit``, as the scheduler
+        does): verifies and cuts resumed trajectories, prefills prompt + cached tokens (per length bucket,
+        ``_charge_prefill``), and ``insert`` samples each admitted sequence's next token; one that reaches its
+        length there finishes without taking a slot."""
+        w, slots, held = self.w, self.slots, []
         verified_tokens = 0
         calls: dict[int, _Call] = collections.defaultdict(_Call)
-        free_pages = busy = None
-        if self.w.pool_binds:
-            free_pages = (self.w.kv_pages_per_shard - slots.by_shard(slots.pages(self.w, 1))).tolist()
+        placed: list[tuple[int, int, _Traj, int]] = []  # (length bucket, slot, trajectory, pages granted)
+        head = list(itertools.islice(self.queue, slots.num_free))
+        needs, free_pages, busy = [0] * len(head), None, [0] * slots.shards
+        if w.pool_binds:
+            needs = [w.reserved_pages(self.trajs[u].tokens) for u in head]
+            free_pages = (w.kv_pages_per_shard - slots.by_shard(slots.pages(w, 0))).tolist()
             busy = slots.by_shard(slots.live_np.astype(np.int64)).tolist()
-        self._grant, self.page_blocked = 0, False
-        while self.queue and slots.num_free:
-            t = self.trajs[self.queue[0]]
-            slot = self._take_slot(t, free_pages, busy)  # held through the round even if the sequence leaves
-            if slot is None:
-                self.page_blocked = True
-                rec.page_waits += 1
-                break
-            self.queue.popleft()
+        admission = schedule_decisions.admit(needs, slots.lowest_free(len(head)), slots.per_shard, free_pages, busy,
+                                             headroom=int(w.page_reservation == "incremental"))
+        rec.page_waits += admission.page_blocked
+        for slot, need in zip(admission.slots, needs, strict=False):
+            slots.take(slot)  # held through the round even if the sequence leaves
+            t = self.trajs[self.queue.popleft()]
             if self._is_new(t):
                 self.new_queued -= 1
-            length = self.w.prompt_len + t.tokens
-            call = calls[self.w.prefill_bucket(length)]
+            length = w.prompt_len + t.tokens
+            bucket = w.prefill_bucket(length)
+            call = calls[bucket]
             call.lengths.append(length)
             call.new_group.append(t.gid if t.tokens == 0 else -1)  # no tokens yet: its prompt can be shared
             if t.verify and t.tokens > 0:
@@ -774,9 +782,16 @@ class Replay:
                 self._finish(t)
                 held.append(slot)
                 continue
-            slots.place(slot, t.uid, t.tokens, t.target, self._grant)
+            placed.append((bucket, slot, t, need))
+        # They start decoding in the order the scheduler activates them, one prefill per length bucket (ascending)
+        # in queue order: the order a pause returns them in, and the next phase resumes them in.
+        for _, slot, t, need in sorted(placed, key=lambda p: p[0]):
+            slots.place(slot, t.uid, t.tokens, t.target, need)
         for slot in held:
             slots.give(slot)
+        # A head waiting for pages waits for an end or a preemption, unless a sequence admitted with it already
+        # left (it ended at insert, or a finished member survived): its pages are free for the next round.
+        self.page_blocked = admission.page_blocked and not held
         self._charge_prefill(rec, list(calls.values()), verified_tokens)
 
     def _charge_prefill(self, rec: StepRecord, calls: list[_Call], verified_tokens: int) -> None:
@@ -813,37 +828,32 @@ class Replay:
         rec.logp_tokens += logp
 
     def _grow_or_preempt(self, rec: StepRecord) -> np.ndarray | None:
-        """Grants every running slot the pages of its next dispatch (``Scheduler._grow_or_preempt``): on a shard
-        that cannot, slots are served in admission order (uid) and those that do not fit go back to the queue
-        head. Returns the pages each shard's slots then hold (None: no page limit)."""
+        """Grants every running slot the pages of its next dispatch (``schedule_decisions.grow_or_preempt``, as
+        the scheduler does): on a shard that cannot, slots are served in admission order (uid) and those that do
+        not fit go back to the queue head. Returns the pages each shard's slots then hold (None: no page limit)."""
         w, slots = self.w, self.slots
         if not w.pool_binds or not slots.active:
             return None
-        need = slots.pages(w, w.steps_per_dispatch + 1)
+        need = slots.pages(w, 1)
         over = np.flatnonzero(slots.by_shard(need) > w.kv_pages_per_shard)
-        if not over.size:
+        if not over.size:  # every shard has its slots' pages: the decision preempts nobody
             return slots.by_shard(need)
-        have = slots.pages(w, 1)
-        preempted = []
-        for shard in over.tolist():
-            lo = shard * slots.per_shard
-            running = [s for s in range(lo, lo + slots.per_shard) if slots.live_np[s]]
-            free = w.kv_pages_per_shard - int(have[lo: lo + slots.per_shard].sum())
-            for s in sorted(running, key=lambda s: slots.uid[s]):
-                extra = int(need[s] - have[s])
-                if extra <= free:
-                    free -= extra
-                else:
-                    preempted.append(s)
+        have = slots.pages(w, 0)
+        running = sorted((s for shard in over.tolist() for s in range(shard * slots.per_shard,
+                                                                         (shard + 1) * slots.per_shard)
+                          if slots.live_np[s]), key=lambda s: slots.uid[s])
+        out = schedule_decisions.grow_or_preempt([s // slots.per_shard for s in running], have[running].tolist(),
+                                                 need[running].tolist(),
+                                                 (w.kv_pages_per_shard - slots.by_shard(have)).tolist())
         uids = []
-        for s in sorted(preempted, key=lambda s: slots.uid[s]):
+        for s in (running[i] for i in out):  # oldest first: they queue in that order
             t = self.trajs[slots.uid[s]]
             self._grow_tokens(t, slots.tokens(s))
             slots.remove(s)
             uids.append(t.uid)
         self._enqueue(uids, front=True)
         rec.preemptions += len(uids)
-        return slots.by_shard(slots.pages(w, w.steps_per_dispatch + 1))
+        return slots.by_shard(slots.pages(w, 1))
 
     def _dispatch(self, rec: StepRecord, one: bool) -> None:
         """Dispatches up to the first end of a sequence (exactly one if ``one``), each over the live slot
@@ -854,6 +864,11 @@ class Replay:
         m = slots.active
         if not m:
             return
+        # some running slot above the live bucket: pack them below it (one pool shard: a sharded pool's engine
+        # decodes over all slots and never moves one)
+        if slots.shards == 1 and slots.live_np[self.w.slot_bucket(m):].any():
+            for src, dst in schedule_decisions.pack_moves(np.flatnonzero(slots.live_np).tolist(), self.w.slot_buckets):
+                slots.move(src, dst)
         # a slot left free by a sequence that ended at insert is refilled at the next dispatch if anything can
         # be admitted (partial phases top the queue up before every dispatch); a queue head waiting for pages
         # waits until a sequence ends or is preempted (running sequences only ever take pages)
@@ -896,14 +911,16 @@ class Replay:
         return min(room)
 
     def _pause_all(self) -> list[int]:
+        """Everything unfinished, running (in the order they started decoding, as the scheduler's slots are
+        ordered) then queued (``schedule_decisions.pause_order``); every slot is freed and the queue emptied."""
         running = []
-        for slot, uid in enumerate(self.slots.uid):
-            if uid >= 0:
-                self._grow_tokens(self.trajs[uid], self.slots.tokens(slot))
-                running.append(uid)
+        for slot in sorted((s for s, uid in enumerate(self.slots.uid) if uid >= 0), key=lambda s: self.slots.stamp[s]):
+            uid = self.slots.uid[slot]
+            self._grow_tokens(self.trajs[uid], self.slots.tokens(slot))
+            running.append(uid)
         self.slots.clear()
         queued, self.queue, self.new_queued = list(self.queue), collections.deque(), 0
-        return running + queued
+        return schedule_decisions.pause_order(running, [], queued)
 
     # -- phases ------------------------------------------------------------------------------------
 
@@ -929,13 +946,13 @@ class Replay:
         for u in resumed:
             self.trajs[u].verify = verifying
         self._enqueue(resumed, front=True)
-        target = (w.queue_groups or -(-w.num_slots // w.group_size)) * w.group_size
-        while len(self.complete) < w.batch_groups:
-            while self.new_queued < target:
+        target = schedule_decisions.queue_target(w.queue_groups, w.num_slots, w.group_size)
+        while not schedule_decisions.phase_done(len(self.complete), w.batch_groups):
+            for _ in range(schedule_decisions.groups_to_queue(self.new_queued, target, w.group_size)):
                 self._enqueue(self._new_group())
             self._admit(rec, step)
-            if self._running():
-                self._dispatch(rec, one=len(self.complete) >= w.batch_groups)
+            if self._running():  # the phase's last dispatch (done after admission) is one dispatch
+                self._dispatch(rec, one=schedule_decisions.phase_done(len(self.complete), w.batch_groups))
         batch = self._pop_complete()
         self.paused = self._pause_all()
         return batch
