@@ -26,7 +26,7 @@ from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer, model_config
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.losses import get_loss_fn
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
-from rollverify_jax.run.builder import architecture, prompt_lengths, prompt_options
+from rollverify_jax.run.builder import architecture, prompt_renderer
 from rollverify_jax.run.spec import RunSpec
 
 
@@ -172,8 +172,7 @@ def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len
         note(f"{label}: {len(records)} prompts, schema OK.")
         return part
     try:
-        stats = length_summary(prompt_lengths(tokenizer, records, train_cfg.chat_template, **prompt_options(train_cfg)),
-                               max_len)
+        stats = length_summary(prompt_renderer(train_cfg, tokenizer).lengths(records), max_len)
     except ValueError as e:  # text the tokenizer cannot encode
         problems.append(f"{label}: {message(e)}")
         return part
