@@ -1,5 +1,6 @@
 """Held-out evaluation of a policy: avg@k, pass@k and maj@k on one or more eval sets with fixed seeds, and a few
-generations logged.
+generations logged. An ``Evaluator`` holds what it takes, each part typed (the engine, the prompt renderer, the
+reward scorer, the tool runner, the eval sets and settings); nothing here reads the run's spec.
 
 How evaluation samples is ``EvalConfig`` (temperature, top-p, samples per problem, response length); its
 defaults are training's settings, so evaluation matches the training sampler unless told otherwise. The eval
