@@ -67,7 +67,7 @@ if workdir.exists():
 
     shutil.rmtree(workdir)
 run = builder.build_trainer(spec, workdir)
-print(f"policy: {run.policy.model.cfg.num_params() / 1e6:.2f}M parameters, vocab {run.policy.tokenizer.vocab_size}")
+print(f"policy: {run.serving.model.cfg.num_params() / 1e6:.2f}M parameters, vocab {run.serving.tokenizer.vocab_size}")
 
 # %% [markdown]
 # ## 1. A long-tailed rollout, paused when the batch is ready
@@ -81,7 +81,7 @@ finished = [t for g in phase.groups for t in g.finished.values()]
 paused = [t for t in run.manager.cache.paused if t.num_tokens > 0]
 print(f"batch: {len(finished)} finished trajectories in {len(phase.groups)} groups; "
       f"paused: {len(paused)} unfinished; slot utilization {phase.metrics['rollout/slot_utilization']:.2f}")
-print("example:", repr(run.policy.decode(finished[0].tokens)))
+print("example:", repr(run.serving.tokenizer.decode(finished[0].tokens)))
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.hist([t.num_tokens for t in finished], bins=20, alpha=0.7, label="finished (batch)")
 ax.hist([t.num_tokens for t in paused], bins=20, alpha=0.7, label="paused (long tail, so far)")

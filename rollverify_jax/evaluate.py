@@ -14,7 +14,6 @@ import dataclasses
 
 from rollverify_jax.infra import cli, storage
 from rollverify_jax.run.builder import build_policy, resolve_checkpoint
-from rollverify_jax.run.evaluation import eval_sets, evaluate_run
 from rollverify_jax.run.run_dir import run_spec
 
 
@@ -51,13 +50,13 @@ def _main(args: argparse.Namespace) -> None:
         resolve_checkpoint(checkpoint)  # a mistyped path fails here, before the policy is loaded
     if args.num_problems is not None:
         spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, eval_size=args.num_problems))
-    policy = build_policy(spec, checkpoint=checkpoint)
+    serving, evaluator = build_policy(spec, checkpoint=checkpoint)
     try:
-        result = evaluate_run(policy, samples_path=args.samples_out)
+        result = evaluator.run(samples_path=args.samples_out)
     finally:
-        policy.close()
-    for name, records, _ in eval_sets(policy):
-        print(f"{args.checkpoint}: {_set_line(result, name, len(records))}")
+        serving.close()
+    for eval_set in evaluator.sets:
+        print(f"{args.checkpoint}: {_set_line(result, eval_set.name, len(eval_set.records))}")
     if args.samples_out:
         print(f"samples: {args.samples_out}")
 

@@ -17,7 +17,6 @@ import numpy as np
 
 from rollverify_jax.infra import cli, storage
 from rollverify_jax.run import run_dir
-from rollverify_jax.run.evaluation import evaluate_run
 from rollverify_jax.run.metrics import MetricsWriter, open_progress, open_wandb, read_metrics, run_summary
 from rollverify_jax.run.preemption import SKIPPED_EXIT_STATUS, Decision, StopRequest
 from rollverify_jax.run.profiler import StepProfiler
@@ -38,7 +37,7 @@ def train_one_step(trainer: Trainer) -> dict:
     t1 = time.perf_counter()
     train_metrics = trainer.learn(batch)
     metrics_cfg = trainer.spec.metrics
-    write_rollout_samples(trainer.workdir, trainer.step, scored, trainer.policy.decode,
+    write_rollout_samples(trainer.workdir, trainer.step, scored, trainer.serving.tokenizer.decode,
                           metrics_cfg.rollout_samples_every, metrics_cfg.rollout_samples_logged)
     if "ops/token_mean" in select_metrics:  # ratio against pi_old: the learner's OPS is this step's drift only
         train_metrics["ops/token_mean_vs_step_start"] = train_metrics.pop("ops/token_mean")
@@ -93,7 +92,7 @@ def _train_loop(trainer: Trainer) -> list[dict]:
         with open_progress(spec.metrics, total_steps=cfg.num_steps, start_step=start,
                            mode=spec.rollout.mode) as bar, StopRequest() as stop:
             if (start == 0 and spec.eval.at_start) or _evaluation_skipped(workdir, start, cfg.eval_every):
-                m = {**evaluate_run(trainer.policy, workdir), "time/wall": time.perf_counter() - t_start}
+                m = {**trainer.evaluator.run(workdir), "time/wall": time.perf_counter() - t_start}
                 written.append(writer.write(start, m))
                 bar.update(start, m)
             for step in range(start + 1, cfg.num_steps + 1):
@@ -115,7 +114,7 @@ def _train_loop(trainer: Trainer) -> list[dict]:
                 last = step == cfg.num_steps or decision.out_of_time
                 interrupted = decision.stop and not last  # no evaluation: the grace period is short
                 if last or (cfg.eval_every and step % cfg.eval_every == 0 and not interrupted):
-                    metrics.update(evaluate_run(trainer.policy, workdir))
+                    metrics.update(trainer.evaluator.run(workdir))
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)

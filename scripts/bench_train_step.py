@@ -44,7 +44,7 @@ def long_tailed_batch(tokenizer: Tokenizer, n: int, width: int | None) -> dict[s
     trajs = []
     for i, r in enumerate(make_split(n, seed=7, split="train", **task)):
         response = tokenizer.encode(r["solution"]) + [tokenizer.eos_ids[0]]
-        prompt = np.asarray(tokenizer.encode_prompt(r["prompt"], chat=False), np.int32)
+        prompt = np.asarray(tokenizer.encode(r["prompt"]), np.int32)
         trajs.append(Trajectory(uid=i, group_id=i, prompt=prompt, seed=0, max_new_tokens=len(response),
                                 tokens=response, logps=[-0.1] * len(response)))
     advantages = np.random.default_rng(0).normal(size=n).astype(np.float32)

@@ -8,8 +8,8 @@ import pytest
 from shared import run_params
 
 from rollverify_jax import aot, evaluate, train
+from rollverify_jax.data import prompts
 from rollverify_jax.infra import mesh as mesh_lib
-from rollverify_jax.run import builder
 from rollverify_jax.sim import calibrate
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
@@ -38,7 +38,7 @@ def test_an_unreadable_input_is_not_reported_as_a_full_workdir(policy, tmp_path,
     """Any OSError while building a run used to read 'could not write to <workdir> ... free space'."""
     def unreadable(name, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", "/data/train.jsonl")
-    monkeypatch.setattr(builder, "get_dataset", unreadable)
+    monkeypatch.setattr(prompts, "get_dataset", unreadable)
     params = [f"--gin_param={p}" for p in run_params(policy, "on_policy", 1)]
     err = _one_line_exit_2(capsys, train.main, [f"--workdir={tmp_path / 'run'}", *params])
     assert "cannot use /data/train.jsonl: Permission denied" in err and "one of the run's inputs" in err, err

@@ -250,6 +250,16 @@ def test_resume_gives_the_same_batches():
     assert take(resumed, 9) == expected
 
 
+def test_next_record_walks_the_batches_of_one_and_refuses_larger_batches():
+    """Rollout draws a record per group (``next_record``): the records, state and resume of batches of one."""
+    records = datasets.load_synthetic(n=7, seed=0)
+    one, batches = PromptIterator(records, batch_size=1, seed=3), PromptIterator(records, batch_size=1, seed=3)
+    assert [one.next_record() for _ in range(10)] == [r for b in take(batches, 10) for r in b]  # crosses an epoch
+    assert one.get_state() == batches.get_state() == {**one.get_state(), "epoch": 1, "index": 3}
+    with pytest.raises(ValueError, match="batch_size=2 .use next_batch"):
+        PromptIterator(records, batch_size=2).next_record()
+
+
 def test_bad_state_and_empty_source():
     records = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
     it = PromptIterator(records, batch_size=1, seed=0)

@@ -7,12 +7,12 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from rollverify_jax import train
+from rollverify_jax.data.prompts import PromptRenderer, load_prompts
 from rollverify_jax.models import Tokenizer, build_char_tokenizer
 from rollverify_jax.rollout.scheduler import validate_request
 from rollverify_jax.run import builder
@@ -135,24 +135,26 @@ def test_prompt_lengths_are_those_run_encode_makes(tmp_path):
                                pad_token="<pad>")
     records = [{"prompt": p, "answer": "0"} for p in (short(1), LONG, short(1), short(22))]
     for chat in (False, True):
-        expected = [len(tok.encode_prompt(r["prompt"], chat=chat)) for r in records]
-        assert builder.prompt_lengths(tok, records, chat, chunk=2).tolist() == expected
+        renderer = PromptRenderer(tok, chat=chat)
+        expected = [len(tok.encode(tok.render_prompt(r["prompt"], chat=chat))) for r in records]
+        assert [len(renderer.encode(r)) for r in records] == expected
+        assert renderer.lengths(records, chunk=2).tolist() == expected
     assert expected[0] > len(short(1))  # the chat template's tokens are counted
 
 
 def test_load_prompts_drops_over_long_prompts_once_with_a_warning(tmp_path, capsys):
-    tok = Tokenizer.from_dir("assets/tiny_policy")
+    tok = PromptRenderer(Tokenizer.from_dir("assets/tiny_policy"))
     path = write_dapo_jsonl(tmp_path / "train.jsonl", [short(0), LONG, short(2), LONG])
     kwargs = {"path": path, "apply_template": False}
-    kept = builder.load_prompts("train", "dapo_jsonl", kwargs, tok, False, ROOM)
+    kept = load_prompts("train", "dapo_jsonl", kwargs, tok, ROOM)
     assert [r["answer"] for r in kept] == ["0", "2"]
     assert ("warning: train dataset 'dapo_jsonl': dropped 2 of 4 prompts longer than 120 tokens (the room "
             f"EngineConfig.max_seq_len - RolloutConfig.max_new_tokens leaves; the longest has {len(LONG)}); "
             "2 remain.") in capsys.readouterr().out
-    assert len(builder.load_prompts("train", "dapo_jsonl", kwargs, tok, False, len(LONG))) == 4
+    assert len(load_prompts("train", "dapo_jsonl", kwargs, tok, len(LONG))) == 4
     assert capsys.readouterr().out == ""
     with pytest.raises(ValueError, match="Every prompt of the eval dataset 'dapo_jsonl' .* is longer than 10 tokens"):
-        builder.load_prompts("eval", "dapo_jsonl", kwargs, tok, False, 10)
+        load_prompts("eval", "dapo_jsonl", kwargs, tok, 10)
 
 
 def test_a_run_starts_without_the_over_long_prompts(tmp_path, capsys):
@@ -165,8 +167,9 @@ def test_a_run_starts_without_the_over_long_prompts(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "warning: train dataset 'dapo_jsonl': dropped 3 of 8 prompts" in out
         assert "warning: eval dataset 'aime_parquet': dropped 1 of 3 prompts" in out
-        assert run.iterator.num_records == 5 and [r["answer"] for r in run.policy.eval_records] == ["1", "2"]
-        for record in [run.iterator.next_batch()[0] for _ in range(5)] + run.policy.eval_records:
-            validate_request(np.asarray(run.policy.encode(record)), 200, 320)  # what the scheduler checks on admission
+        eval_records = run.evaluator.sets[0].records
+        assert run.iterator.num_records == 5 and [r["answer"] for r in eval_records] == ["1", "2"]
+        for record in [run.iterator.next_record() for _ in range(5)] + eval_records:
+            validate_request(run.serving.prompts.encode(record), 200, 320)  # what the scheduler checks on admission
     finally:
         run.close()

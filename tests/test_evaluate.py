@@ -37,31 +37,31 @@ def _gin(extra=()):
 
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory):
-    """An evaluation run built from a checkpoint (params only), shared by the tests of EvalConfig."""
+    """An evaluator built from a checkpoint (params only), shared by the tests of EvalConfig."""
     workdir = tmp_path_factory.mktemp("run")
     make_checkpoint(workdir, 3)
     _gin()
     try:
-        run = builder.build_policy(RunSpec.from_gin(), checkpoint=workdir)
+        serving, evaluator = builder.build_policy(RunSpec.from_gin(), checkpoint=workdir)
     finally:
         gin.clear_config()
-    yield run
-    run.close()
+    yield evaluator
+    serving.close()
 
 
 def _evaluate(run, tmp_path, extra=()):
     _gin(extra)
     try:
-        metrics = evaluation.evaluate_run(_respec(run), samples_path=tmp_path / "samples.jsonl")
+        metrics = _respec(run).run(samples_path=tmp_path / "samples.jsonl")
     finally:
         gin.clear_config()
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     return metrics, rows
 
 
-def _respec(policy):
-    """The built policy under the spec of the bindings parsed now (EvalConfig changes between evaluations)."""
-    return dataclasses.replace(policy, spec=RunSpec.from_gin())
+def _respec(evaluator):
+    """The built evaluator with the EvalConfig of the bindings parsed now (it changes between evaluations)."""
+    return dataclasses.replace(evaluator, config=RunSpec.from_gin().eval)
 
 
 def test_eval_config_defaults_keep_the_training_sampler():
@@ -84,8 +84,9 @@ def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_ru
                             "eval/response_length"}
     assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {3}
     assert set(rows[0]) == {"step", "problem", "sample", "prompt", "response", "answer", "reward", "num_tokens"}
-    prompts = [r["prompt"] for r in eval_run.eval_records]
-    answers = [r["answer"] for r in eval_run.eval_records]
+    assert [s.name for s in eval_run.sets] == [""]
+    prompts = [r["prompt"] for r in eval_run.sets[0].records]
+    answers = [r["answer"] for r in eval_run.sets[0].records]
     assert all(r["prompt"] == prompts[r["problem"]] and r["answer"] == answers[r["problem"]] for r in rows)
     correct = np.array([r["reward"] > 0.5 for r in rows])
     assert 0 < correct.mean() and metrics["eval/accuracy"] == pytest.approx(correct.mean())
@@ -113,17 +114,17 @@ def test_eval_config_sets_k_temperature_and_length_apart_from_training(eval_run,
     _, sampled = _evaluate(eval_run, tmp_path, ["EvalConfig.samples_per_problem = 3",
                                                 "EvalConfig.num_samples_logged = 100"])
     assert any(len({r["response"] for r in sampled if r["problem"] == i}) > 1 for i in range(4))
-    longest = max(len(eval_run.encode(r)) for r in eval_run.eval_records)
+    longest = max(len(eval_run.prompts.encode(r)) for r in eval_run.sets[0].records)
     _gin([f"EvalConfig.max_new_tokens = {64 - longest + 1}"])
     try:
         with pytest.raises(ValueError, match=f"EvalConfig.max_new_tokens=.*longest eval prompt .{longest} tokens"):
-            evaluation.evaluate_run(_respec(eval_run))
+            _respec(eval_run).run()
     finally:
         gin.clear_config()
     _gin(["EvalConfig.at_k = (1, 3)"])  # 2 samples per problem: refused before anything is sampled
     try:
         with pytest.raises(ValueError, match=r"at_k=\(1, 3\) asks for k = \[3\] but the primary eval set has 2 "):
-            evaluation.eval_settings(_respec(eval_run))
+            _respec(eval_run).settings()
     finally:
         gin.clear_config()
 
@@ -139,11 +140,11 @@ def test_evaluate_reads_only_the_params(tmp_path, capsys):
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "2" / "extra")
     _gin()
     try:
-        run = builder.build_policy(RunSpec.from_gin(), checkpoint=tmp_path / "run" / "checkpoints" / "2")
+        serving, _ = builder.build_policy(RunSpec.from_gin(), checkpoint=tmp_path / "run" / "checkpoints" / "2")
     finally:
         gin.clear_config()
-    run.close()
-    got = dict(jax.tree_util.tree_leaves_with_path(run.engine.params))
+    serving.close()
+    got = dict(jax.tree_util.tree_leaves_with_path(serving.engine.params))
     for path, want in jax.tree_util.tree_leaves_with_path(saved):
         np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want), err_msg=str(path))
     # A second eval set, reported under its own name, with its own size and samples per problem.

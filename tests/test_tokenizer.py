@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from rollverify_jax.data.prompts import PromptRenderer
 from rollverify_jax.models.tokenizer import (
     EMPTY_THINK,
     Tokenizer,
@@ -297,14 +298,15 @@ def test_chat_template_matches_transformers_render(char_dir, char_tok):
         assert rendered == char_tok.apply_chat_template("1+1=?", system="sys", enable_thinking=thinking)
 
 
-def test_encode_prompt(char_tok):
+def test_a_prompt_renderer_encodes_a_records_prompt(char_tok):
     sp = char_tok.special_tokens
-    chat = char_tok.encode_prompt("1+1", chat=True)
-    assert chat[0] == sp["<|im_start|>"] and char_tok.decode(chat) == "user\n1+1\nassistant\n"
+    chat = PromptRenderer(char_tok, chat=True).encode({"prompt": "1+1", "answer": "2"})
+    assert chat.dtype == np.int32 and chat[0] == sp["<|im_start|>"]
+    assert char_tok.decode(chat) == "user\n1+1\nassistant\n"
     assert char_tok.decode(chat, skip_special_tokens=False) == chatml_prompt("1+1")
-    assert char_tok.encode_prompt("1+1", chat=False) == char_tok.encode("1+1")
+    assert PromptRenderer(char_tok).encode({"prompt": "1+1"}).tolist() == char_tok.encode("1+1")
     with pytest.raises(ValueError, match="chat=True"):
-        char_tok.encode_prompt("1+1", chat=False, system="s")
+        PromptRenderer(char_tok, system="s").encode({"prompt": "1+1"})
 
 
 def test_render_prompt_takes_a_records_messages_and_system_prompt(char_tok, tmp_path):
@@ -330,25 +332,24 @@ def test_render_prompt_takes_a_records_messages_and_system_prompt(char_tok, tmp_
         char_tok.render_prompt("x", chat=True, messages=[turns[0], {"role": "user"}])
 
 
-def test_policy_encode_and_prompt_lengths_render_alike(char_tok):
-    """Training encodes (Policy.encode) and the start-up length check counts (prompt_lengths) the same prompt."""
-    from types import SimpleNamespace
-
-    from rollverify_jax.run.builder import prompt_lengths, prompt_options
+def test_the_run_encodes_and_counts_its_prompts_alike(char_tok):
+    """Rollout and evaluation encode (PromptRenderer.encode) and the start-up length check counts
+    (PromptRenderer.lengths) the same prompt, rendered with the run's TrainConfig settings."""
+    from rollverify_jax.run.builder import prompt_renderer
     from rollverify_jax.run.spec import TrainConfig
-    from rollverify_jax.run.trainer import Policy
 
     train = TrainConfig(chat_template=True, system_prompt="Be brief.", enable_thinking=False)
-    policy = Policy(spec=SimpleNamespace(train=train), tokenizer=char_tok, model=None, mesh=None, engine=None,
-                    scorer=None, eval_records=[])
+    renderer = prompt_renderer(train, char_tok)
+    assert renderer == PromptRenderer(char_tok, chat=True, system="Be brief.", enable_thinking=False)
     records = [{"prompt": "1+1?", "answer": "2"},
                {"prompt": "2+2?", "answer": "4", "messages": [{"role": "system", "content": "Own system."},
                                                               {"role": "user", "content": "2+2?"}]}]
-    encoded = [policy.encode(r) for r in records]
+    encoded = [renderer.encode(r) for r in records]
     assert char_tok.decode(encoded[0], skip_special_tokens=False) == chatml_prompt("1+1?", "Be brief.", True, False)
     assert "Own system." in char_tok.decode(encoded[1]) and "Be brief." not in char_tok.decode(encoded[1])
-    lengths = prompt_lengths(char_tok, records * 2, True, **prompt_options(train))
-    assert lengths.tolist() == [len(e) for e in encoded] * 2
+    assert renderer.render(records[0]) == char_tok.decode(encoded[0], skip_special_tokens=False)
+    for chunk in (1, 4096):  # repeated prompts are encoded once, whatever the batches
+        assert renderer.lengths(records * 2, chunk=chunk).tolist() == [len(e) for e in encoded] * 2
     with pytest.raises(ValueError, match="TrainConfig.system_prompt shapes the chat prompt: set "
                                          "TrainConfig.chat_template = True"):
         TrainConfig(system_prompt="Be brief.")
@@ -361,7 +362,7 @@ def test_chat_template_needs_chatml_special_tokens(tmp_path):
     with pytest.raises(ValueError, match=r"no special token\(s\) \['<\|im_start\|>', '<\|im_end\|>'\]"):
         tok.apply_chat_template("abc")
     assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert tok.encode_prompt("abc", chat=False) == [0, 1, 2]
+    assert PromptRenderer(tok).encode({"prompt": "abc"}).tolist() == [0, 1, 2]
 
 
 # An instruct model's own template that is not ChatML (Llama-3-like headers, a bos token, a system default,

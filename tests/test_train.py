@@ -210,7 +210,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
     run.checkpointer.save(run.step, run.train_state, run.state_dict(1.0), force=True)
     run.close()
     back = builder.build_trainer(spec, tmp_path)
-    assert back.step == 4 and back.policy.engine.version == 4
+    assert back.step == 4 and back.serving.engine.version == 4
     before = {t.uid: t for t in cache.paused}
     after = {t.uid: t for t in back.manager.cache.paused}
     assert sorted(before) == sorted(after)

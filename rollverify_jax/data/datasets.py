@@ -24,7 +24,7 @@ Keys that are not set are absent, never null, so a record of the two original ke
 (``records_fingerprint``).
 
 TFDS works here without TensorFlow (``tfds_source``, imported only by the TFDS functions: tensorflow_datasets is
-slow to import and no other path needs it).
+slow to import and no other path needs it; what both sides need of a build is ``math_prompts``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 
 from rollverify_jax.data import mixture, synthetic, synthetic_tools
 from rollverify_jax.data import sources as files
+from rollverify_jax.data.math_prompts import tfds_dir
 from rollverify_jax.data.sources import (  # noqa: F401  (the names this module has always exported)
     DAPO_TEMPLATE,
     TEMPLATES,
@@ -72,19 +73,6 @@ def load_synthetic_tools(n: int = 4096, seed: int = 0, split: str = "train", **t
     ]
 
 
-def _text_only(loader: Callable[..., list[Record]]) -> Callable[..., list[Record]]:
-    """A loader whose records keep only ``prompt`` and ``answer``: what a ``MathPrompts`` TFDS build holds (its
-    features are those two texts; builds made before the other keys existed stay valid)."""
-    def load(*args, **kwargs) -> list[Record]:
-        return [{"prompt": r["prompt"], "answer": r["answer"]} for r in loader(*args, **kwargs)]
-    load.__name__ = load.__qualname__ = loader.__name__
-    return load
-
-
-# The loaders ``MathPrompts`` (tfds_source) converts from, by ``source_format``.
-FILE_LOADERS: dict[str, Callable[..., list[Record]]] = {
-    name: _text_only(loader) for name, loader in files.FILE_LOADERS.items()
-}
 load_dapo_jsonl, load_dapo_parquet = files.FILE_LOADERS["dapo_jsonl"], files.FILE_LOADERS["dapo_parquet"]
 load_aime_jsonl, load_aime_parquet = files.FILE_LOADERS["aime_jsonl"], files.FILE_LOADERS["aime_parquet"]
 
@@ -119,9 +107,6 @@ def load_mixture(sources: Sequence[Mapping[str, Any]], seed: int = 0, size: int 
 # TFDS (array_record) + grain.
 
 
-MATH_PROMPTS_VERSION = "1.0.0"  # the builder's version: part of a build's path
-
-
 def __getattr__(name: str) -> Any:
     """``MathPrompts`` (the TFDS builder) loads with tensorflow_datasets on first access (PEP 562)."""
     if name == "MathPrompts":
@@ -129,11 +114,6 @@ def __getattr__(name: str) -> Any:
 
         return MathPrompts
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def tfds_dir(data_dir: str, config_name: str = "default") -> str:
-    """Where ``MathPrompts`` puts a build of config ``config_name``."""
-    return os.path.join(os.fspath(data_dir), "math_prompts", config_name, MATH_PROMPTS_VERSION)
 
 
 def build_tfds(
@@ -313,6 +293,14 @@ class PromptIterator:
             if self.index == self.num_records:
                 self.epoch, self.index = self.epoch + 1, 0
         return batch
+
+    def next_record(self) -> Record:
+        """The next record, for a consumer that draws one at a time (rollout starts one group per record): an
+        iterator of ``batch_size`` 1, whose position then moves one record per call."""
+        if self.batch_size != 1:
+            raise ValueError(f"PromptIterator.next_record draws one record at a time; this iterator has "
+                             f"batch_size={self.batch_size} (use next_batch).")
+        return self.next_batch()[0]
 
     def __iter__(self) -> PromptIterator:
         return self

@@ -2,7 +2,9 @@
 
 Kept out of ``datasets`` so that only a run that converts or reads a TFDS build imports tensorflow_datasets (it
 is slow to import and pulls in much of its own stack): ``datasets.build_tfds`` and ``datasets.load_tfds`` import
-this module when called, and ``datasets.MathPrompts`` resolves to the class here on first access.
+this module when called, and ``datasets.MathPrompts`` resolves to the class here on first access. What the two
+share (the build's version, the loaders it converts from) is ``math_prompts``: this module imports nothing of
+``datasets``.
 
 TFDS works here without TensorFlow: ``GeneratorBasedBuilder`` with ``file_format='array_record'`` writes
 array_record shards through the ``array_record`` module, and ``as_data_source`` reads them back with pure
@@ -17,7 +19,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from rollverify_jax.data.datasets import FILE_LOADERS, MATH_PROMPTS_VERSION
+from rollverify_jax.data.math_prompts import FILE_LOADERS, MATH_PROMPTS_VERSION
 
 
 class MathPrompts(tfds.core.GeneratorBasedBuilder):

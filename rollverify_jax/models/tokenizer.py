@@ -259,7 +259,7 @@ class Tokenizer:
         if missing:
             raise ValueError(
                 f"Tokenizer at {self.path} has no special token(s) {missing}, so it cannot use the ChatML "
-                "chat template. Encode raw prompts instead (encode_prompt(text, chat=False)), or use a "
+                "chat template. Encode raw prompts instead (TrainConfig.chat_template = False), or use a "
                 f"tokenizer that defines {IM_START} and {IM_END} as special tokens."
             )
         return chatml_messages(messages, add_generation_prompt, enable_thinking)
@@ -273,7 +273,7 @@ class Tokenizer:
         system: str | None = None,
         enable_thinking: bool | None = None,
     ) -> str:
-        """The text a policy is prompted with, what training and the prompt-length check both encode.
+        """The text a policy is prompted with (a record's, through ``data.prompts.PromptRenderer``).
 
         Without ``chat``: ``text`` as is (a dataset record's ``prompt``, its template applied). With ``chat``:
         ``messages`` (a record's own chat prompt) when given, else ``text`` as one user turn, in the chat template;
@@ -287,18 +287,6 @@ class Tokenizer:
         if system is not None and not any(m["role"] == "system" for m in turns):
             turns.insert(0, {"role": "system", "content": system})
         return self.render_messages(turns, enable_thinking=enable_thinking)
-
-    def encode_prompt(
-        self,
-        text: str,
-        chat: bool,
-        system: str | None = None,
-        enable_thinking: bool | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int]:
-        """Prompt ids of ``render_prompt``: ``text`` wrapped in the chat template when ``chat``, else as is."""
-        return self.encode(self.render_prompt(text, chat=chat, messages=messages, system=system,
-                                              enable_thinking=enable_thinking))
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from rollverify_jax.data.plugins import with_interaction
+from rollverify_jax.infra import distributed
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl import packing
@@ -21,6 +23,15 @@ from rollverify_jax.verify.ops import token_ops
 # The learner's batch (padded to whole batches, packed by `packing.pack_for_learner`) -> log-probs [N, T] on the
 # host: `learner.make_logprob_fn`'s pass, the train step's packed forward
 LogProbFn = Callable[[dict], np.ndarray]
+
+
+def on_host(logprob_fn: Callable[[Any, dict], Any], params: Any) -> LogProbFn:
+    """``logprob_fn`` (``learner.make_logprob_fn``: (params, packed batch) -> log-probs [N, T] on the mesh) of
+    ``params``, its log-probs fetched to the host (every host holds the whole array): what ``select`` scores the
+    step-start and the reference policy with."""
+    def logp(batch: dict) -> np.ndarray:
+        return distributed.fetch(logprob_fn(params, batch))
+    return logp
 
 
 @dataclasses.dataclass

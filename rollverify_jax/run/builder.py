@@ -1,17 +1,17 @@
-"""Building a run from its ``RunSpec``: ``build_policy`` (what evaluation and export need) and ``build_trainer``
-(a ``Trainer``, resumed from its workdir's newest checkpoint when there is one)."""
+"""Building a run from its ``RunSpec``: ``build_policy`` (the policy's ``Serving`` parts and its ``Evaluator``:
+what evaluation needs) and ``build_trainer`` (a ``Trainer``, resumed from its workdir's newest checkpoint when there
+is one)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from etils import epath
 
-from rollverify_jax.data.datasets import PromptIterator, drop_long_prompts, get_dataset, records_fingerprint
+from rollverify_jax.data.datasets import PromptIterator, records_fingerprint
+from rollverify_jax.data.prompts import PromptRenderer, load_prompts
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.infra import storage
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
@@ -23,70 +23,35 @@ from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
-from rollverify_jax.run.evaluation import eval_settings
+from rollverify_jax.run.evaluation import EvalSet, Evaluator
 from rollverify_jax.run.fresh_start import check_fresh_start
 from rollverify_jax.run.programs import execution_config, make_learner, make_mesh
-from rollverify_jax.run.spec import RunSpec, check_resume_settings
-from rollverify_jax.run.trainer import Policy, Trainer
+from rollverify_jax.run.spec import RunSpec, TrainConfig, check_resume_settings
+from rollverify_jax.run.trainer import Serving, Trainer
 
 
-def prompt_lengths(tokenizer: Tokenizer, records: Sequence[dict], chat: bool, chunk: int = 4096, *,
-                   system_prompt: str | None = None, enable_thinking: bool | None = None) -> np.ndarray:
-    """Token counts of the prompts exactly as ``Policy.encode`` encodes them (``Tokenizer.render_prompt``: a
-    record's own ``messages`` when it has them, the chat template, ``TrainConfig.system_prompt`` and
-    ``enable_thinking``); each distinct prompt is rendered and encoded once (DAPO-Math-17k repeats its problems),
-    in batches (``tokenizers`` runs them in Rust)."""
-    keys = [_prompt_key(record) for record in records]
-    unique = list(dict(zip(keys, records, strict=True)).items())
-    counts: dict[str, int] = {}
-    for start in range(0, len(unique), chunk):
-        part = unique[start:start + chunk]
-        rendered = [tokenizer.render_prompt(r["prompt"], chat=chat, messages=r.get("messages"), system=system_prompt,
-                                            enable_thinking=enable_thinking) for _, r in part]
-        counts.update(zip((k for k, _ in part), map(len, tokenizer.encode_batch(rendered)), strict=True))
-    return np.asarray([counts[k] for k in keys], dtype=np.int64)
+def prompt_renderer(train: TrainConfig, tokenizer: Tokenizer) -> PromptRenderer:
+    """The run's prompts: ``tokenizer`` with ``TrainConfig``'s chat template, system prompt and thinking switch."""
+    return PromptRenderer(tokenizer, chat=train.chat_template, system=train.system_prompt,
+                          enable_thinking=train.enable_thinking)
 
 
-def prompt_options(train) -> dict:
-    """The chat-prompt settings of a ``TrainConfig`` that ``prompt_lengths`` takes besides ``chat``."""
-    return {"system_prompt": train.system_prompt, "enable_thinking": train.enable_thinking}
-
-
-def _prompt_key(record: dict) -> str:
-    """What a prompt's rendering depends on: its text, and its chat messages when it has them."""
-    messages = record.get("messages")
-    return record["prompt"] if messages is None else json.dumps([record["prompt"], messages], sort_keys=True)
-
-
-def load_prompts(role: str, name: str, kwargs: dict, tokenizer: Tokenizer, chat: bool, max_len: int, *,
-                 system_prompt: str | None = None, enable_thinking: bool | None = None) -> list[dict]:
-    """A dataset's records without the prompts longer than ``max_len`` tokens (as ``prompt_lengths`` counts them),
-    dropped once here with a warning: admitted mid-run, such a prompt would stop the run (the scheduler refuses
-    it)."""
-    records = list(get_dataset(name, **kwargs))
-    if not records:
-        raise ValueError(f"{role[0].upper() + role[1:]} dataset {name!r} with {kwargs} is empty.")
-    lengths = prompt_lengths(tokenizer, records, chat, system_prompt=system_prompt, enable_thinking=enable_thinking)
-    kept, dropped = drop_long_prompts(records, lengths, max_len)
-    where = (f"longer than {max_len} tokens (the room EngineConfig.max_seq_len - RolloutConfig.max_new_tokens "
-             f"leaves; the longest has {int(lengths.max())})")
-    if not kept:
-        raise ValueError(f"Every prompt of the {role} dataset {name!r} with {kwargs} is {where}; raise "
-                         "EngineConfig.max_seq_len or lower RolloutConfig.max_new_tokens.")
-    if dropped:
-        print(f"warning: {role} dataset {name!r}: dropped {dropped} of {len(records)} prompts {where}; "
-              f"{len(kept)} remain.", flush=True)
-    return kept
-
-
-def load_eval_sets(spec: RunSpec, tokenizer: Tokenizer, chat: bool) -> dict[str, list[dict]]:
-    """The records of each ``TrainConfig.eval_sets`` entry, by name (its first ``size`` problems)."""
-    sets = {}
-    for name in spec.train.eval_sets:
+def build_evaluator(spec: RunSpec, serving: Serving) -> Evaluator:
+    """The evaluation of ``serving``'s engine on the spec's eval sets: ``TrainConfig.eval_dataset``'s first
+    ``eval_size`` prompts, then each ``TrainConfig.eval_sets`` entry's first ``size`` (prompts too long for the
+    engine dropped first), sampled as ``EvalConfig`` says. Its settings are checked here."""
+    train, max_len = spec.train, spec.max_prompt_len()
+    sets = [EvalSet("", load_prompts("eval", train.eval_dataset, spec.dataset_kwargs("eval"), serving.prompts,
+                                     max_len)[: train.eval_size])]
+    for name in train.eval_sets:
         dataset, kwargs, size = spec.eval_set_kwargs(name)
-        sets[name] = load_prompts(f"eval set {name!r}", dataset, kwargs, tokenizer, chat, spec.max_prompt_len(),
-                                  **prompt_options(spec.train))[:size]
-    return sets
+        records = load_prompts(f"eval set {name!r}", dataset, kwargs, serving.prompts, max_len)[:size]
+        sets.append(EvalSet(name, records, train.eval_sets[name].get("k") or None))
+    evaluator = Evaluator(engine=serving.engine, prompts=serving.prompts, scorer=serving.scorer, sets=tuple(sets),
+                          config=spec.eval, samples_per_problem=train.eval_samples,
+                          max_new_tokens=spec.rollout.max_new_tokens, tools=serving.tools)
+    evaluator.settings()  # a bad evaluation setting fails here, not after hours of training or sampling
+    return evaluator
 
 
 def load_policy(spec: RunSpec, train, mesh):
@@ -104,8 +69,9 @@ def model_fingerprint(model) -> dict:
                                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
 
 
-def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> Policy:
-    """The policy, tokenizer, engine, reward scorer and eval records of a spec.
+def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> tuple[Serving, Evaluator]:
+    """The policy of a spec as it samples and is graded (model, engine, tokenizer, prompt renderer, reward
+    scorer, tool runner), and its evaluator (``build_evaluator``).
 
     With ``checkpoint`` (evaluation, export), the params come from an orbax checkpoint (a workdir or one of its
     step directories, local or e.g. ``gs://``) or from an HF-layout directory (local: its safetensors are mapped).
@@ -126,23 +92,17 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> P
     engine = Engine(model, spec.engine, spec.sampling, eos_ids=tokenizer.eos_ids, mesh=mesh, flash=spec.flash,
                     attention=spec.attention, stop_ids=(tools.call_end_id,) if tools else ())
     scorer = RewardScorer(**spec.reward)
+    serving = Serving(model=model, mesh=mesh, engine=engine, tokenizer=tokenizer,
+                      prompts=prompt_renderer(train, tokenizer), scorer=scorer, tools=tools)
     try:
-        eval_records = load_prompts("eval", train.eval_dataset, spec.dataset_kwargs("eval"), tokenizer,
-                                    train.chat_template, spec.max_prompt_len(),
-                                    **prompt_options(train))[: train.eval_size]
-        policy = Policy(spec=spec, tokenizer=tokenizer, model=model, mesh=mesh, engine=engine, scorer=scorer,
-                        eval_records=eval_records, eval_sets=load_eval_sets(spec, tokenizer, train.chat_template),
-                        tools=tools)
-        eval_settings(policy)  # a bad evaluation setting fails here, not after hours of training or sampling
+        evaluator = build_evaluator(spec, serving)
         if checkpoint is not None and not hf_checkpoint:
             step, params = restore_params(model, mesh, checkpoint, spec)
             engine.update_params(params, version=step)
     except BaseException:
-        scorer.close()
-        if tools is not None:
-            tools.close()
+        serving.close()
         raise
-    return policy
+    return serving, evaluator
 
 
 def build_trainer(spec: RunSpec, workdir: storage.PathLike) -> Trainer:
@@ -150,30 +110,30 @@ def build_trainer(spec: RunSpec, workdir: storage.PathLike) -> Trainer:
     manager and the checkpointer; resumed from the newest readable checkpoint when there is one (its settings
     compared with the spec's, ``Trainer.settings``)."""
     workdir = storage.as_path(workdir)
-    policy = build_policy(spec)
+    serving, evaluator = build_policy(spec)
     try:
-        return _training(policy, workdir)
+        return _training(spec, serving, evaluator, workdir)
     except BaseException:
-        policy.close()
+        serving.close()
         raise
 
 
-def _training(policy: Policy, workdir: epath.Path) -> Trainer:
-    spec, model, mesh, engine = policy.spec, policy.model, policy.mesh, policy.engine
+def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: epath.Path) -> Trainer:
+    model, mesh, engine = serving.model, serving.mesh, serving.engine
     spec.check_mesh(dict(mesh.shape))
     learner = make_learner(spec, model, mesh)  # the programs the deviceless compile lowers too
     train_state = learner.init_state(model, seed=spec.train.seed)
     ref_params = jax.tree.map(lambda x: x.copy(), train_state.params) if spec.loss.kl_coef > 0 else None
-    records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"), policy.tokenizer,
-                           spec.train.chat_template, spec.max_prompt_len(), **prompt_options(spec.train))
+    records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"), serving.prompts,
+                           spec.max_prompt_len())
     iterator = PromptIterator(records, batch_size=1, seed=spec.train.seed)
-    manager = RolloutManager(spec.rollout, Scheduler(engine, policy.tools), lambda: iterator.next_batch()[0],
-                             policy.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
+    manager = RolloutManager(spec.rollout, Scheduler(engine, serving.tools), iterator.next_record,
+                             serving.prompts.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
     checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
-    trainer = Trainer(policy=policy, workdir=workdir, graphdef=learner.graphdef, train_state=train_state,
-                      train_step=learner.train_step, manager=manager, iterator=iterator, checkpointer=checkpointer,
-                      ref_params=ref_params, logprob_fn=learner.logprob_fn,
-                      inputs=input_identity(spec, records, policy.tokenizer))
+    trainer = Trainer(spec=spec, serving=serving, evaluator=evaluator, workdir=workdir, graphdef=learner.graphdef,
+                      train_state=train_state, train_step=learner.train_step, manager=manager, iterator=iterator,
+                      checkpointer=checkpointer, ref_params=ref_params, logprob_fn=learner.logprob_fn,
+                      inputs=input_identity(spec, records, serving.tokenizer))
     try:
         _restore(trainer, learner.abstract_state)
     except BaseException:

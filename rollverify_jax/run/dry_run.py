@@ -24,7 +24,7 @@ from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import Tokenizer, model_config
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.run import programs
-from rollverify_jax.run.builder import prompt_lengths, prompt_options
+from rollverify_jax.run.builder import prompt_renderer
 from rollverify_jax.run.programs import architecture
 from rollverify_jax.run.spec import RunSpec
 from rollverify_jax.scale.fit import format_report, per_device_bytes
@@ -164,8 +164,7 @@ def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len
         note(f"{label}: {len(records)} prompts, schema OK.")
         return part
     try:
-        stats = length_summary(prompt_lengths(tokenizer, records, train_cfg.chat_template, **prompt_options(train_cfg)),
-                               max_len)
+        stats = length_summary(prompt_renderer(train_cfg, tokenizer).lengths(records), max_len)
     except ValueError as e:  # text the tokenizer cannot encode
         problems.append(f"{label}: {message(e)}")
         return part

@@ -1,5 +1,6 @@
 """Held-out evaluation of a policy: avg@k, pass@k and maj@k on one or more eval sets with fixed seeds, and a few
-generations logged.
+generations logged. An ``Evaluator`` holds what it takes, each part typed (the engine, the prompt renderer, the
+reward scorer, the tool runner, the eval sets and settings); nothing here reads the run's spec.
 
 How evaluation samples is ``EvalConfig`` (temperature, top-p, samples per problem, response length); its
 defaults are training's settings, so evaluation matches the training sampler unless told otherwise. The eval
@@ -37,8 +38,8 @@ from rollverify_jax.rollout.sampling import SamplingConfig
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
 
-if TYPE_CHECKING:
-    from rollverify_jax.run.builder import Policy
+if TYPE_CHECKING:  # only a type here: reading a spec (which imports EvalConfig) loads no dataset code
+    from rollverify_jax.data.prompts import PromptRenderer
 
 EVAL_SEED_OFFSET = 1_000_000_000
 
@@ -196,60 +197,85 @@ def write_samples(path: storage.PathLike, rows: list[dict], step: int) -> None:
     storage.write_text_atomically(path, "".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
 
 
-def eval_sets(policy: Policy) -> list[tuple[str, list[dict], int]]:
-    """(name, records, samples per problem) of every eval set: the primary one named "" (metrics ``eval/...``),
-    then ``TrainConfig.eval_sets`` in order (``eval/<name>/...``); a set's own ``k`` overrides the default n."""
-    spec = policy.spec
-    k = spec.eval.samples_per_problem or spec.train.eval_samples
-    return [("", policy.eval_records, k), *((name, records, spec.train.eval_sets[name].get("k") or k)
-                                             for name, records in policy.eval_sets.items())]
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """One eval set: ``name`` ("" for the primary one, ``TrainConfig.eval_dataset``, metrics ``eval/...``; else a
+    ``TrainConfig.eval_sets`` key, metrics ``eval/<name>/...``), its records, and its own samples per problem
+    (``TrainConfig.eval_sets[name]['k']``; None: the evaluator's)."""
+
+    name: str
+    records: list[dict]
+    k: int | None = None
 
 
-def eval_settings(policy: Policy) -> tuple[int, int, SamplingConfig]:
-    """(samples per problem, max new tokens, sampler) of a policy's evaluation: EvalConfig, else training's. The
-    response length must leave room for the longest prompt of every eval set."""
-    spec = policy.spec
-    cfg = spec.eval
-    k = cfg.samples_per_problem or spec.train.eval_samples
-    max_new = cfg.max_new_tokens or spec.rollout.max_new_tokens
-    for name, records, n in eval_sets(policy):
-        where = f"eval set {name!r}" if name else "the primary eval set"
-        too_big = [a for a in cfg.at_k if a > n]
-        if too_big:
-            source = f"TrainConfig.eval_sets[{name!r}]['k']" if name and spec.train.eval_sets[name].get("k") else \
-                "EvalConfig.samples_per_problem, else TrainConfig.eval_samples"
-            raise ValueError(f"EvalConfig.at_k={tuple(cfg.at_k)} asks for k = {too_big} but {where} has "
-                             f"{n} samples per problem ({source}); lower at_k or raise the samples.")
-        longest = max(len(policy.encode(record)) for record in records)
-        if longest + max_new > policy.engine.config.max_seq_len:
-            label = f"eval set {name!r}" if name else "eval"
-            raise ValueError(f"EvalConfig.max_new_tokens={max_new} (else RolloutConfig.max_new_tokens) leaves no "
-                             f"room for the longest {label} prompt ({longest} tokens) in EngineConfig.max_seq_len="
-                             f"{policy.engine.config.max_seq_len}.")
-    return k, max_new, cfg.sampling(policy.engine.sampling)
+@dataclasses.dataclass
+class Evaluator:
+    """Held-out evaluation of the policy its engine holds, on every eval set, sampling as ``config`` says.
 
+    The engine samples (with the tool runner in a multi-turn run), ``prompts`` encodes the records and its tokenizer
+    decodes the responses, the scorer grades them. ``samples_per_problem`` and ``max_new_tokens`` are training's
+    (``TrainConfig.eval_samples``, ``RolloutConfig.max_new_tokens``), used where ``config`` sets neither."""
 
-def evaluate_run(policy: Policy, workdir: storage.PathLike | None = None,
-                 samples_path: storage.PathLike | None = None) -> dict:
-    """Held-out evaluation of a built policy as its engine holds it, on every eval set (``eval_sets``), sampling
-    from EvalConfig. ``time/eval`` is the whole evaluation's time.
+    engine: Engine
+    prompts: PromptRenderer
+    scorer: RewardScorer
+    sets: tuple[EvalSet, ...]  # the primary set first, then TrainConfig.eval_sets in order
+    config: EvalConfig
+    samples_per_problem: int
+    max_new_tokens: int
+    tools: Environment | None = None
 
-    ``EvalConfig.num_samples_logged`` generations of each set go to ``samples_path`` (default: the run's
-    ``samples/step_<N>.jsonl`` under ``workdir`` when there is one, else nowhere); rows of a named set carry
-    ``eval_set``."""
-    _, max_new, sampling = eval_settings(policy)
-    metrics, logged = {"time/eval": 0.0}, []
-    n = policy.spec.eval.num_samples_logged
-    for name, records, k in eval_sets(policy):
-        prefix = f"eval/{name}/" if name else "eval/"
-        result, rows = evaluate_policy(policy.engine, records, policy.encode, policy.decode, policy.scorer, k,
-                                       max_new, sampling, policy.spec.eval.at_k, prefix, policy.tools)
-        metrics["time/eval"] += result.pop("time/eval")
-        metrics.update(result)
-        logged += [{"eval_set": name, **row} if name else row for row in logged_rows(rows, n)]
-    step = policy.engine.version
-    if samples_path is None and workdir is not None:
-        samples_path = storage.as_path(workdir) / "samples" / f"step_{step}.jsonl"
-    if samples_path is not None and n and jax.process_index() == 0:  # one writer on several hosts
-        write_samples(samples_path, logged, step)
-    return metrics
+    def samples(self, eval_set: EvalSet) -> int:
+        """n of a set: its own ``k``, else ``EvalConfig.samples_per_problem``, else training's."""
+        return eval_set.k or self.config.samples_per_problem or self.samples_per_problem
+
+    def settings(self) -> tuple[int, SamplingConfig]:
+        """(max new tokens, sampler) of the evaluation: EvalConfig's, else training's; checked against every set
+        (each n holds every k of ``at_k``, the response length leaves room for the longest prompt), so a bad
+        setting fails when the run is built, not after hours of training or sampling."""
+        cfg = self.config
+        max_new = cfg.max_new_tokens or self.max_new_tokens
+        max_seq_len = self.engine.config.max_seq_len
+        for eval_set in self.sets:
+            name, n = eval_set.name, self.samples(eval_set)
+            where = f"eval set {name!r}" if name else "the primary eval set"
+            too_big = [a for a in cfg.at_k if a > n]
+            if too_big:
+                source = f"TrainConfig.eval_sets[{name!r}]['k']" if eval_set.k else \
+                    "EvalConfig.samples_per_problem, else TrainConfig.eval_samples"
+                raise ValueError(f"EvalConfig.at_k={tuple(cfg.at_k)} asks for k = {too_big} but {where} has "
+                                 f"{n} samples per problem ({source}); lower at_k or raise the samples.")
+            longest = max(len(self.prompts.encode(record)) for record in eval_set.records)
+            if longest + max_new > max_seq_len:
+                label = f"eval set {name!r}" if name else "eval"
+                raise ValueError(f"EvalConfig.max_new_tokens={max_new} (else RolloutConfig.max_new_tokens) leaves "
+                                 f"no room for the longest {label} prompt ({longest} tokens) in "
+                                 f"EngineConfig.max_seq_len={max_seq_len}.")
+        return max_new, cfg.sampling(self.engine.sampling)
+
+    def run(self, workdir: storage.PathLike | None = None, samples_path: storage.PathLike | None = None) -> dict:
+        """The metrics of every set, with the engine's params as it holds them. ``time/eval`` is the whole
+        evaluation's time.
+
+        ``EvalConfig.num_samples_logged`` generations of each set go to ``samples_path`` (default: the run's
+        ``samples/step_<N>.jsonl`` under ``workdir`` when there is one, else nowhere); rows of a named set carry
+        ``eval_set``."""
+        max_new, sampling = self.settings()
+        metrics, logged = {"time/eval": 0.0}, []
+        n = self.config.num_samples_logged
+        decode = self.prompts.tokenizer.decode
+        for eval_set in self.sets:
+            name = eval_set.name
+            prefix = f"eval/{name}/" if name else "eval/"
+            result, rows = evaluate_policy(self.engine, eval_set.records, self.prompts.encode, decode, self.scorer,
+                                           self.samples(eval_set), max_new, sampling, self.config.at_k, prefix,
+                                           self.tools)
+            metrics["time/eval"] += result.pop("time/eval")
+            metrics.update(result)
+            logged += [{"eval_set": name, **row} if name else row for row in logged_rows(rows, n)]
+        step = self.engine.version
+        if samples_path is None and workdir is not None:
+            samples_path = storage.as_path(workdir) / "samples" / f"step_{step}.jsonl"
+        if samples_path is not None and n and jax.process_index() == 0:  # one writer on several hosts
+            write_samples(samples_path, logged, step)
+        return metrics

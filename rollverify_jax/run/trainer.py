@@ -1,50 +1,43 @@
-"""``Trainer``: a training run's state (policy, train state, rollout manager, data position, checkpointer) and
-the five calls of one step (``rollout``, ``score``, ``select``, ``learn``, ``end_cycle``). Built by
-``builder.build_trainer``; its host-side state is one dict (``state_dict``) that checkpoints hold beside the train
-state."""
+"""``Trainer``: a training run's state (the serving policy, its evaluator, the train state, rollout manager, data
+position, checkpointer) and the five calls of one step (``rollout``, ``score``, ``select``, ``learn``,
+``end_cycle``). Built by ``builder.build_trainer``; its host-side state is one dict (``state_dict``) that
+checkpoints hold beside the train state."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import numpy as np
 from etils import epath
+from jax.sharding import Mesh
 
 from rollverify_jax.data.datasets import PromptIterator
+from rollverify_jax.data.prompts import PromptRenderer
+from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.infra import distributed
+from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer
 from rollverify_jax.rl import step as step_lib
 from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
+from rollverify_jax.rollout.engine import Engine
+from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
+from rollverify_jax.run.evaluation import Evaluator
 from rollverify_jax.run.spec import RunSpec
 
 
 @dataclasses.dataclass
-class Policy:
-    """A policy ready to sample: its spec, tokenizer, model, mesh, engine, reward scorer and eval records."""
+class Serving:
+    """The policy as rollout samples it and the reward grades it, opened and closed together: the model and its
+    engine on the mesh, the tokenizer (responses are decoded with it) and the prompt renderer, the reward scorer
+    and, with tool use, the tool runner."""
 
-    spec: RunSpec
-    tokenizer: Any
-    model: Any
-    mesh: Any
-    engine: Any
-    scorer: Any
-    eval_records: list  # the primary eval set (TrainConfig.eval_dataset)
-    eval_sets: dict = dataclasses.field(default_factory=dict)  # name -> records of TrainConfig.eval_sets
-    tools: Any = None  # a rollout.tool_use.ToolEnvironment when ToolUseConfig.enabled (multi-turn tool use)
-
-    def encode(self, record: dict) -> np.ndarray:
-        """A record's prompt ids: its ``prompt``, or with ``TrainConfig.chat_template`` its own ``messages`` when it
-        has them, in the chat template with ``system_prompt`` (unless the record brings a system message) and
-        ``enable_thinking``; ``builder.prompt_lengths`` counts the same rendering."""
-        train = self.spec.train
-        return np.asarray(self.tokenizer.encode_prompt(record["prompt"], chat=train.chat_template,
-                                                       system=train.system_prompt,
-                                                       enable_thinking=train.enable_thinking,
-                                                       messages=record.get("messages")), np.int32)
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    model: Qwen3ForCausalLM
+    mesh: Mesh
+    engine: Engine
+    tokenizer: Tokenizer
+    prompts: PromptRenderer
+    scorer: RewardScorer
+    tools: ToolEnvironment | None = None  # ToolUseConfig.enabled: multi-turn tool use
 
     def close(self) -> None:
         self.scorer.close()
@@ -56,7 +49,9 @@ class Policy:
 class Trainer:
     """Everything a training run holds; ``step`` = completed training steps = the policy version sampled with."""
 
-    policy: Policy
+    spec: RunSpec
+    serving: Serving
+    evaluator: Evaluator
     workdir: epath.Path
     graphdef: Any
     train_state: Any
@@ -70,10 +65,6 @@ class Trainer:
     wall_offset: float = 0.0
     step: int = 0
 
-    @property
-    def spec(self) -> RunSpec:
-        return self.policy.spec
-
     # The five calls of a step ---------------------------------------------------------------------------
 
     def rollout(self) -> PhaseResult:
@@ -81,23 +72,24 @@ class Trainer:
         return self.manager.run_phase()
 
     def score(self, groups) -> step_lib.Scored:
-        return step_lib.score(groups, self.policy.decode, self.policy.scorer, self.spec.train.advantage,
-                              multi_turn=self.policy.tools is not None)
+        serving = self.serving
+        return step_lib.score(groups, serving.tokenizer.decode, serving.scorer, self.spec.train.advantage,
+                              multi_turn=serving.tools is not None)
 
     def select(self, scored: step_lib.Scored) -> tuple[dict, dict]:
         spec = self.spec
         return step_lib.select(
-            scored, spec.learner, spec.filter, current_version=self.policy.engine.version,
+            scored, spec.learner, spec.filter, current_version=self.serving.engine.version,
             rows=spec.rollout.batch_groups * spec.rollout.group_size, width=spec.engine.max_seq_len,
-            mesh=self.policy.mesh, skip_uniform_groups=spec.train.skip_uniform_groups,
-            policy_logp=self._logp(lambda: self.train_state.params),
-            ref_logp=self._logp(lambda: self.ref_params) if self.ref_params is not None else None)
+            mesh=self.serving.mesh, skip_uniform_groups=spec.train.skip_uniform_groups,
+            policy_logp=step_lib.on_host(self.logprob_fn, self.train_state.params),
+            ref_logp=step_lib.on_host(self.logprob_fn, self.ref_params) if self.ref_params is not None else None)
 
     def learn(self, batch: dict) -> dict:
         """One jitted, sharded update; the engine samples with the new params as the next policy version."""
         self.train_state, metrics = self.train_step(self.train_state, batch)
         self.step += 1
-        self.policy.engine.update_params(self.train_state.params, version=self.step)
+        self.serving.engine.update_params(self.train_state.params, version=self.step)
         return {k: float(v) for k, v in distributed.fetch(metrics).items()}
 
     def check_agreement(self, batch: dict) -> None:
@@ -109,19 +101,12 @@ class Trainer:
     def end_cycle(self, phase_metrics: dict) -> dict:
         return self.manager.end_cycle(self.step, phase_metrics)
 
-    def _logp(self, params):
-        """The learner's packed forward (`learner.make_logprob_fn`) of ``params()`` on a packed batch, on the
-        host."""
-        def logp(batch: dict) -> np.ndarray:
-            return distributed.fetch(self.logprob_fn(params(), batch))
-        return logp
-
     # State ------------------------------------------------------------------------------------------------
 
     def settings(self) -> dict:
         """The settings that define what the run trains (saved in every checkpoint, compared on resume): the
         spec's, plus what it reads and the rollout's resolved activation dtype (it changes what is sampled)."""
-        return {**self.spec.settings(), **self.inputs, "inputs.rollout_dtype": self.policy.engine.compute_dtype}
+        return {**self.spec.settings(), **self.inputs, "inputs.rollout_dtype": self.serving.engine.compute_dtype}
 
     def state_dict(self, wall: float) -> dict:
         """The host-side state a checkpoint holds beside the train state (params, optimizer, PRNG)."""
@@ -135,5 +120,5 @@ class Trainer:
         self.step = int(extra["step"])
 
     def close(self) -> None:
-        self.policy.close()
+        self.serving.close()
         self.checkpointer.close()

@@ -217,7 +217,7 @@ def build_prompts(problems: int, samples: int) -> tuple[list[list[int]], list[li
     task = json.loads((POLICY / "task.json").read_text())
     records = load_synthetic(problems, seed=1, split="train", **task)
     tokenizer = Tokenizer.from_dir(POLICY)
-    distinct = [list(map(int, tokenizer.encode_prompt(r["prompt"], chat=False))) for r in records]
+    distinct = [list(map(int, tokenizer.encode(r["prompt"]))) for r in records]
     return [p for p in distinct for _ in range(samples)], distinct, [r["prompt"] for r in records]
 
 
