@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
-from rollverify_jax.rollout.scheduler import RolloutStats
+from rollverify_jax.rollout.stats import RolloutStats
 
 CFG = EngineConfig(num_slots=3, page_size=8, max_seq_len=64, steps_per_dispatch=3)
 PAGE_BYTES = 2 * 4 * 2 * 8 * 32 * 4  # K+V, 4 layers, 2 kv heads, 8 tokens, head_dim 32, float32

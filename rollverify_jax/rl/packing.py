@@ -40,14 +40,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from rollverify_jax.schedule_rules import batch_devices, first_fit, row_bucket
 
-if TYPE_CHECKING:  # the learner imports this module; its config is only a type here
-    from rollverify_jax.rl.learner import LearnerConfig
+
+class LearnerConfig(Protocol):
+    """What packing reads of ``rl.learner.LearnerConfig`` (a structural type: the learner imports this module)."""
+
+    num_minibatches: int
+    micro_batch_size: int | None
+    tail_row_width: int | None
+    pack_sequences: bool
 
 __all__ = ["PACKED_KEYS", "TAIL_KEYS", "PackShape", "first_fit", "pack_for_learner", "pack_minibatches",
            "pack_shape", "packing_stats", "plan_minibatch", "row_bucket"]

@@ -2,7 +2,8 @@
 
 from rollverify_jax.rollout.engine import DecodeState, Engine, EngineConfig, Prefix
 from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
-from rollverify_jax.rollout.scheduler import RolloutStats, Scheduler, validate_request
+from rollverify_jax.rollout.scheduler import Scheduler, validate_request
+from rollverify_jax.rollout.stats import RolloutStats
 from rollverify_jax.rollout.trajectory import Trajectory
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "RolloutStats", "SamplingConfig", "Scheduler",

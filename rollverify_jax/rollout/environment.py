@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from rollverify_jax.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from rollverify_jax.rollout.scheduler import RolloutStats
+    from rollverify_jax.rollout.stats import RolloutStats
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ from rollverify_jax.tools import (
 )
 
 if TYPE_CHECKING:
-    from rollverify_jax.rollout.scheduler import RolloutStats
+    from rollverify_jax.rollout.stats import RolloutStats
 
 
 @dataclasses.dataclass(frozen=True)
