@@ -8,7 +8,8 @@ configs/qwen3_8b_dapo.gin: 16 minibatches of 32 sequences, micro-batches of 4 ro
 lengths from the length model of docs/scale.md (lognormal response, median 2,500 of a 22,528-token context,
 sigma 1.0, capped at 20,480, plus a 200-token prompt) scaled by `width / 22,528`:
 
-- one row per sequence: the unpacked step, every sequence right padded to `width`, micro-batches of 4;
+- one row per sequence (`pack_sequences=False`): every sequence in a full-width row of its own, micro-batches
+  of 4;
 - packed rows: micro-batches of 4 packed rows, as many per minibatch as its tokens fill;
 - packed rows + tail rows of `width / 4` (the shipped 8B setting).
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.hf import load_pretrained
-from rollverify_jax.rl import learner
+from rollverify_jax.rl import learner, packing
 from rollverify_jax.studies import benchlib
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
@@ -54,7 +55,7 @@ def length_model_batch(rows: int, width: int, vocab: int, seed: int) -> dict[str
 
 
 def time_steps(step, state, batches: list[dict], iters: int) -> tuple[float, object]:
-    """Median seconds per step over ``batches`` after a compile + warm-up call."""
+    """Median seconds per step (``Learner.train_step``) over ``batches`` after a compile + warm-up call."""
     state, m = step(state, batches[0])
     jax.block_until_ready(m)
     times = []
@@ -76,26 +77,22 @@ def main() -> None:
     args = ap.parse_args()
     model = load_pretrained(POLICY)
     mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-6))
-    graphdef = learner.split_params(model)[0]
-    shardings = learner.train_state_shardings(model, optimizer, mesh)
+    optimizer_cfg = learner.OptimizerConfig(learning_rate=1e-6)
     rows = args.minibatches * args.per_minibatch
     batches = [length_model_batch(rows, args.width, model.cfg.vocab_size, seed) for seed in range(args.iters)]
     base = learner.LearnerConfig(num_minibatches=args.minibatches, micro_batch_size=args.micro)
     cases = {"one full row per sequence": dataclasses.replace(base, pack_sequences=False),
              "packed rows": base,
              f"packed rows + tail rows of {args.width // 4}": dataclasses.replace(base, tail_row_width=args.width // 4)}
-    state = learner.init_train_state(model, optimizer, mesh, seed=0)
+    learners = {name: learner.Learner.create(model, cfg, optimizer_cfg, mesh) for name, cfg in cases.items()}
+    state = learners["packed rows"].init_state(model, seed=0)  # one optimizer: every case takes this state
     results = {}
     for name, cfg in cases.items():
-        step = learner.make_train_step(graphdef, cfg, optimizer, mesh, shardings)
-        packed = [learner.pack_for_learner(b, cfg, mesh) for b in batches]
-        stats = [learner.packing_stats(b, cfg) for b in packed]
-        useful = (statistics.fmean(s["train/useful_token_fraction"] for s in stats) if stats[0]
-                  else float(np.mean([b["attention_mask"].mean() for b in batches])))
-        micro = (statistics.fmean(s["train/micro_batches"] for s in stats) if stats[0]
-                 else args.per_minibatch / args.micro)
-        seconds, state = time_steps(step, state, packed, args.iters)
+        packed = [packing.pack_for_learner(b, cfg, mesh) for b in batches]
+        stats = [packing.packing_stats(b, cfg) for b in packed]
+        useful = statistics.fmean(s["train/useful_token_fraction"] for s in stats)
+        micro = statistics.fmean(s["train/micro_batches"] for s in stats)
+        seconds, state = time_steps(learners[name].train_step, state, packed, args.iters)
         results[name] = (seconds, useful, micro)
         print(f"{name}: {seconds:.2f} s per step, {useful:.1%} of positions useful, {micro:.2f} micro-batches "
               "per update", flush=True)

@@ -1,10 +1,10 @@
 """Train-step time with and without sequence packing, on long-tailed batches like the tiny default's.
 
 Rows are prompt + reference solution of synthetic-task problems, encoded with the tiny policy's tokenizer,
-so the length distribution is the one RL sees (median ~75 tokens, tail to ~300). Padded: right padded to
-the batch's power-of-two bucket (the unpacked path). Packed: the engine's fixed width (`--width`) packed
-with first-fit decreasing (`rl/packing.py`). Both run the same compiled train step code; times are medians
-after a compile and a warm-up call.
+so the length distribution is the one RL sees (median ~75 tokens, tail to ~300). Padded:
+`LearnerConfig(pack_sequences=False)`, one sequence per row of the batch's power-of-two bucket. Packed: the
+engine's fixed width (`--width`) packed with first-fit decreasing (`rl/packing.py`). Both are the one train step
+(`Learner.create`), each compiled for its layout; times are medians after a compile and a warm-up call.
 
 Machine utilization: FLOPs per step from XLA's cost analysis of the compiled step, over the step's time,
 against this machine's float32 matmul rate (a plain jitted ``[N, N] @ [N, N]``, measured in the same run).
@@ -30,7 +30,7 @@ from rollverify_jax.data.synthetic import make_split
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
-from rollverify_jax.rl import learner
+from rollverify_jax.rl import learner, packing
 from rollverify_jax.rl.batch import build_batch
 from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.studies import benchlib
@@ -52,7 +52,7 @@ def long_tailed_batch(tokenizer: Tokenizer, n: int, width: int | None) -> dict[s
 
 
 def time_step(step, state, batch, iters: int) -> tuple[float, object]:
-    """Median seconds per step after a compile + warm-up call, and the updated state."""
+    """Median seconds per step (``Learner.train_step``) after a compile + warm-up call, and the updated state."""
     state, m = step(state, batch)
     jax.block_until_ready(m)
     times = []
@@ -77,10 +77,11 @@ def matmul_peak(n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def step_flops(graphdef, cfg: learner.LearnerConfig, optimizer, mesh, shardings, state, batch) -> float:
+def step_flops(model, cfg: learner.LearnerConfig, optimizer_cfg: learner.OptimizerConfig, mesh, state,
+               batch) -> float:
     """FLOPs of one step's forward + backward over ``batch`` (XLA cost analysis, compiled as one minibatch)."""
-    one = learner.make_train_step(graphdef, dataclasses.replace(cfg, num_minibatches=1), optimizer, mesh, shardings)
-    cost = one.lower(state, batch).compile().cost_analysis()
+    one = learner.Learner.create(model, dataclasses.replace(cfg, num_minibatches=1), optimizer_cfg, mesh)
+    cost = one.step_program.lower(state, batch).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
@@ -93,25 +94,26 @@ def main() -> None:
     model = load_pretrained(POLICY)
     tokenizer = Tokenizer.from_dir(POLICY)
     mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-5))
-    graphdef = learner.split_params(model)[0]
-    shardings = learner.train_state_shardings(model, optimizer, mesh)
+    optimizer_cfg = learner.OptimizerConfig(learning_rate=1e-5)
     cfg = learner.LearnerConfig(num_minibatches=2)  # the tiny default's two updates per step
-    step = learner.make_train_step(graphdef, cfg, optimizer, mesh, shardings)
-    state = learner.init_train_state(model, optimizer, mesh, seed=0)
+    padded_cfg = dataclasses.replace(cfg, pack_sequences=False)
+    packed_run = learner.Learner.create(model, cfg, optimizer_cfg, mesh)
+    padded_run = learner.Learner.create(model, padded_cfg, optimizer_cfg, mesh)
+    state = packed_run.init_state(model, seed=0)  # one optimizer: both learners take this state
     rows = ["| sequences | real tokens | padded: shape | padded: step (s) | packed: shape | packed: step (s) | "
             "speed-up | packed GFLOP | packed GFLOP/s | of matmul peak |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     peak_before = matmul_peak()
     results = []
     for n in args.batches:
-        padded = long_tailed_batch(tokenizer, n, None)
-        packed = learner.pack_for_learner(long_tailed_batch(tokenizer, n, args.width), cfg, mesh)
+        padded = packing.pack_for_learner(long_tailed_batch(tokenizer, n, None), padded_cfg, mesh)
+        packed = packing.pack_for_learner(long_tailed_batch(tokenizer, n, args.width), cfg, mesh)
         real = int(padded["attention_mask"].sum())
-        t_pad, state = time_step(step, state, padded, args.iters)
-        t_pack, state = time_step(step, state, packed, args.iters)
-        flops = step_flops(graphdef, cfg, optimizer, mesh, shardings, state, packed)
-        results.append((n, real, padded["tokens"].shape, t_pad, packed["packed_tokens"].shape, t_pack, flops))
+        t_pad, state = time_step(padded_run.train_step, state, padded, args.iters)
+        t_pack, state = time_step(packed_run.train_step, state, packed, args.iters)
+        flops = step_flops(model, cfg, optimizer_cfg, mesh, state, packed)
+        results.append((n, real, padded["packed_tokens"].shape, t_pad, packed["packed_tokens"].shape, t_pack,
+                        flops))
     peak = max(peak_before, matmul_peak())  # the less disturbed of two measurements (before and after)
     for n, real, shape_pad, t_pad, shape_pack, t_pack, flops in results:
         rate = flops / t_pack / 1e9
@@ -123,11 +125,12 @@ def main() -> None:
                     f"{rate / peak:.1%} |")
     body = "\n".join(rows) + (
         "\n\nOne GRPO train step (forward + backward + AdamW) of the tiny policy on long-tailed synthetic-task "
-        "rows. Padded rows cost `B x bucket(longest)` tokens; packed rows cost about the real token count "
-        "(rows rounded to four sizes per octave), plus attention over the wider packed rows. One sequence "
+        "rows. Padded rows (`pack_sequences=False`: one sequence per row) cost `B x bucket(longest)` tokens; "
+        "packed rows cost about the real token count (rows rounded to four sizes per octave), plus attention over "
+        "the wider packed rows. One sequence "
         "longer than 256 tokens (the 128- and 256-row batches have one) doubles the padded width to 512, where "
         "padded attention and activations cost most. The losses see the same `[B, T]` log-probs either way "
-        "(`tests/test_learner.py::test_packed_step_equals_padded_step`).\n\n"
+        "(`tests/test_learner.py::test_packed_step_equals_the_reference_and_the_unpacked_layout`).\n\n"
         "Matmul peak of this machine, measured in the same run (float32 2048^3, the higher of a measurement "
         f"before and one after the steps): {peak:.0f} GFLOP/s. Step FLOPs: XLA's cost analysis of the step "
         "compiled as one minibatch (XLA counts a loop body once); the timed step is the tiny default's (two "

@@ -497,7 +497,7 @@ def report(args, systems, versions, rates, lengths, startup, grpo, check_line, p
     if grpo:
         grpo_note = (
             "GRPO update: one step (forward, backward, AdamW with gradient clipping at 1.0) over the project's own "
-            "RL-generation samples with group-normalised random rewards. Project: `rl.learner.make_train_step` on "
+            "RL-generation samples with group-normalised random rewards. Project: `Learner.train_step` on "
             f"packed rows (width {max_seq_len}). Tunix: its registered `grpo` policy loss (`algo_core.grpo_loss_fn`, "
             "`GRPOConfig` with beta 0, token-mean) on padded rows (prompts left padded, completions right padded) "
             "under `nnx.value_and_grad` and an `nnx.Optimizer` in one `nnx.jit`, the body of its trainer's "

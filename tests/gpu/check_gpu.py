@@ -25,7 +25,7 @@ watchdog writes the report and exits at ``--hard-limit-s``):
   kernels per step, mean kernel time, the device's busy share of the span); and the same fit in a child process
   per ``--xla-variants`` entry (XLA_FLAGS, e.g. CUDA graphs for the loop body).
 - ``train_step`` (gpu_speed.py): one GRPO train step (forward + backward + AdamW) per ``--train-presets`` model
-  on a packed long-tailed batch (``learner.pack_for_learner``), float32 params, bf16 compute, cuDNN attention;
+  on a packed long-tailed batch (``packing.pack_for_learner``), float32 params, bf16 compute, cuDNN attention;
   MFU = model FLOPs of the real tokens / (step time x bf16 peak), and the packed positions' useful share.
 - ``compile_config`` (gpu_speed.py, with ``--compile-config``): that config's train step, resume prefill and
   decode dispatch compiled on this machine's GPUs at ``--compile-layers`` decoder layers (its own mesh when the

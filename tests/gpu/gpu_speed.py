@@ -44,11 +44,11 @@ from gpu_common import (
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import flash_attention as fa
 from rollverify_jax.models import init_model, model_config
-from rollverify_jax.rl import learner
+from rollverify_jax.rl import learner, packing
 from rollverify_jax.rl.batch import build_batch
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
-from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.rollout.attention import paged_attention, paged_attention_reference, resolve_impl
+from rollverify_jax.schedule_rules import batch_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -436,8 +436,7 @@ def section_decode_fixed_cost(args, state: dict) -> dict:
                 p.fetch()
             res.update(dispatch_s=statistics.median(synced), back_to_back_dispatch_s=(time.perf_counter() - t0) / reps)
             if k == max(args.fixed_steps):
-                hlo = engine_lib.lower_decode(engine.static, engine.params, engine.state, k,
-                                              engine.live_pages()).compile().as_text()
+                hlo = engine.plan.lower_decode(engine.params, engine.live_pages()).compile().as_text()
                 out["step_ops"] = loop_body_ops(hlo)
                 if not args.no_profile and not over_budget(args):
                     with tempfile.TemporaryDirectory() as tmp:
@@ -539,21 +538,20 @@ def _train_case(args, preset: str, impl: str) -> dict:
     cfg = model_config(preset, param_dtype="float32", dtype="bfloat16")
     model = init_model(cfg, seed=0)
     mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-5))
-    graphdef = learner.split_params(model)[0]
-    shardings = learner.train_state_shardings(model, optimizer, mesh)
     lcfg = learner.LearnerConfig(micro_batch_size=args.train_micro_batch,
                                  logits_chunk=1024 if cfg.vocab_size > 65_536 else None)
+    run_learner = learner.Learner.create(model, lcfg, learner.OptimizerConfig(learning_rate=1e-5), mesh,
+                                         flash=fa.FlashConfig(impl=impl))
     raw = _train_batch(args.train_rows, args.train_width, cfg.vocab_size)
-    batch = learner.pack_for_learner(raw, lcfg, mesh)
+    batch = packing.pack_for_learner(raw, lcfg, mesh)
     lengths = np.asarray(raw["attention_mask"]).astype(bool).sum(axis=1)
     flops = train_model_flops(cfg, lengths.tolist())
     chipf = chip()
     run: dict = {"model": preset, "params": cfg.num_params(), "attention_impl": impl, "rows": args.train_rows,
                  "width": args.train_width, "real_tokens": int(lengths.sum()), "model_flops": flops,
-                 **learner.packing_stats(batch, lcfg)}
-    step = learner.make_train_step(graphdef, lcfg, optimizer, mesh, shardings, flash=fa.FlashConfig(impl=impl))
-    train_state = learner.init_train_state(model, optimizer, mesh, seed=0)
+                 **packing.packing_stats(batch, lcfg)}
+    step = run_learner.train_step
+    train_state = run_learner.init_state(model, seed=0)
     t0 = time.perf_counter()
     train_state, m = step(train_state, batch)
     jax.block_until_ready(m)
@@ -619,23 +617,23 @@ def _compile(lowered) -> dict:
 
 
 def compile_config(path: str, layers: int) -> dict:
-    """The config's train step, resume prefill and decode dispatch compiled for this machine's GPUs with the
-    model cut to ``layers`` decoder layers. On as many GPUs as the config's mesh: that mesh, exactly. On fewer:
-    one GPU standing for one device of that mesh: attention heads, KV heads and the MLP divided by the mesh's
-    'tensor' size, slots, rows and micro-batch rows by its batch axes, the KV budget by its devices (so the pool
-    has the per-device pages). Heads and rows then match a device of the mesh; the weights and moments of the
-    cut layers are whole on the one GPU (on the mesh they are split over every device), an upper bound."""
-    from rollverify_jax.models import Qwen3ForCausalLM
-    from rollverify_jax.run.builder import architecture
+    """The config's train step, resume prefill and decode dispatch, assembled as the run assembles them
+    (``run.programs``), compiled for this machine's GPUs with the model cut to ``layers`` decoder layers. On as
+    many GPUs as the config's mesh: that mesh, exactly. On fewer: one GPU standing for one device of that mesh:
+    attention heads, KV heads and the MLP divided by the mesh's 'tensor' size, slots, rows and micro-batch rows by
+    its batch axes, the KV budget by its devices (so the pool has the per-device pages). Heads and rows then match
+    a device of the mesh; the weights and moments of the cut layers are whole on the one GPU (on the mesh they
+    are split over every device), an upper bound."""
+    from rollverify_jax.run import programs
     from rollverify_jax.run.dry_run import mesh_shape
     from rollverify_jax.run.spec import RunSpec, parse_gin
-    from rollverify_jax.scale.fit import train_batch
+    from rollverify_jax.scale.fit import per_device_bytes as per_device
 
     gin.clear_config()
     parse_gin([path], [])
     spec = RunSpec.from_gin()
     rollout, engine_cfg, learner_cfg = spec.rollout, spec.engine, spec.learner
-    full = architecture(spec)
+    full = programs.architecture(spec)
     shape = mesh_shape(spec)
     devices = jax.devices()
     cfg = dataclasses.replace(full, num_hidden_layers=layers)
@@ -645,7 +643,7 @@ def compile_config(path: str, layers: int) -> dict:
         shape[shape.index(-1)] = max(1, len(devices) // math.prod(x for x in shape if x != -1))
     exact = len(devices) >= math.prod(shape)
     if exact:
-        mesh = mesh_lib.make_mesh(tuple(shape), devices=devices[: math.prod(shape)])
+        mesh = programs.make_mesh(spec, devices=devices[: math.prod(shape)])  # the run's mesh, exactly
     else:
         tensor, batch = shape[2], shape[0] * shape[1]
         cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tensor,
@@ -660,41 +658,20 @@ def compile_config(path: str, layers: int) -> dict:
         mesh = mesh_lib.make_mesh((1, 1, 1), devices=devices[:1])
     if engine_cfg.kv_memory_bytes:
         engine_cfg = dataclasses.replace(engine_cfg, kv_memory_bytes=int(engine_cfg.kv_memory_bytes * kv_scale))
-    platform = devices[0].platform
-    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl(platform))
-    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    optimizer = learner.make_optimizer(learner.OptimizerConfig())
+    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl(devices[0].platform))
+    # What the run builds (run/programs.py), of the cut model and the per-device engine and learner settings.
+    model = programs.abstract_model(cfg)
+    run = programs.programs(dataclasses.replace(spec, engine=engine_cfg, learner=learner_cfg), model, mesh,
+                            flash=flash)
     out: dict = {"config": path, "layers": layers, "full_layers": full.num_hidden_layers, "exact_mesh": exact,
                  "mesh": dict(mesh.shape), "config_mesh": list(shape), "num_slots": engine_cfg.num_slots,
                  "rows": rows, "micro_batch_size": learner_cfg.micro_batch_size, "programs": {}}
-    width = engine_cfg.max_seq_len
-    state = learner.abstract_train_state(model, optimizer, mesh)
-    step = learner.make_train_step(learner.split_params(model)[0], learner_cfg, optimizer, mesh,
-                                   learner.train_state_shardings(model, optimizer, mesh), flash)
-    out["programs"]["train_step"] = _compile(step.lower(state, train_batch(rows, width, mesh, learner_cfg)))
-    layout = engine_lib.PoolLayout.for_mesh(mesh, engine_cfg.num_slots, cfg.num_key_value_heads,
-                                            cfg.num_attention_heads)
-    num_pages = engine_lib.pool_pages(cfg, engine_cfg, layout.num_shards)
-    decode_state = engine_lib.abstract_decode_state(cfg, engine_cfg, layout, num_pages)
-    _, params = nnx.split(model)
-    serving = getattr(engine_lib, "serving_param_shardings", None)  # the engine's weight layout where it has one
-    shard = (serving(params, mesh, engine_cfg.serving_layout) if serving and hasattr(engine_cfg, "serving_layout")
-             else mesh_lib.param_shardings(params, mesh))
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params, shard,
-                          is_leaf=is_var)
-    graphdef = engine_lib.rollout_graphdef(model, engine_cfg.compute_dtype)
-    static = engine_lib.EngineStatic(graphdef, spec.sampling, (-1,), layout, engine_cfg.logits_chunk, flash,
-                                     tuple(sorted(spec.attention.items())))
-    n = math.prod(mesh.shape[a] for a in mesh_lib.BATCH_AXES)
-    sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(  # noqa: E731
-        mesh, jax.sharding.PartitionSpec()))
-    packed = engine_lib.PackedPrefill(*[sds((n, width), jnp.int32)] * 5, *[sds((n,), jnp.int32)] * 3)
-    out["programs"]["prefill"] = _compile(engine_lib.lower_prefill(static, params, decode_state, packed))
-    out["programs"]["decode"] = _compile(engine_lib.lower_decode(static, params, decode_state,
-                                                                 engine_cfg.steps_per_dispatch))
-    per_device = lambda tree: sum(math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize  # noqa: E731
-                                  for a in jax.tree.leaves(tree))
+    state = run.learner.abstract_state
+    out["programs"]["train_step"] = _compile(run.learner.lower_train_step(rows, engine_cfg.max_seq_len))
+    params = run.engine.abstract_params(nnx.split(model)[1])
+    decode_state = run.engine.abstract_state()
+    out["programs"]["prefill"] = _compile(run.engine.lower_prefill(params, batch_devices(mesh.shape)))  # a row each
+    out["programs"]["decode"] = _compile(run.engine.lower_decode(params))
     out["resident"] = {"train_state": per_device(state), "kv_pool": per_device(decode_state.pages)}
     out["peak_bytes"] = max(p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"]
                             for p in out["programs"].values()) + out["resident"]["kv_pool"]

@@ -78,27 +78,25 @@ class Worker:
                            for p in prompts]}
 
     def grpo_setup(self, rows: dict, width: int = 320) -> dict:
-        """Builds the learner's jitted train step; the batch is ``build_batch`` over the given rows."""
+        """Builds the learner (``Learner.create``: the run's train step); the batch is ``build_batch`` over the given
+        rows, packed as the run packs it."""
         import jax
         import numpy as np
 
         from rollverify_jax.infra import mesh as mesh_lib
-        from rollverify_jax.rl import learner
+        from rollverify_jax.rl import learner, packing
         from rollverify_jax.rl.batch import build_batch
         from rollverify_jax.rollout import Trajectory
 
         mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-        optimizer = learner.make_optimizer(learner.OptimizerConfig(learning_rate=1e-6))
-        graphdef = learner.split_params(self.model)[0]
-        shardings = learner.train_state_shardings(self.model, optimizer, mesh)
         cfg = learner.LearnerConfig()
-        self.step = learner.make_train_step(graphdef, cfg, optimizer, mesh, shardings)
-        self.train_state = learner.init_train_state(self.model, optimizer, mesh, seed=0)
+        self.learner = learner.Learner.create(self.model, cfg, learner.OptimizerConfig(learning_rate=1e-6), mesh)
+        self.train_state = self.learner.init_state(self.model, seed=0)
         trajs = [Trajectory(uid=i, group_id=i // rows["group_size"], prompt=np.asarray(p, np.int32), seed=0,
                             max_new_tokens=len(r), tokens=list(r), logps=list(lp))
                  for i, (p, r, lp) in enumerate(zip(rows["prompts"], rows["responses"], rows["logps"], strict=True))]
         advantages = np.asarray(rows["advantages"], np.float32)
-        self.grpo_batch = learner.pack_for_learner(build_batch(trajs, advantages, max_len=width), cfg, mesh)
+        self.grpo_batch = packing.pack_for_learner(build_batch(trajs, advantages, max_len=width), cfg, mesh)
         seconds = self.grpo()["seconds"] + self.grpo()["seconds"]  # compile, then one warm call
         return {"compile_s": round(seconds, 2), "shape": list(self.grpo_batch["packed_tokens"].shape)}
 
@@ -106,7 +104,7 @@ class Worker:
         import jax
 
         t0 = time.perf_counter()
-        self.train_state, metrics = self.step(self.train_state, self.grpo_batch)
+        self.train_state, metrics = self.learner.train_step(self.train_state, self.grpo_batch)
         jax.block_until_ready(metrics)
         return {"seconds": time.perf_counter() - t0}
 
