@@ -4,8 +4,9 @@
 
 Compares every row of the two workdirs' metrics.jsonl key by key, exactly (rewards, losses and log-prob-derived
 metrics of a fixed seed are bitwise reproducible on one machine), leaving out the keys that measure time
-(``time/*``, ``*_time``, ``*time_share``, ``*tokens_per_s``), and the logged generations (``samples/step_<N>.jsonl``: prompts, responses,
-rewards) file by file. Exit status 0 when they agree, 1 with the differences listed.
+(``time/*``, ``*_time``, ``*time_share``, ``*tokens_per_s``), and the logged generations
+(``samples/step_<N>.jsonl``: prompts, responses, rewards) file by file. Exit status 0 when they agree, 1 with
+the differences listed.
 """
 
 from __future__ import annotations

@@ -19,13 +19,12 @@ from rollverify_jax.models.hf import config_to_hf
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
-from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import EvalSet, Evaluator
 from rollverify_jax.run.fresh_start import check_fresh_start
-from rollverify_jax.run.programs import execution_config, make_learner, make_mesh
+from rollverify_jax.run.programs import execution_config, make_engine_plan, make_learner, make_mesh
 from rollverify_jax.run.spec import RunSpec, TrainConfig, check_resume_settings
 from rollverify_jax.run.trainer import Serving, Trainer
 
@@ -89,8 +88,8 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> t
         raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
     tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=model.cfg.vocab_size)
     tools = ToolEnvironment.for_tokenizer(spec.tool_use, tokenizer, spec.sandbox) if spec.tool_use.enabled else None
-    engine = Engine(model, spec.engine, spec.sampling, eos_ids=tokenizer.eos_ids, mesh=mesh, flash=spec.flash,
-                    attention=spec.attention, stop_ids=(tools.call_end_id,) if tools else ())
+    engine = make_engine_plan(spec, model.cfg, mesh, eos_ids=tokenizer.eos_ids,
+                              stop_ids=(tools.call_end_id,) if tools else ()).engine(model)
     scorer = RewardScorer(**spec.reward)
     serving = Serving(model=model, mesh=mesh, engine=engine, tokenizer=tokenizer,
                       prompts=prompt_renderer(train, tokenizer), scorer=scorer, tools=tools)
