@@ -39,11 +39,12 @@ def train_run(policy, workdir: Path, mode: str, steps: int, extra=()) -> list[di
     return read_metrics(workdir / "metrics.jsonl")
 
 
-def final_state(workdir: Path, policy):
-    """The latest checkpoint of a run of ``policy``: (step, the train state's leaves, the extra state)."""
+def final_state(workdir: Path, policy, step: int | None = None):
+    """Checkpoint ``step`` (default: the latest) of a run of ``policy``: (step, the train state's leaves, the extra
+    state)."""
     fingerprint = builder.model_fingerprint(load_pretrained(policy))
     with Checkpointer(workdir, CheckpointConfig(async_save=False), model_fingerprint=fingerprint) as ckpt:
-        step, state, extra = ckpt.restore()
+        step, state, extra = ckpt.restore(step)
     return step, jax.tree.leaves(state), extra
 
 

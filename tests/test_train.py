@@ -83,13 +83,14 @@ def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
     """Stop after a checkpoint taken while trajectories were paused and the policy was learning; the resumed
     steps equal an uninterrupted run exactly (every metric but timings, and the train state they end with, bit for
     bit). Saves are asynchronous, as by default."""
-    full = train_run(policy, tmp_path / "full", "rollverify", 4, (*LENGTH_REWARD, *ASYNC))
-    train_run(policy, tmp_path / "split", "rollverify", 3, (*LENGTH_REWARD, *ASYNC))
-    # Step 3's checkpoint is damaged: the resume sets it aside, restores step 2 and redoes step 3.
-    (tmp_path / "split" / "checkpoints" / "3" / "extra" / "metadata").unlink()
-    resumed = train_run(policy, tmp_path / "split", "rollverify", 4, (*LENGTH_REWARD, *ASYNC))
-    assert (tmp_path / "split" / "checkpoints" / "3.corrupt").is_dir()
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]  # no duplicated lines after the resume
+    full = train_run(policy, tmp_path / "full", "rollverify", 3, (*LENGTH_REWARD, *ASYNC))
+    train_run(policy, tmp_path / "split", "rollverify", 2, (*LENGTH_REWARD, *ASYNC))
+    assert final_state(tmp_path / "split", policy, 1)[2]["rollout"]["cache"]["paused"]  # the resume restores these
+    # Step 2's checkpoint is damaged: the resume sets it aside, restores step 1 and redoes step 2.
+    (tmp_path / "split" / "checkpoints" / "2" / "extra" / "metadata").unlink()
+    resumed = train_run(policy, tmp_path / "split", "rollverify", 3, (*LENGTH_REWARD, *ASYNC))
+    assert (tmp_path / "split" / "checkpoints" / "2.corrupt").is_dir()
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3]  # no duplicated lines after the resume
     assert len({m["reward/mean"] for m in full[1:]}) > 1 and any(m["reward/uniform_group_fraction"] < 1
                                                                  for m in full[1:])
     assert any(abs(m["loss"]) > 1e-6 and m["grad_norm"] > 1e-6 for m in full[1:])
@@ -100,7 +101,7 @@ def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
         assert not differ, f"step {a['step']}: {differ}"
     (step_a, state_a, extra_a), (step_b, state_b, extra_b) = final_state(tmp_path / "full", policy), \
         final_state(tmp_path / "split", policy)
-    assert step_a == step_b == 4 and len(state_a) == len(state_b)
+    assert step_a == step_b == 3 and len(state_a) == len(state_b)
     for x, y in zip(state_a, state_b, strict=True):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
