@@ -76,7 +76,9 @@ def compilation_cache(tmp_path_factory):
     restored after it. The end-to-end modules build a trainer per test, and each build jits its train step and
     log-prob function anew (the in-memory cache is keyed by the function), so every run compiled the same
     programs again; from this directory, shared by the session's xdist workers, each is compiled once. A loaded
-    executable computes what a fresh compile does, so exact comparisons (resume equality) are unaffected."""
+    executable computes what a fresh compile does, so exact comparisons (resume equality) are unaffected. After
+    the module JAX's in-memory caches are cleared too, so no executable loaded from the directory outlives it: the
+    modules after it compile as they would without it."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     root = tmp_path_factory.getbasetemp()
@@ -87,6 +89,7 @@ def compilation_cache(tmp_path_factory):
         jax.config.update(name, value)
     cc.reset_cache()
     yield path
+    jax.clear_caches()
     for name, value in saved.items():
         jax.config.update(name, value)
     cc.reset_cache()
