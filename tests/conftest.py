@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices so sharding is tested on CPU. Must run before JAX is imported."""
 
+import collections
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -8,9 +9,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # no persistent cache unless a test asks for one
 
 import gin  # noqa: E402
+import jax  # noqa: E402
 import pytest  # noqa: E402  (after the environment above, which must precede JAX's import)
 
 from rollverify_jax.models import init_model, model_config  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "end_to_end: a module of whole runs (minutes of compiling and training), "
+                            "started first (pytest_collection_modifyitems)")
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # the order below replaces xdist's (by tests per module)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules marked ``end_to_end`` first, then the others by their number of tests (most first, as xdist orders
+    them), each module's tests together and in their order. ``make test`` runs ``--dist loadfile`` on 2 workers,
+    which take whole modules in this order: the longest start first and the short ones fill in, so the workers
+    end together (xdist's own order put these few-test, several-minute modules last, where one worker ran them
+    while the other sat idle)."""
+    counts = collections.Counter(item.path for item in items)
+    heavy = {item.path for item in items if item.get_closest_marker("end_to_end")}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (item.path not in heavy, -counts[item.path], first[item.path]))
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +57,38 @@ def spec_of():
         finally:
             gin.clear_config()
     return build
+
+
+_CACHE_SETTINGS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0.0,
+                   "jax_persistent_cache_min_entry_size_bytes": 0,
+                   # A size bound turns on JAX's file lock around each read and write of the directory, which the
+                   # xdist workers share (without it, one could read an entry another is still writing).
+                   "jax_compilation_cache_max_size": 4 * 2**30}
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache, on for one module (``pytestmark = pytest.mark.usefixtures(...)``) and
+    restored after it. The end-to-end modules build a trainer per test, and each build jits its train step and
+    log-prob function anew (the in-memory cache is keyed by the function), so every run compiled the same
+    programs again; from this directory, shared by the session's xdist workers, each is compiled once. A loaded
+    executable computes what a fresh compile does, so exact comparisons (resume equality) are unaffected. After
+    the module JAX's in-memory caches are cleared too, so no executable loaded from the directory outlives it: the
+    modules after it compile as they would without it."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    root = tmp_path_factory.getbasetemp()
+    path = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "xla_cache"
+    path.mkdir(exist_ok=True)
+    saved = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+    for name, value in {**_CACHE_SETTINGS, "jax_compilation_cache_dir": str(path)}.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+    yield path
+    jax.clear_caches()
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
 
 
 @pytest.fixture(scope="session")

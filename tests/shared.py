@@ -1,16 +1,19 @@
-"""Helpers more than one test module uses (the fixtures are in conftest.py): the tiny run's gin bindings, a
-checkpoint of the shipped tiny policy with its params moved, and the verifier's plain-Python reference."""
+"""Helpers more than one test module uses (the fixtures are in conftest.py): the tiny run's gin bindings, the
+train CLI on them and the state it ends with, a checkpoint of the shipped tiny policy with its params moved, and
+the verifier's plain-Python reference."""
 
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from rollverify_jax import train
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.run import builder, run_dir
 from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
+from rollverify_jax.run.metrics import read_metrics
 from rollverify_jax.run.spec import RunSpec, parse_gin
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
@@ -28,6 +31,21 @@ def run_params(policy, mode, steps, extra=()):
             "EngineConfig.max_seq_len = 64", "EngineConfig.steps_per_dispatch = 4",
             "OptimizerConfig.learning_rate = 3e-3", "CheckpointConfig.save_interval_steps = 1",
             "CheckpointConfig.async_save = False", *extra]
+
+
+def train_run(policy, workdir: Path, mode: str, steps: int, extra=()) -> list[dict]:
+    """Runs the train CLI on ``run_params(policy, mode, steps, extra)`` in ``workdir``; returns its metrics rows."""
+    train.main([f"--workdir={workdir}", *[f"--gin_param={p}" for p in run_params(policy, mode, steps, extra)]])
+    return read_metrics(workdir / "metrics.jsonl")
+
+
+def final_state(workdir: Path, policy, step: int | None = None):
+    """Checkpoint ``step`` (default: the latest) of a run of ``policy``: (step, the train state's leaves, the extra
+    state)."""
+    fingerprint = builder.model_fingerprint(load_pretrained(policy))
+    with Checkpointer(workdir, CheckpointConfig(async_save=False), model_fingerprint=fingerprint) as ckpt:
+        step, state, extra = ckpt.restore(step)
+    return step, jax.tree.leaves(state), extra
 
 
 def make_checkpoint(workdir: Path, step: int, optimizer=None, scale: float = 0.004):

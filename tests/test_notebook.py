@@ -4,10 +4,12 @@ from pathlib import Path
 
 import jupytext
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 NB = ROOT / "notebooks" / "rollverify_walkthrough.ipynb"
+pytestmark = pytest.mark.end_to_end
 
 
 def test_paired_script_matches_notebook():

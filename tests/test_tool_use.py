@@ -5,7 +5,6 @@ round-trip included), faults that never hold a slot, environments that keep thei
 import dataclasses
 import json
 import threading
-import time
 
 import jax
 import numpy as np
@@ -200,9 +199,7 @@ def test_a_cut_lands_on_a_policy_token_and_removes_every_later_turn(engine):
 
 def test_a_tool_that_overruns_its_timeout_gets_an_error_reply_and_frees_its_slot(engine):
     slow = GatedRunner(ToolUseConfig(**{**_fields(TOOLS), "timeout_s": 0.2}), gate=threading.Event())
-    t0 = time.perf_counter()
-    done = _run_all(engine, _requests(4), slow)
-    assert time.perf_counter() - t0 < 30
+    done = _run_all(engine, _requests(4), slow)  # the gate stays shut: only the timeout ends a call
     called = [t for t in done.values() if t.tool_calls]
     assert called and slow.stats.errors == slow.stats.calls == sum(t.tool_calls for t in called)
     timeout = slow.reply_tokens(ToolResult("", ToolStatus.TIMEOUT, 0.2, "the call ran past 0.2 s"), room=100)

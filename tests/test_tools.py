@@ -12,7 +12,6 @@ import os
 import socket
 import tempfile
 import threading
-import time
 import types
 import uuid
 from pathlib import Path
@@ -188,7 +187,7 @@ def test_python_prints_a_result(namespaces):
     result = python("import os, numpy\nprint(sum(range(10)), numpy.arange(4).sum())\n"
                     "open('note.txt', 'w').write('scratch')\nprint(os.getcwd(), open('note.txt').read())")
     assert result.status == ToolStatus.OK, result
-    assert result.output == "45 6\n/sandbox scratch\n" and result.elapsed_s < 3
+    assert result.output == "45 6\n/sandbox scratch\n" and result.elapsed_s > 0
     assert format_tool_output(result, tag="") == "45 6\n/sandbox scratch"
 
 
@@ -296,17 +295,15 @@ print('caps', list(data))
 
 
 def test_python_infinite_loop_is_stopped(namespaces):
-    result = python("while True: pass", timeout_s=1.0, cpu_s=1)
-    assert result.status == ToolStatus.TIMEOUT, result
-    assert result.elapsed_s < 2.0  # timeout + 1 s
+    """By its CPU-time limit (SIGXCPU), long before the wall-clock timeout, however loaded the machine."""
+    result = python("while True: pass", timeout_s=60.0, cpu_s=1)
+    assert result.status == ToolStatus.TIMEOUT and result.error == "CPU time limit reached (1 s)", result
 
 
 def test_python_wall_clock_timeout_keeps_earlier_output(namespaces):
-    start = time.monotonic()
     result = python("import time\nprint('started')\ntime.sleep(60)", timeout_s=0.5)
     assert result.status == ToolStatus.TIMEOUT and result.error == "timed out after 0.5 s", result
     assert result.output == "started\n"
-    assert time.monotonic() - start < 1.5
 
 
 @pytest.mark.parametrize("code", [
@@ -324,10 +321,8 @@ def test_python_fork_bomb_is_contained_and_leaves_nothing(namespaces, monkeypatc
     seen = []
     watcher = threading.Timer(0.25, lambda: seen.append(len(_processes_mentioning(scratch_dirs[0]))))
     watcher.start()
-    start = time.monotonic()
     result = python(code, max_processes=8, timeout_s=0.5, cpu_s=1)
     watcher.join()
-    assert time.monotonic() - start < 2.0
     assert result.status != ToolStatus.OK, result
     # The relay, C and D, and at most max_processes tasks of the code.
     assert seen[0] <= 3 + 8, f"{seen[0]} processes of one sandbox at once"
@@ -344,11 +339,11 @@ def test_python_thread_limit(namespaces):
 
 
 def test_python_huge_output_is_cut(namespaces):
-    start = time.monotonic()
+    """Stopped by its output limit (not by a timeout, which would say TIMEOUT)."""
     result = python("while True:\n    print('y' * 100)", max_output_bytes=1000)
     assert result.status == ToolStatus.OUTPUT_TRUNCATED, result
     assert result.output.startswith("y" * 100) and "[output truncated: more than 1000 bytes" in result.output
-    assert len(result.output) < 1200 and time.monotonic() - start < 2.0
+    assert len(result.output) < 1200
 
 
 def test_python_cannot_touch_the_trainer(namespaces):
@@ -445,8 +440,8 @@ for name, attempt in [('socket', lambda: socket.create_connection(('127.0.0.1', 
     assert result.output.splitlines() == ["6"] + [f"{n} refused" for n in
                                                   ("socket", "read", "write", "fork", "subprocess", "kill")]
     assert not (tmp_path / "new.txt").exists()
-    timed = python("while True: pass", allow_unsandboxed_network=True, python=interpreter, timeout_s=1.0, cpu_s=1)
-    assert timed.status == ToolStatus.TIMEOUT and timed.elapsed_s < 2.0
+    timed = python("while True: pass", allow_unsandboxed_network=True, python=interpreter, timeout_s=60.0, cpu_s=1)
+    assert timed.status == ToolStatus.TIMEOUT and timed.error == "CPU time limit reached (1 s)", timed  # the rlimit
 
 
 def test_python_sandbox_launch_failure_is_a_result(monkeypatch):
