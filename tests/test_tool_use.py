@@ -49,6 +49,18 @@ class GatedRunner(ToolEnvironment):
         return super()._run(text)
 
 
+class SlowRunner(ToolEnvironment):
+    """A tool environment whose calls take ``delay`` seconds (a reply that is not in yet when the phase pauses)."""
+
+    def __init__(self, config=TOOLS, delay: float = 0.05):
+        super().__init__(config, _encode, _decode, CALL_END)
+        self.delay = delay
+
+    def _run(self, text):
+        time.sleep(self.delay)
+        return super()._run(text)
+
+
 @pytest.fixture(scope="module")
 def engine(model):
     return Engine(model, CFG, SamplingConfig(temperature=1.0), eos_ids=(EOS,), stop_ids=(CALL_END,))
@@ -143,6 +155,30 @@ def test_pause_mid_turn_or_while_a_tool_runs_then_a_checkpoint_then_resume_is_ex
         np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
     if dispatches == 9:
         assert waiting > 0  # a tool was still running at the pause: it ran again after the resume
+
+
+@pytest.mark.parametrize("grace", [5.0, 0.0])
+def test_a_pause_keeps_the_replies_that_come_within_the_grace_and_asks_again_for_the_rest(engine, reference, grace):
+    """Which parked slots keep their reply at a pause is decided by ``reply_grace_s``, never by whether a worker
+    thread happened to run first: the calls parked by the dispatch just read are all in after a grace longer than
+    they take, and none is with no grace (each is asked again at the resume). Either way the samples are the same."""
+    env = SlowRunner(ToolUseConfig(**{**_fields(TOOLS), "reply_grace_s": grace}), delay=0.05)
+    sched = Scheduler(engine, env)
+    sched.submit(_requests())
+    while not sched.waits:  # stop at the dispatch that parks the first slots: their calls just started
+        sched.step()
+    parked = [w.traj for w in sched.waits.values()]
+    spans, calls = {t.uid: len(t.env_spans) for t in parked}, env.stats.calls
+    paused = sched.pause_all()
+    assert engine.allocator.num_free == engine.allocator.capacity
+    kept = grace > 0
+    for t in parked:
+        assert (len(t.env_spans) == spans[t.uid] + 1) == kept and env.awaits_reply(t) != kept, t.uid
+    assert env.stats.calls == calls + (len(parked) if kept else 0)
+    sched.resume(paused)
+    done = {**{t.uid: t for t in sched.take_finished()}, **_finish(sched)}
+    for uid, t in reference.items():
+        assert done[uid].tokens == t.tokens and done[uid].env_spans == t.env_spans, uid
 
 
 def _finish(sched):

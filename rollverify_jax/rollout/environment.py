@@ -44,8 +44,9 @@ class Environment(abc.ABC):
     """What a rollout's parked slots wait on. One instance per run (or per evaluation), holding its own state:
     two environments in one process never share anything.
 
-    reply_grace_s: before each decode dispatch the scheduler waits this long for the requests still running, so a
-    reply that comes in microseconds joins the next dispatch instead of sitting one out."""
+    reply_grace_s: before each decode dispatch, and at a pause, the scheduler waits this long for the requests
+    still running, so a reply that comes in microseconds joins the next dispatch instead of sitting one out, and
+    a pause keeps it (which replies a paused trajectory holds never depends on thread timing)."""
 
     reply_grace_s: float = 0.0
 

@@ -237,15 +237,22 @@ class Scheduler:
         self.slots.pop(slot, None)
         self.waits[slot] = _Wait(t, self.env.request(t), cached)
 
-    def _serve_replies(self) -> None:
-        """Appends every reply that came to its trajectory and continues those slots with one ``extend`` (their
-        history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills, reply
-        included, when pages free up."""
+    def _await_replies(self) -> None:
+        """Waits up to the environment's ``reply_grace_s`` for every request still open, before replies are read
+        (at each dispatch and at a pause). Which replies are in then does not depend on thread timing: a
+        request submitted microseconds ago (a calculator call parked by the dispatch just read) is answered
+        within the grace, not only if its worker thread happened to run first."""
         running = [w.request for w in self.waits.values() if not w.request.done()]
         if running and self.env.reply_grace_s > 0:
             t0 = time.perf_counter()
             self.env.wait(running, self.env.reply_grace_s, every=True)
             self.stats.reply_blocked_time += time.perf_counter() - t0
+
+    def _serve_replies(self) -> None:
+        """Appends every reply that came to its trajectory and continues those slots with one ``extend`` (their
+        history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills, reply
+        included, when pages free up."""
+        self._await_replies()
         ready = []
         for slot, w in list(self.waits.items()):
             t = w.traj
@@ -467,9 +474,11 @@ class Scheduler:
     # Pause
 
     def pause_all(self) -> list[Trajectory]:
-        """Every unfinished trajectory (running ones first, then queued ones); their pages are freed and
-        the queue is emptied. Finished ones stay in ``finished``. A dispatch in flight is dropped unread: the
-        trajectories end where the host last read them, as without ``dispatch_ahead``."""
+        """Every unfinished trajectory (running ones first, then parked ones, then queued ones); their pages are
+        freed and the queue is emptied. Finished ones stay in ``finished``. A dispatch in flight is dropped unread:
+        the trajectories end where the host last read them, as without ``dispatch_ahead``. A parked one keeps the
+        reply that comes within ``reply_grace_s`` (as before a dispatch); a request still open then is cancelled
+        and asked again at its resume."""
         self._inflight = None
         running = list(self.slots.items())
         if running:
@@ -478,6 +487,7 @@ class Scheduler:
             self.engine.allocator.release(slot)
         self.slots.clear()
         waiting = []
+        self._await_replies()  # as before a dispatch: a reply that comes within the grace is kept
         for slot, w in self.waits.items():  # a reply already in is kept; a request still open is asked again
             t = w.traj
             reply = self.env.reply(w.request, t.max_new_tokens - t.num_tokens - 1) if w.request.done() else None

@@ -47,9 +47,10 @@ class ToolUseConfig:
     max_calls: tool calls per trajectory; a call past it ends the trajectory. timeout_s: a call's wall-clock
     limit (the python tool's sandbox wall clock too; its other limits are ``SandboxConfig``); a call that overruns
     it gets an error reply, never a stuck slot.
-    workers: calls running at once. reply_grace_s: before each decode dispatch the scheduler waits this long for
-    the calls still running: an in-process tool (the calculator) answers in microseconds, so its slot joins the
-    next dispatch instead of sitting one out; a slow tool costs each dispatch at most this much."""
+    workers: calls running at once. reply_grace_s: before each decode dispatch (and at a pause) the scheduler waits
+    this long for the calls still running: an in-process tool (the calculator) answers in microseconds, so its
+    slot joins the next dispatch instead of sitting one out, and a pause keeps its reply whatever the thread
+    timing; a slow tool costs each dispatch at most this much."""
 
     enabled: bool = False
     tools: tuple[str, ...] = ("calculator",)
