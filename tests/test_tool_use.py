@@ -5,6 +5,7 @@ round-trip included), faults that never hold a slot, environments that keep thei
 import dataclasses
 import json
 import threading
+import time
 
 import jax
 import numpy as np
