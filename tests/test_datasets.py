@@ -1,6 +1,7 @@
 """Tests for rollverify_jax.data.datasets: the presets (DAPO, AIME, GSM8K, MATH, MATH-500) and verl's layout in
 their public schemas, gold-answer extraction, templates, mixtures, schema errors, TFDS + grain, PromptIterator."""
 
+import gc
 import hashlib
 import json
 import tempfile
@@ -182,7 +183,10 @@ def test_bad_prompt_type_and_bad_json(tmp_path):
 
 @pytest.fixture
 def tfds_tmp(tmp_path, monkeypatch):
-    """TFDS makes a scratch dir per fresh builder (looking for GCS metadata); keep it under tmp_path."""
+    """TFDS makes a scratch dir per fresh builder (looking for GCS metadata); keep it under tmp_path. Garbage that
+    earlier tests in this worker left is collected first: collected while TFDS's lazy-import context is active,
+    an object's finaliser warning makes pytest import ``tracemalloc`` through etils' lazy module and fail."""
+    gc.collect()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 

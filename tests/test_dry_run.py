@@ -89,7 +89,8 @@ def test_dry_run_fails_on_broken_files_naming_each(tmp_path, capsys):
     line = dry_run_fails(capsys, data_params(str(no_answers), str(tmp_path / "missing.parquet")))
     assert line.startswith("error: dry run found 2 problem(s): (1) train data 'dapo_jsonl'")
     assert "train.jsonl: row 1 (line 2): missing field 'reward_model.ground_truth'" in line
-    assert "(2) eval data 'aime_parquet'" in line and "dataset file not found" in line and "prepare_data.py" in line
+    assert "(2) eval data 'aime_parquet'" in line and "dataset file not found" in line
+    assert "rollverify_jax.data.prepare" in line
     assert "In call to configurable" not in line
     train_path = write_dapo_jsonl(tmp_path / "long.jsonl", [LONG, LONG])
     line = dry_run_fails(capsys, data_params(train_path, write_aime_parquet(tmp_path / "e.parquet", [short(1)])))

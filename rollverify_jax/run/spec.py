@@ -475,8 +475,8 @@ class RunSpec:
         lines = []
         for field, (name, _) in PARTS.items():
             for key, v in self._part(field).items():
-                if field == "learner" and key == "loss":
-                    continue
+                if (field == "learner" and key == "loss") or key in _PER_CALL.get(field, ()):
+                    continue  # the loss has its own part; a per-call value is the code's, never a binding
                 lines.append(f"{name}.{key} = {v!r}")
         return "\n".join(lines) + "\n"
 
