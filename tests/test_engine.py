@@ -213,7 +213,10 @@ def test_engine_plan_is_the_engines_layout_on_its_own_mesh(model):
                                     attention={"pages_per_compute_block": 2})
     assert plan.eos_ids == (3,) and plan.stop_ids == (5,) and plan.static().eos_ids == (3, 5)
     engine = plan.engine(model)
-    assert engine.plan == plan and engine._static() == plan.static()  # one compiled-program cache key
+    direct = Engine(model, CFG, sampling, eos_ids=(3, 3), mesh=mesh, attention={"pages_per_compute_block": 2},
+                    stop_ids=(3, 5))
+    assert direct.plan == plan and direct._static() == plan.static()  # one compiled-program cache key
+    assert engine.plan is plan and engine._static() == plan.static()  # from_plan lays nothing out again
     assert engine.plan.graphdef == engine_lib.rollout_graphdef(model)  # the config's graph is the model's
     abstract = plan.abstract_state()
     assert jax.tree.map(lambda a: (a.shape, a.dtype), engine.state) == jax.tree.map(lambda a: (a.shape, a.dtype),

@@ -47,7 +47,7 @@ import numpy as np
 from rollverify_jax.schedule_rules import batch_devices, first_fit, row_bucket
 
 
-class LearnerConfig(Protocol):
+class PackingConfig(Protocol):
     """What packing reads of ``rl.learner.LearnerConfig`` (a structural type: the learner imports this module)."""
 
     num_minibatches: int
@@ -265,7 +265,7 @@ def micro_counts(micro_index: np.ndarray, shape: PackShape) -> tuple[np.ndarray,
 # ---------------------------------------------------------------------------------------------------------
 
 
-def pack_for_learner(batch: Mapping[str, Any], cfg: LearnerConfig, mesh: Any) -> dict[str, Any]:
+def pack_for_learner(batch: Mapping[str, Any], cfg: PackingConfig, mesh: Any) -> dict[str, Any]:
     """The batch plus its packed layout (`pack_minibatches`): what the train step and the log-prob pass take.
 
     Each minibatch of the learner's strided split packs its own sequences into micro-batches of
@@ -288,7 +288,7 @@ def pack_for_learner(batch: Mapping[str, Any], cfg: LearnerConfig, mesh: Any) ->
     return {**batch, **packed}
 
 
-def pack_shape(batch: Mapping[str, Any], cfg: LearnerConfig) -> PackShape:
+def pack_shape(batch: Mapping[str, Any], cfg: PackingConfig) -> PackShape:
     """The `PackShape` of a packed batch, read from its array shapes (static under jit)."""
     n = cfg.num_minibatches
     rows, width = batch["packed_tokens"].shape
@@ -302,7 +302,7 @@ def pack_shape(batch: Mapping[str, Any], cfg: LearnerConfig) -> PackShape:
                      0 if tail is None else tail.shape[0] // (n * r))
 
 
-def packing_stats(batch: Mapping[str, Any], cfg: LearnerConfig) -> dict[str, float]:
+def packing_stats(batch: Mapping[str, Any], cfg: PackingConfig) -> dict[str, float]:
     """Host metrics of a packed batch: the share of the train step's token positions that hold a real token
     (`train/useful_token_fraction`) and the micro-batches it runs per optimizer update."""
     if "micro_index" not in batch:

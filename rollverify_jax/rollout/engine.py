@@ -667,8 +667,7 @@ class EnginePlan:
 
     def engine(self, model: Qwen3ForCausalLM) -> Engine:
         """The engine of this plan holding ``model``'s weights (concrete), on the plan's mesh."""
-        return Engine(model, self.config, self.sampling, self.eos_ids, self.mesh, self.flash, dict(self.attention),
-                      self.stop_ids)
+        return Engine.from_plan(self, model)
 
 
 class Engine:
@@ -682,10 +681,22 @@ class Engine:
         ending the sequence (a tool call's closing tag): decode stops there like at an EOS, and the host decides
         what follows (``extend`` with the tool's reply)."""
         mesh = mesh or mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-        self.plan = EnginePlan.of(model.cfg, config, sampling, mesh, eos_ids=eos_ids, stop_ids=stop_ids, flash=flash,
-                                  attention=attention, graphdef=rollout_graphdef(model, config.compute_dtype))
-        self.config, self.sampling, self.flash, self.attention = config, sampling, flash, self.plan.attention
-        self.model_config, self.graphdef, self.mesh = model.cfg, self.plan.graphdef, mesh
+        self._open(model, EnginePlan.of(model.cfg, config, sampling, mesh, eos_ids=eos_ids, stop_ids=stop_ids,
+                                        flash=flash, attention=attention,
+                                        graphdef=rollout_graphdef(model, config.compute_dtype)))
+
+    @classmethod
+    def from_plan(cls, plan: EnginePlan, model: Qwen3ForCausalLM) -> Engine:
+        """The engine of ``plan`` holding ``model``'s weights: the layout is not worked out again."""
+        engine = cls.__new__(cls)
+        engine._open(model, plan)
+        return engine
+
+    def _open(self, model: Qwen3ForCausalLM, plan: EnginePlan) -> None:
+        """Places ``model``'s weights and allocates the decode state as ``plan`` lays them out."""
+        self.plan, config = plan, plan.config
+        self.config, self.sampling, self.flash, self.attention = config, plan.sampling, plan.flash, plan.attention
+        self.model_config, self.graphdef, self.mesh = model.cfg, plan.graphdef, plan.mesh
         self.eos_ids, self.stop_ids, self.layout = self.plan.eos_ids, self.plan.stop_ids, self.plan.layout
         self.params = self._place_params(nnx.state(model))
         self.allocator = paged_cache.PageAllocator(self.plan.num_pages, config.page_size, config.num_slots,

@@ -19,6 +19,7 @@ from rollverify_jax.models.hf import config_to_hf
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
+from rollverify_jax.rollout.engine import rollout_graphdef
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
@@ -89,7 +90,8 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> t
     tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=model.cfg.vocab_size)
     tools = ToolEnvironment.for_tokenizer(spec.tool_use, tokenizer, spec.sandbox) if spec.tool_use.enabled else None
     engine = make_engine_plan(spec, model.cfg, mesh, eos_ids=tokenizer.eos_ids,
-                              stop_ids=(tools.call_end_id,) if tools else ()).engine(model)
+                              stop_ids=(tools.call_end_id,) if tools else (),
+                              graphdef=rollout_graphdef(model, spec.engine.compute_dtype)).engine(model)
     scorer = RewardScorer(**spec.reward)
     serving = Serving(model=model, mesh=mesh, engine=engine, tokenizer=tokenizer,
                       prompts=prompt_renderer(train, tokenizer), scorer=scorer, tools=tools)

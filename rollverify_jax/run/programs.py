@@ -74,10 +74,12 @@ def make_learner(spec: RunSpec, model: nnx.Module, mesh: Mesh, flash: FlashConfi
 
 
 def make_engine_plan(spec: RunSpec, model_cfg: Qwen3Config, mesh: Mesh, *, eos_ids: tuple[int, ...] = (),
-                     stop_ids: tuple[int, ...] = (), flash: FlashConfig | None = None) -> EnginePlan:
-    """The spec's engine plan for a model of ``model_cfg`` on ``mesh``."""
+                     stop_ids: tuple[int, ...] = (), flash: FlashConfig | None = None,
+                     graphdef: nnx.GraphDef | None = None) -> EnginePlan:
+    """The spec's engine plan for a model of ``model_cfg`` on ``mesh``; ``graphdef``: a concrete model's
+    ``rollout_graphdef`` (None: derived from ``model_cfg``)."""
     return EnginePlan.of(model_cfg, spec.engine, spec.sampling, mesh, eos_ids=eos_ids, stop_ids=stop_ids,
-                         flash=flash or spec.flash, attention=spec.attention)
+                         flash=flash or spec.flash, attention=spec.attention, graphdef=graphdef)
 
 
 def programs(spec: RunSpec, model: nnx.Module, mesh: Mesh, engine_mesh: Mesh | None = None, *,
