@@ -271,19 +271,19 @@ def _called(env: ToolEnvironment, calls: list[str]) -> list[str]:
 
 
 def test_a_calls_wait_for_a_worker_never_counts_in_its_timeout():
-    """32 calls of 0.25 s at once on 4 workers with a 1 s limit: each runs and is answered with its own output
-    (the limit used to count from the submission, so half of them timed out, most without ever running)."""
+    """32 calls of 0.1 s at once on 4 workers with a 0.4 s limit: each runs and is answered with its own output
+    (the limit used to count from the submission: 16 of them timed out, most without ever running)."""
     ran = []
 
     class Sleep:
         name, description = "nap", ""
 
         def call(self, arguments):
-            time.sleep(0.25)
+            time.sleep(0.1)
             ran.append(arguments)
-            return ToolResult(f"slept {arguments}", ToolStatus.OK, 0.25)
+            return ToolResult(f"slept {arguments}", ToolStatus.OK, 0.1)
 
-    config = ToolUseConfig(tools=("nap",), call_end_token=">", timeout_s=1.0, workers=4)
+    config = ToolUseConfig(tools=("nap",), call_end_token=">", timeout_s=0.4, workers=4)
     env = ToolEnvironment(config, *TEXT, ord(">"), registry=ToolRegistry([Sleep()]))
     replies = _called(env, [f"<nap>{i}</nap>" for i in range(32)])
     assert replies == [f"<tool_response>slept {i}</tool_response>" for i in range(32)]
@@ -301,19 +301,19 @@ def test_a_call_past_its_timeout_reads_the_tools_own_timeout_reply_with_what_it_
         name, description = "spin", ""
 
         def call(self, arguments):
-            time.sleep(0.5)  # past the 0.2 s limit: the tool stops itself, keeping what it printed
-            return ToolResult(f"{arguments} so far", ToolStatus.TIMEOUT, 0.5, "timed out after 0.2 s")
+            time.sleep(0.3)  # past the 0.1 s limit: the tool stops itself, keeping what it printed
+            return ToolResult(f"{arguments} so far", ToolStatus.TIMEOUT, 0.3, "timed out after 0.1 s")
 
-    env = ToolEnvironment(ToolUseConfig(tools=("spin",), call_end_token=">", timeout_s=0.2, workers=1), *TEXT,
+    env = ToolEnvironment(ToolUseConfig(tools=("spin",), call_end_token=">", timeout_s=0.1, workers=1), *TEXT,
                           ord(">"), registry=ToolRegistry([Overrun()]))
     assert _called(env, ["<spin>a</spin>", "<spin>b</spin>"]) == [
-        f"<tool_response>{x} so far\nError: timed out after 0.2 s</tool_response>" for x in "ab"]
+        f"<tool_response>{x} so far\nError: timed out after 0.1 s</tool_response>" for x in "ab"]
     assert (env.stats.calls, env.stats.timeouts) == (2, 2)
     env.close()
 
 
 def test_python_calls_past_their_timeout_on_a_busy_pool_keep_the_sandboxs_reply():
-    """Two sandboxed programs that print, then run past their 0.5 s limit, on one worker: each reads the sandbox's
+    """Two sandboxed programs that print, then run past their 0.75 s limit, on one worker: each reads the sandbox's
     timeout reply with what it printed, the second as the first (its wait for the worker is not its time)."""
     from rollverify_jax.tools import check_sandbox
 
@@ -321,11 +321,11 @@ def test_python_calls_past_their_timeout_on_a_busy_pool_keep_the_sandboxs_reply(
         check_sandbox(SandboxConfig(timeout_s=5.0, memory_mb=256))
     except RuntimeError as e:
         pytest.skip(f"no sandbox on this machine: {str(e)[:80]}")
-    env = ToolEnvironment(ToolUseConfig(tools=("python",), call_end_token=">", timeout_s=0.5, workers=1), *TEXT,
+    env = ToolEnvironment(ToolUseConfig(tools=("python",), call_end_token=">", timeout_s=0.75, workers=1), *TEXT,
                           ord(">"), sandbox=SandboxConfig(memory_mb=256))
     code = "print('partial {}', flush=True)\nimport time\ntime.sleep(30)"
     replies = _called(env, [f"<python>{code.format(i)}</python>" for i in range(2)])
-    assert replies == [f"<tool_response>partial {i}\nError: timed out after 0.5 s</tool_response>" for i in range(2)]
+    assert replies == [f"<tool_response>partial {i}\nError: timed out after 0.75 s</tool_response>" for i in range(2)]
     assert env.stats.timeouts == 2
     env.close()
 
