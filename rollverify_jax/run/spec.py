@@ -553,18 +553,17 @@ def check_resume_settings(saved: dict, current: dict, allow: bool, source: str =
         saved = {LEGACY_SETTINGS.get(k, k): v for k, v in saved.items()}
     changed = [k for k in sorted(saved) if json.dumps(saved[k]) != json.dumps(current.get(k))]
     diffs = [f"  {k}: {source} {saved[k]!r}, now {current.get(k)!r}" for k in changed
-             if resume_class(k) != "warns"]
-    if report_execution:
+             if resume_class(k) == "refuses"]  # one an older version compared that is bookkeeping now: skipped
+    if diffs:
+        listing = "\n".join(diffs)
+        if not allow:
+            what = "checkpoint was trained" if source == "checkpoint" else f"{source} (its last launch) holds"
+            raise ValueError(f"This workdir's {what} with other run-defining settings:\n{listing}\nResume with "
+                             "the checkpoint's settings, use a new workdir, or pass --allow_changed_settings to "
+                             "continue with the new ones.")
+        print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)
+    if report_execution:  # followed: said once the resume goes ahead
         for k in changed:
             if resume_class(k) == "warns":
                 print(f"warning: execution setting {k} changed ({source} {saved[k]!r}, now {current.get(k)!r}): "
                       "followed, it changes how the run executes here, not what it trains", flush=True)
-    if not diffs:
-        return
-    listing = "\n".join(diffs)
-    if not allow:
-        what = "checkpoint was trained" if source == "checkpoint" else f"{source} (its last launch) holds"
-        raise ValueError(f"This workdir's {what} with other run-defining settings:\n{listing}\nResume with the "
-                         "checkpoint's settings, use a new workdir, or pass --allow_changed_settings to continue "
-                         "with the new ones.")
-    print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)
