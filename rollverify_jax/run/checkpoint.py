@@ -478,9 +478,10 @@ class Checkpointer:
                     path = storage.as_path(named)
                     if named.startswith(str(step_dir)) and not path.exists() and path.parent.is_dir():
                         return f"{named[len(str(step_dir)) + 1:]} is missing"
+            # orbax wraps an array's read error without tensorstore's status code: the tree's references decide.
+            return array_damage(step_dir)
         except Exception:  # noqa: BLE001  (the files cannot even be looked at: no evidence of damage)
             return None
-        return None
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the ``params`` of step's train state, read onto the shardings of ``abstract_params`` (a pytree of
