@@ -104,9 +104,8 @@ class Trainer:
     # State ------------------------------------------------------------------------------------------------
 
     def settings(self) -> dict:
-        """The settings that define what the run trains (saved in every checkpoint, compared on resume): the
-        spec's, plus what it reads and the rollout's resolved activation dtype (it changes what is sampled)."""
-        return {**self.spec.settings(), **self.inputs, "inputs.rollout_dtype": self.serving.engine.compute_dtype}
+        """The settings saved in every checkpoint and compared on resume (``run_settings``)."""
+        return run_settings(self.spec, self.inputs, self.serving.engine.compute_dtype)
 
     def state_dict(self, wall: float) -> dict:
         """The host-side state a checkpoint holds beside the train state (params, optimizer, PRNG)."""
@@ -122,3 +121,9 @@ class Trainer:
     def close(self) -> None:
         self.serving.close()
         self.checkpointer.close()
+
+
+def run_settings(spec: RunSpec, inputs: dict, rollout_dtype: str) -> dict:
+    """The settings a checkpoint holds and a resume compares: the spec's (``RunSpec.settings``), what the run
+    reads (``builder.input_identity``) and the rollout's resolved activation dtype (it changes what is sampled)."""
+    return {**spec.settings(), **inputs, "inputs.rollout_dtype": rollout_dtype}
