@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tokenize
 import traceback
@@ -45,6 +46,38 @@ def run_cli(body: Callable[[], None], show_traceback: bool) -> None:
         if not show_traceback:
             print("(run again with --traceback for the full stack)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_and_exit(main: Callable[[], None]) -> None:
+    """A command's ``__main__``: runs ``main``, then ends the process at once with its exit status.
+
+    By the time ``main`` returns (or raises ``SystemExit``) a training run has closed everything it opened: its
+    last checkpoint committed, its grader and tool pools stopped, the metrics written, the lock released, the
+    summary printed. What the interpreter's own exit would do after that is only teardown: JAX's exit hooks,
+    freeing every array and compiled program, joining threads. It took 4-9 s after the summary of a tiny run at
+    load 13 (the longest part freeing the module state, 3-5 s), time in which a caller's limit killed two runs
+    that had finished. So the streams and logs are flushed, JAX's distributed service (when this process joined
+    one) is shut down (the other processes wait at its barrier), and ``os._exit`` ends the process. An exception
+    other than ``SystemExit`` takes the interpreter's usual way out, with its traceback."""
+    try:
+        main()
+        status = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    logging.shutdown()
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.distributed.shutdown()  # does nothing unless this process joined others
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(status)
 
 
 def add_process_flags(ap) -> None:
