@@ -71,7 +71,10 @@ def run_and_exit(main: Callable[[], None]) -> None:
     logging.shutdown()
     jax = sys.modules.get("jax")
     if jax is not None:
-        jax.distributed.shutdown()  # does nothing unless this process joined others
+        try:
+            jax.distributed.shutdown()  # does nothing unless this process joined others
+        except Exception as e:  # the run's outcome is decided: said, not changed
+            print(f"warning: leaving JAX's distributed service failed: {e}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
