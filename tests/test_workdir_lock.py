@@ -197,14 +197,16 @@ def test_a_takeover_killed_midway_leaves_nothing_that_blocks(tmp_path, capsys):
 
 
 def test_a_takeover_in_progress_by_a_live_launch_is_not_joined(tmp_path, live_process):
-    """Another live launch holds the takeover marker of this stale lock: it is taking over now, so this launch is
-    refused and leaves the stale lock and the marker alone."""
+    """Another live launch holds a takeover marker of this stale lock (the second: the first one's creator died):
+    it is taking over now, so this launch is refused and leaves the stale lock and both markers alone (removing the
+    dead one would let a third launch in beside the live one)."""
     stale = _lock_of(tmp_path, pid=_dead_pid())
     text = (tmp_path / LOCK_FILE).read_text()
     from rollverify_jax.run.workdir_lock import _marker
 
-    marker = _marker(tmp_path / LOCK_FILE, text, 1)
-    marker.write_text(json.dumps({**stale, "pid": live_process.pid, "started": time.time()}) + "\n")
+    dead, live = _marker(tmp_path / LOCK_FILE, text, 1), _marker(tmp_path / LOCK_FILE, text, 2)
+    dead.write_text(json.dumps({**stale, "pid": _dead_pid()}) + "\n")
+    live.write_text(json.dumps({**stale, "pid": live_process.pid, "started": time.time()}) + "\n")
     with pytest.raises(ValueError, match=f"is being taken over by another launch \\(pid {live_process.pid} "):
         WorkdirLock.acquire(tmp_path)
-    assert (tmp_path / LOCK_FILE).read_text() == text and marker.exists()
+    assert (tmp_path / LOCK_FILE).read_text() == text and dead.exists() and live.exists()

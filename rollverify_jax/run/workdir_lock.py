@@ -202,29 +202,31 @@ def _take_over(path: epath.Path, text: str, stale: dict[str, Any], reason: str) 
     that launch is taking over now, and this one is refused. Renaming the lock aside instead left a moment with
     no lock, in which a third launch took it while the second put back the first's: two holders."""
     where = storage.absolute(path)
-    markers = []
+    passed: list[epath.Path] = []  # markers of dead creators
+    for n in itertools.count(1):
+        marker = _marker(path, text, n)
+        if _create_exclusively(marker, json.dumps(_holder()) + "\n", durable=False):
+            break
+        read = _read(marker)
+        if read is None:  # its creator is done: the caller looks at the lock again
+            return
+        other = read[1]  # None: a damaged marker, passed over like a dead creator's
+        if other is not None and stale_reason(other) is None:
+            raise ValueError(f"{where.parent} is being taken over by another launch ({_describe(other)}) from the "
+                             f"stale lock of {_describe(stale)}: two runs in one workdir delete each other's "
+                             "checkpoints.")
+        passed.append(marker)
     try:
-        for n in itertools.count(1):
-            marker = _marker(path, text, n)
-            if _create_exclusively(marker, json.dumps(_holder()) + "\n", durable=False):
-                markers.append(marker)
-                break
-            read = _read(marker)
-            if read is None:  # its creator finished: the stale lock is gone
-                return
-            other = read[1]  # None: a damaged marker, passed over like a dead creator's
-            if other is not None and stale_reason(other) is None:
-                raise ValueError(f"{where.parent} is being taken over by another launch ({_describe(other)}) from "
-                                 f"the stale lock of {_describe(stale)}: two runs in one workdir delete each "
-                                 "other's checkpoints.")
-            markers.append(marker)  # its creator is gone: removed with ours once the lock is replaced
         if _read_text(path) == text:
             print(f"warning: taking over the lock {where} of {_describe(stale)}: {reason}.", file=sys.stderr,
                   flush=True)
             path.unlink(missing_ok=True)
+        # The stale lock is gone for good: no launch needs its markers. (Not before: a dead creator's marker
+        # removed while the lock is still there would let a second launch in beside this one's successor.)
+        for dead in passed:
+            dead.unlink(missing_ok=True)
     finally:
-        for marker in reversed(markers):  # the stale lock is gone: no launch needs them
-            marker.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
 
 
 def _marker(path: epath.Path, text: str, n: int) -> epath.Path:
