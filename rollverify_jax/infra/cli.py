@@ -53,12 +53,13 @@ def run_and_exit(main: Callable[[], None]) -> None:
 
     By the time ``main`` returns (or raises ``SystemExit``) a training run has closed everything it opened: its
     last checkpoint committed, its grader and tool pools stopped, the metrics written, the lock released, the
-    summary printed. What the interpreter's own exit would do after that is only teardown: JAX's exit hooks,
-    freeing every array and compiled program, joining threads. It took 4-9 s after the summary of a tiny run at
-    load 13 (the longest part freeing the module state, 3-5 s), time in which a caller's limit killed two runs
-    that had finished. So the streams and logs are flushed, JAX's distributed service (when this process joined
-    one) is shut down (the other processes wait at its barrier), and ``os._exit`` ends the process. An exception
-    other than ``SystemExit`` takes the interpreter's usual way out, with its traceback."""
+    summary printed. What the interpreter's own exit would do after that is only teardown: joining threads, the
+    exit hooks (JAX's clears its backends), freeing the module state with every array and compiled program. After
+    the summary of a 2-step tiny run at load 13-14 that took 6-15 s (the hooks 2-6 s, the freeing 4-9 s), time in
+    which a caller's limit killed runs that had finished. So the streams and logs are flushed, JAX's distributed
+    service (when this process joined one) is left (the other processes wait at its barrier), and ``os._exit``
+    ends the process. An exception other than ``SystemExit`` takes the interpreter's usual way out, with its
+    traceback."""
     try:
         main()
         status = 0
