@@ -230,4 +230,4 @@ def _main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_and_exit(main)

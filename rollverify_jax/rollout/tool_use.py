@@ -15,16 +15,17 @@ reply looks like is testable on its own.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rollverify_jax.infra.daemon_pool import DaemonThreadPool
 from rollverify_jax.rollout.environment import Environment, Request
 from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.tools import (
@@ -36,9 +37,12 @@ from rollverify_jax.tools import (
     format_tool_output,
     parse_tool_call,
 )
+from rollverify_jax.tools import sandbox as sandbox_lib
 
 if TYPE_CHECKING:
     from rollverify_jax.rollout.stats import RolloutStats
+
+CLOSE_WAIT_S = 2.0  # how long close() waits for the tool calls running at a run's end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,7 @@ class ToolEnvironment(Environment):
             registry.get(name)
         self.registry = registry
         self.overrun_s = OVERRUN_S
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.workers or _cores(), thread_name_prefix="tool")
+        self._pool = DaemonThreadPool(config.workers or _cores(), "tool")  # a stuck call never holds up the exit
 
     @classmethod
     def for_tokenizer(cls, config: ToolUseConfig, tokenizer, sandbox: SandboxConfig | None = None) -> ToolEnvironment:
@@ -262,7 +266,13 @@ class ToolEnvironment(Environment):
         self.stats = ToolStats()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """At a run's end: the calls not started are cancelled and the python tool's running sandboxes stopped
+        (nothing reads their replies now); the pool's threads are waited for at most ``CLOSE_WAIT_S``. A call
+        stuck in an in-process tool past it is left to its daemon thread, which does not hold up the exit."""
+        stuck = self._pool.shutdown(CLOSE_WAIT_S, interrupt=sandbox_lib.stop_running)
+        if stuck:
+            print(f"warning: {len(stuck)} tool call(s) still running {CLOSE_WAIT_S:g} s after the run's end were "
+                  "left behind (an in-process tool that does not return)", file=sys.stderr, flush=True)
 
 
 def _cores() -> int:

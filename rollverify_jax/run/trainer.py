@@ -40,9 +40,11 @@ class Serving:
     tools: ToolEnvironment | None = None  # ToolUseConfig.enabled: multi-turn tool use
 
     def close(self) -> None:
-        self.scorer.close()
-        if self.tools is not None:
-            self.tools.close()
+        try:
+            self.scorer.close()
+        finally:
+            if self.tools is not None:
+                self.tools.close()
 
 
 @dataclasses.dataclass
@@ -119,8 +121,12 @@ class Trainer:
         self.step = int(extra["step"])
 
     def close(self) -> None:
-        self.serving.close()
-        self.checkpointer.close()
+        """The last save committed first (a run's end waits for it), then the grader and tool pools stopped, each
+        with a bounded wait (``RewardScorer.close``, ``ToolEnvironment.close``)."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.serving.close()
 
 
 def run_settings(spec: RunSpec, inputs: dict, rollout_dtype: str) -> dict:
