@@ -47,10 +47,11 @@ class ToolUseConfig:
     max_calls: tool calls per trajectory; a call past it ends the trajectory. timeout_s: a call's wall-clock
     limit (the python tool's sandbox wall clock too; its other limits are ``SandboxConfig``); a call that overruns
     it gets an error reply, never a stuck slot.
-    workers: calls running at once. reply_grace_s: before each decode dispatch (and at a pause) the scheduler waits
-    this long for the calls still running: an in-process tool (the calculator) answers in microseconds, so its
-    slot joins the next dispatch instead of sitting one out, and a pause keeps its reply whatever the thread
-    timing; a slow tool costs each dispatch at most this much."""
+    workers: calls running at once. reply_dispatches: a call's reply joins its trajectory before the
+    ``reply_dispatches``-th decode dispatch after the call (the scheduler waits for it there, up to its timeout;
+    ``Environment.reply_dispatches``): 1 suits a tool that answers in microseconds (the calculator: its slot sits
+    out no dispatch), more lets a slow tool (the python sandbox) overlap that many dispatches minus one instead of
+    holding up the next. Counted in dispatches, so which dispatch a reply joins is the same in every run."""
 
     enabled: bool = False
     tools: tuple[str, ...] = ("calculator",)
@@ -61,18 +62,16 @@ class ToolUseConfig:
     max_reply_tokens: int = 256
     timeout_s: float = 10.0
     workers: int = 4
-    reply_grace_s: float = 0.002
+    reply_dispatches: int = 1
 
     def __post_init__(self):
         if not self.tools:
             raise ValueError("ToolUseConfig.tools is empty: name at least one tool, e.g. ('calculator',).")
-        for name in ("max_calls", "max_reply_tokens", "workers"):
+        for name in ("max_calls", "max_reply_tokens", "workers", "reply_dispatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ToolUseConfig.{name}={getattr(self, name)} must be >= 1.")
         if not self.timeout_s > 0:
             raise ValueError(f"ToolUseConfig.timeout_s={self.timeout_s} must be > 0.")
-        if not self.reply_grace_s >= 0:
-            raise ValueError(f"ToolUseConfig.reply_grace_s={self.reply_grace_s} must be >= 0.")
 
 
 @dataclasses.dataclass
@@ -97,7 +96,7 @@ class ToolEnvironment(Environment):
         self.config = config
         self.encode, self.decode = encode, decode
         self.call_end_id = int(call_end_id)
-        self.reply_grace_s = config.reply_grace_s
+        self.reply_dispatches = config.reply_dispatches
         self.stats = ToolStats()
         if registry is None:  # an unknown name fails here, naming the known ones
             sandbox = dataclasses.replace(sandbox or SandboxConfig(), timeout_s=config.timeout_s)
@@ -153,18 +152,17 @@ class ToolEnvironment(Environment):
             result = self.registry.call(*call)
         return result, time.perf_counter() - t0
 
-    def reply(self, request: Request, room: int) -> list[int] | None:
-        """The reply's tokens once the call is done (None while it runs), at most ``room`` of them (the reply's
-        frame is kept whole and the output cut first). A call past its timeout gets a timeout reply."""
-        if request.done():
-            result, seconds = request.future.result()
-        elif time.perf_counter() - request.started > self.config.timeout_s:
+    def reply(self, request: Request, room: int) -> list[int]:
+        """The reply's tokens, at most ``room`` of them (the reply's frame is kept whole and the output cut first),
+        waiting for the call until its timeout; a call past it gets a timeout reply (the same text every time)."""
+        try:
+            result, seconds = request.future.result(
+                timeout=max(0.0, request.started + self.config.timeout_s - time.perf_counter()))
+        except concurrent.futures.TimeoutError:
             request.cancel()  # a thread cannot be killed: its result, when it comes, is dropped
             result = ToolResult("", ToolStatus.TIMEOUT, self.config.timeout_s,
                                 f"the call ran past {self.config.timeout_s:g} s")
             seconds = self.config.timeout_s
-        else:
-            return None
         self.stats.calls += 1
         self.stats.errors += result.status in (ToolStatus.ERROR, ToolStatus.TIMEOUT)
         self.stats.seconds += seconds
@@ -194,7 +192,7 @@ class ToolEnvironment(Environment):
                       num_slots: int) -> dict:
         """The batch's calls and turns per trajectory, the phase's calls, errors and tool seconds (their share of
         the phase's wall-clock; calls overlap decoding and each other), the share of slot-steps spent holding a
-        trajectory whose call runs, and the time nothing could decode for want of a reply."""
+        trajectory whose call runs, and the time the rollout waited for replies (decoding nothing meanwhile)."""
         calls = np.asarray([t.tool_calls for t in batch], np.float64)
         return {
             "tools/calls_per_trajectory": float(calls.mean()) if calls.size else 0.0,
