@@ -102,7 +102,7 @@ def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
                                                                  for m in full[1:])
     assert any(abs(m["loss"]) > 1e-6 and m["grad_norm"] > 1e-6 for m in full[1:])
     _assert_same_rows(full, resumed)  # the steps before the resume were written by the first launch
-    _assert_same_final_state(tmp_path, policy)
+    _assert_same_final_state(tmp_path, policy, 3)
 
 
 def _assert_same_rows(a_rows: list[dict], b_rows: list[dict]) -> None:
@@ -114,12 +114,12 @@ def _assert_same_rows(a_rows: list[dict], b_rows: list[dict]) -> None:
         assert not differ, f"step {a['step']}: {differ}"
 
 
-def _assert_same_final_state(tmp_path, policy) -> None:
-    """The runs in ``full`` and ``split`` end at step 3 with the same train state, bit for bit, and the same
-    data and rollout state."""
+def _assert_same_final_state(tmp_path, policy, steps: int) -> None:
+    """The runs in ``full`` and ``split`` end at step ``steps`` with the same train state, bit for bit, and the
+    same data and rollout state."""
     (step_a, state_a, extra_a), (step_b, state_b, extra_b) = final_state(tmp_path / "full", policy), \
         final_state(tmp_path / "split", policy)
-    assert step_a == step_b == 3 and len(state_a) == len(state_b)
+    assert step_a == step_b == steps and len(state_a) == len(state_b)
     for x, y in zip(state_a, state_b, strict=True):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
@@ -147,23 +147,24 @@ TOOL_RUN = (f"TrainConfig.policy_path = '{TOOL_POLICY}'", "TrainConfig.train_dat
 
 def test_a_tool_use_run_resumes_as_it_runs_whatever_its_tools_latency(tmp_path, monkeypatch):
     """Tool-use runs are held to the resume test too, with every calculator call made slow at random (0 to 30 ms,
-    other draws in each launch): two uninterrupted launches log the same steps, and one killed in its rollout
-    resumes to the uninterrupted run's metrics and train state, bit for bit."""
+    other draws in each launch): two uninterrupted launches log the same steps, and one killed in step 2's
+    rollout (its last checkpoint is step 1's, trajectories paused mid-turn or mid-call in it) resumes to the
+    uninterrupted run's metrics and train state, bit for bit. Four train steps in all."""
     from rollverify_jax.rollout.tool_use import ToolEnvironment
 
     rng, run = random.Random(0), ToolEnvironment._run
     monkeypatch.setattr(ToolEnvironment, "_run",
                         lambda self, text: (time.sleep(rng.choice([0.0, 0.001, 0.01, 0.03])), run(self, text))[1])
-    full = train_run(TOOL_POLICY, tmp_path / "full", "rollverify", 3, TOOL_RUN)
-    first = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, TOOL_RUN)
-    _assert_same_rows(full[:3], first)
+    full = train_run(TOOL_POLICY, tmp_path / "full", "rollverify", 2, TOOL_RUN)
+    first = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 1, TOOL_RUN)  # then killed in step 2
+    _assert_same_rows(full[:2], first)
     assert all(m["tools/calls"] > 0 and m["rollout/extend_tokens"] > 0 for m in full[1:])
-    assert final_state(tmp_path / "split", TOOL_POLICY, 1)[2]["rollout"]["cache"]["paused"]
-    (tmp_path / "split" / "checkpoints" / "2" / "extra" / "metadata").unlink()  # killed in step 2's rollout
-    resumed = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 3, TOOL_RUN)
-    assert len({m["reward/mean"] for m in full[1:]}) > 1
+    assert any(t.get("env_spans") for t in final_state(tmp_path / "split", TOOL_POLICY)[2]["rollout"]["cache"]
+               ["paused"])
+    resumed = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, TOOL_RUN)
+    assert [m["step"] for m in resumed] == [0, 1, 2] and len({m["reward/mean"] for m in full[1:]}) > 1
     _assert_same_rows(full, resumed)
-    _assert_same_final_state(tmp_path, TOOL_POLICY)
+    _assert_same_final_state(tmp_path, TOOL_POLICY, 2)
 
 
 def _untimed(m: dict) -> dict:
