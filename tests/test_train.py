@@ -145,24 +145,42 @@ TOOL_RUN = (f"TrainConfig.policy_path = '{TOOL_POLICY}'", "TrainConfig.train_dat
             "EngineConfig.max_seq_len = 96")
 
 
+class _Killed(BaseException):
+    """A ``kill -9`` stand-in: nothing in a run catches it, and it stops the launch where it is raised."""
+
+
 def test_a_tool_use_run_resumes_as_it_runs_whatever_its_tools_latency(tmp_path, monkeypatch):
     """Tool-use runs are held to the resume test too, with every calculator call made slow at random (0 to 30 ms,
-    other draws in each launch): two uninterrupted launches log the same steps, and one killed in step 2's
-    rollout (its last checkpoint is step 1's, trajectories paused mid-turn or mid-call in it) resumes to the
-    uninterrupted run's metrics and train state, bit for bit. Four train steps in all."""
+    other draws in each launch): two uninterrupted launches log the same step, and one killed in step 2's rollout
+    (with calls running) resumes from step 1's checkpoint (trajectories paused mid-turn or mid-call in it) to the
+    uninterrupted run's metrics and train state, bit for bit. Four train steps and a part in all."""
+    from rollverify_jax.rl.partial_rollout import RolloutManager
+    from rollverify_jax.rollout.scheduler import Scheduler
     from rollverify_jax.rollout.tool_use import ToolEnvironment
 
     rng, run = random.Random(0), ToolEnvironment._run
     monkeypatch.setattr(ToolEnvironment, "_run",
                         lambda self, text: (time.sleep(rng.choice([0.0, 0.001, 0.01, 0.03])), run(self, text))[1])
     full = train_run(TOOL_POLICY, tmp_path / "full", "rollverify", 2, TOOL_RUN)
-    first = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 1, TOOL_RUN)  # then killed in step 2
-    _assert_same_rows(full[:2], first)
     assert all(m["tools/calls"] > 0 and m["rollout/extend_tokens"] > 0 for m in full[1:])
+    assert len({m["reward/mean"] for m in full[1:]}) > 1
+
+    phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
+
+    def dying_step(self):
+        if len(phases) == 2 and self.stats.dispatches >= 2 and self.waits:  # step 2's rollout, calls running
+            raise _Killed
+        return step(self)
+
+    monkeypatch.setattr(RolloutManager, "run_phase", lambda self: (phases.append(1), run_phase(self))[1])
+    monkeypatch.setattr(Scheduler, "step", dying_step)
+    with pytest.raises(_Killed):
+        train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, TOOL_RUN)
+    monkeypatch.setattr(Scheduler, "step", step)
+    _assert_same_rows(full[:2], read_metrics(tmp_path / "split" / "metrics.jsonl"))  # two uninterrupted steps
     assert any(t.get("env_spans") for t in final_state(tmp_path / "split", TOOL_POLICY)[2]["rollout"]["cache"]
                ["paused"])
     resumed = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, TOOL_RUN)
-    assert [m["step"] for m in resumed] == [0, 1, 2] and len({m["reward/mean"] for m in full[1:]}) > 1
     _assert_same_rows(full, resumed)
     _assert_same_final_state(tmp_path, TOOL_POLICY, 2)
 
