@@ -278,8 +278,8 @@ TEXT = (lambda x: [ord(ch) for ch in x], lambda ids: "".join(map(chr, ids)))  # 
 
 
 def _called(env: ToolEnvironment, calls: list[str]) -> list[str]:
-    """Every call of ``calls`` requested at once (as parked slots do), then answered as the scheduler polls; the
-    replies' text in order."""
+    """Every call of ``calls`` requested at once (as parked slots do), then answered in order, as the scheduler
+    takes each at its due dispatch (``reply`` waits for it); the replies' text."""
     requests = []
     for i, call in enumerate(calls):
         turn = TEXT[0](call)
@@ -287,13 +287,7 @@ def _called(env: ToolEnvironment, calls: list[str]) -> list[str]:
                        tokens=turn, logps=[0.0] * len(turn), versions=[0] * len(turn))
         assert env.awaits_reply(t)
         requests.append(env.request(t))
-    replies: dict[int, list[int]] = {}
-    while len(replies) < len(requests):
-        env.wait([r for i, r in enumerate(requests) if i not in replies], timeout=0.01)
-        for i, r in enumerate(requests):
-            if i not in replies and (reply := env.reply(r, room=200)) is not None:
-                replies[i] = reply
-    return [TEXT[1](replies[i]) for i in range(len(requests))]
+    return [TEXT[1](env.reply(r, room=200)) for r in requests]
 
 
 def test_a_calls_wait_for_a_worker_never_counts_in_its_timeout():
