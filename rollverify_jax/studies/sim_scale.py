@@ -107,6 +107,17 @@ def tiny_fail_prob(fit_runs: list[Path]) -> tuple[tuple[float, ...], dict]:
     return p, {"source": "fitted", "runs": [str(r.path) for r in runs], **fit}
 
 
+def fail_prob_from_json(path: Path) -> tuple[tuple[float, ...], dict]:
+    """p(c) refitted from the segment counts an earlier ``--json`` recorded (its ``tiny_source``): the published
+    table's tiny-run acceptance, reproducible without the runs it was fitted on."""
+    src = json.loads(Path(path).read_text()).get("tiny_source", {})
+    if "checked" not in src:
+        raise ValueError(f"{path} records no segment counts (tiny_source {src.get('source')!r}): fit on runs instead.")
+    p = cal.fail_prob_from_counts({int(a): n for a, n in src["checked"].items()},
+                                  {int(a): n for a, n in src["failed"].items()})
+    return p, {**src, "refitted_from": str(path)}
+
+
 def row(model: str, ctx: int, variant: str, r: dict, on_policy_days: float) -> dict:
     return {"model": model, "context": ctx, "mode": r["mode"], "variant": variant, "device_days": r["device_days"],
             "speedup_vs_on_policy": on_policy_days / r["device_days"]}
@@ -131,6 +142,8 @@ def main() -> None:
     ap.add_argument("--runs", default="runs", help="where to look for runs with segment statistics")
     ap.add_argument("--fit_runs", nargs="*", default=None, help="the runs to fit p(c) on (default: every finished "
                     "RollVerify run under --runs that logs segment statistics)")
+    ap.add_argument("--fit_json", default=None, help="refit p(c) from the segment counts an earlier --json "
+                    "recorded (e.g. docs/results/simulator_scale.json) instead of runs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--plot_only", action="store_true", help="redraw --plot (and --tables) from the --json of an "
@@ -144,8 +157,11 @@ def main() -> None:
         if args.tables:
             print(tables(out))
         return
-    fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
-    tiny_p, tiny_source = tiny_fail_prob(fit_runs)
+    if args.fit_json:
+        tiny_p, tiny_source = fail_prob_from_json(Path(args.fit_json))
+    else:
+        fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
+        tiny_p, tiny_source = tiny_fail_prob(fit_runs)
     tiny = [f"SimConfig.segment_fail_prob = {tuple(round(x, 6) for x in tiny_p)!r}", "SimConfig.fail_ramp_start = 0"]
     out = {"rows": [], "settings": [], "tiny_fail_prob": list(tiny_p), "tiny_source": tiny_source}
     print(f"tiny acceptance: p(c) = {tuple(round(x, 3) for x in tiny_p)} ({tiny_source.get('runs', tiny_source)})",
