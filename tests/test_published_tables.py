@@ -54,15 +54,16 @@ def run_module(monkeypatch, module, argv: list[str]) -> None:
 
 
 def test_sim_scale_prints_the_published_tables(tmp_path):
-    """The documented command (docs/results/simulator.md, "Real scale") at 2 steps a run: every setting in every
-    mode in the JSON, and the three tables with the published columns and one row per setting (and mode)."""
+    """The documented command (docs/results/simulator.md, "Real scale") at 2 steps a run, in a clone without the
+    runs p(c) was fitted on: the published fit (refitted from the counts the published JSON recorded), every
+    setting in every mode in the JSON, and the three tables with the published columns and one row per setting
+    (and mode)."""
     doc = (DOCS / "results" / "simulator.md").read_text()
     published = doc.split("<!-- scale table -->")[1]
     out, png = tmp_path / "scale.json", tmp_path / "speedup.png"
-    done = subprocess.run([sys.executable, "-m", "rollverify_jax.studies.sim_scale", "--fit_json",
-                           "docs/results/simulator_scale.json", "--json", str(out), "--plot", str(png), "--tables",
-                           "--steps", "2", "--sigmas", "0.75", "1.25"], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "rollverify_jax.studies.sim_scale", "--runs", str(tmp_path),
+                           "--json", str(out), "--plot", str(png), "--tables", "--steps", "2", "--sigmas", "0.75",
+                           "1.25"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["tiny_fail_prob"] == json.loads((DOCS / "results" / "simulator_scale.json").read_text())[
