@@ -43,6 +43,7 @@ TOOL_STEPS = 3  # the tool-use runs (a reference and a killed one): their steps 
 CASES = ("kill9", "sigterm", "damage", "restore_error", "all_damaged", "nan", "nan_sigterm", "disk_full",
          "second_launch", "export", "changed_data", "hosts", "grader", "tool_load", "tool_tokens", "lock_race",
          "tool_kill9")
+SETTINGS: list[str] = []  # --param: bindings on top of PARAMS for the tiny RollVerify runs (the suite's settings)
 DEVICES_PER_HOST = 2  # the two-host runs: 2 processes x 2 CPU devices, the tiny config's mesh (1, -1, 1)
 
 # Runs the trainer with a fault injected from inside, for the faults no signal or file edit can cause: NaN
@@ -106,9 +107,12 @@ def injected(err: str, what: str = "") -> bool:
     return any(line.startswith("drill: injected") and what in line for line in err.splitlines())
 
 
-def train_cmd(workdir: Path, steps: int, extra=(), gin: str = GIN) -> list[str]:
-    return [f"--gin_file={gin}", f"--workdir={workdir}",
-            *[f"--gin_param={p}" for p in (*PARAMS, f"TrainConfig.num_steps = {steps}", *extra)]]
+def train_cmd(workdir: Path, steps: int, extra=(), gin: str | None = None) -> list[str]:
+    """A launch of the tiny RollVerify run (``gin`` None: ``GIN`` with ``SETTINGS``), or of the config ``gin``."""
+    settings = (*PARAMS, *(SETTINGS if gin is None else ()), f"TrainConfig.num_steps = {steps}", *extra)
+    gin = GIN if gin is None else gin
+    return [*([f"--gin_file={gin}"] if gin else []), f"--workdir={workdir}",
+            *[f"--gin_param={p}" for p in settings]]
 
 
 def run(args: list[str], inject: tuple[str, int] | None = None, module: str = "rollverify_jax.train",
@@ -194,14 +198,14 @@ def one_error_line(err: str) -> bool:
     return "Traceback" not in err and any(line.startswith("error: ") for line in err.splitlines())
 
 
-def final_state(workdir: Path, policy: Path = POLICY):
+def final_state(workdir: Path, policy: Path | None = None):
     import jax
 
     from rollverify_jax.models import load_pretrained
     from rollverify_jax.run import builder
     from rollverify_jax.run.checkpoint import Checkpointer
 
-    fingerprint = builder.model_fingerprint(load_pretrained(policy))
+    fingerprint = builder.model_fingerprint(load_pretrained(policy or POLICY))
     with Checkpointer(workdir, model_fingerprint=fingerprint) as ckpt:
         step, state, extra = ckpt.restore()
     leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
@@ -209,7 +213,7 @@ def final_state(workdir: Path, policy: Path = POLICY):
     return step, [jax.device_get(x) for x in leaves], extra
 
 
-def equal_to_reference(workdir: Path, reference, steps: int, policy: Path = POLICY) -> tuple[bool, str]:
+def equal_to_reference(workdir: Path, reference, steps: int, policy: Path | None = None) -> tuple[bool, str]:
     import numpy as np
 
     logged = steps_logged(workdir)
@@ -229,7 +233,7 @@ class Reference:
     """An uninterrupted run, made the first time a case needs it (``--only`` runs no reference it does not need):
     its workdir and its final state."""
 
-    def __init__(self, workdir: Path, steps: int, gin: str = GIN, policy: Path = POLICY):
+    def __init__(self, workdir: Path, steps: int, gin: str | None = None, policy: Path | None = None):
         self.dir, self.steps, self.gin, self.policy = workdir, steps, gin, policy
         self._state = None
 
@@ -823,6 +827,8 @@ def fresh_clone(args) -> None:
     cmd = [sys.executable, str(clone / "tests" / "drills" / "fault_drill.py"), f"--steps={args.steps}",
            f"--kills={args.kills}", f"--grader_items={args.grader_items}", f"--seed={args.seed}",
            f"--tool_calls={args.tool_calls}", f"--lock_trials={args.lock_trials}",
+           *[f"--param={p}" for p in args.param], *([f"--policy={args.policy}"] if args.policy else []),
+           *([f"--cache={args.cache}"] if args.cache else []), f"--gin_file={args.gin_file}",
            f"--root={clone / 'runs' / 'fault_drill'}", *(["--only", *args.only] if args.only else [])]
     if args.out:
         cmd += [f"--out={Path(args.out).absolute()}",
@@ -834,6 +840,7 @@ def fresh_clone(args) -> None:
 
 
 def main() -> None:
+    global POLICY, GIN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--kills", type=int, default=3)
@@ -841,6 +848,10 @@ def main() -> None:
     ap.add_argument("--tool_calls", type=int, default=128, help="tool_load: python-tool calls at once")
     ap.add_argument("--lock_trials", type=int, default=2000, help="lock_race: trials of 4 racing launches")
     ap.add_argument("--cache", default=None, help="the launches' compilation cache (default: <root>/xla_cache)")
+    ap.add_argument("--param", action="append", default=[], metavar="BINDING",
+                    help="a gin binding on top of the drill's for its tiny RollVerify runs (repeatable)")
+    ap.add_argument("--policy", default=None, help="the policy of those runs (default: assets/tiny_policy)")
+    ap.add_argument("--gin_file", default=GIN, help="their config ('': none, the defaults and --param alone)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", default="runs/fault_drill")
     ap.add_argument("--out", default=None, help="also write the matrix into this markdown file (a marked block)")
@@ -853,6 +864,11 @@ def main() -> None:
     if args.steps < 4:
         ap.error("--steps must be >= 4 (the kills land after step 0 .. steps - 3, SIGTERM after step 2)")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    GIN = args.gin_file
+    if args.policy:
+        POLICY = Path(args.policy).absolute()
+        SETTINGS.append(f"TrainConfig.policy_path = '{POLICY}'")
+    SETTINGS.extend(args.param)
     if args.fresh_clone:
         fresh_clone(args)
     t0, load = time.time(), os.getloadavg()[0]
