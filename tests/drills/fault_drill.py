@@ -2,17 +2,21 @@
 
 Each fault is a real launch of the CLI (``python -m rollverify_jax.train``, ``.export``; two processes for the
 multi-host faults) in its own workdir under ``--root``, against an uninterrupted reference run of the same
-settings. "bit-identical" means the final checkpoint (parameters, optimizer state, step, PRNG, data position) is
-bit-identical to the reference's and ``metrics.jsonl`` holds exactly one row per step. Saves are asynchronous,
-as by default. The drill compiles into its own cache (``<root>/xla_cache``), so its first run compiles and the
-others load.
+settings (made when a case first needs it). "bit-identical" means the final checkpoint (parameters, optimizer
+state, step, PRNG, data position) is bit-identical to the reference's and ``metrics.jsonl`` holds exactly one row
+per step. Saves are asynchronous, as by default. The drill compiles into its own cache (``<root>/xla_cache``, or
+``--cache``), so its first run compiles and the others load. The tool-use faults go through the run's own tool
+environment (``ToolEnvironment.for_tokenizer`` over the tiny tool policy's tokenizer, real sandboxed python
+calls), the lock race through ``WorkdirLock.acquire`` in racing processes, and the tool-use kill through the tiny
+tool-use config (``configs/tiny_tool_rollverify.gin``).
 
     python tests/drills/fault_drill.py [--steps 6] [--kills 3] [--only kill9 hosts ...] [--out docs/reliability.md]
     python tests/drills/fault_drill.py --fresh_clone /tmp/drill_clone --out docs/reliability.md
 
 ``--fresh_clone DIR`` clones this checkout's HEAD (committed files only) into DIR and runs the drill there with
 this interpreter (its installed packages, the clone's code); ``--out`` then rewrites the marked matrix of this
-checkout's file. Exit status 0 when every check passes, 1 otherwise.
+checkout's file. ``--gin_file``, ``--param`` and ``--policy`` replace the tiny run's settings (the suite runs the
+injected faults on its own: ``tests/drills/test_drills.py``). Exit status 0 when every check passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -206,8 +210,10 @@ def final_state(workdir: Path, policy: Path | None = None):
     from rollverify_jax.run.checkpoint import Checkpointer
 
     fingerprint = builder.model_fingerprint(load_pretrained(policy or POLICY))
-    with Checkpointer(workdir, model_fingerprint=fingerprint) as ckpt:
-        step, state, extra = ckpt.restore()
+    # Read-only, the newest committed step asked for by number: the drill looks, it never moves a damaged step aside
+    # (a restore of the newest step would, and repair what the launch under test left behind).
+    with Checkpointer(workdir, model_fingerprint=fingerprint, read_only=True) as ckpt:
+        step, state, extra = ckpt.restore(ckpt.latest_step())
     leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
               for x in jax.tree.leaves(state)]
     return step, [jax.device_get(x) for x in leaves], extra
@@ -219,7 +225,10 @@ def equal_to_reference(workdir: Path, reference, steps: int, policy: Path | None
     logged = steps_logged(workdir)
     if logged != list(range(steps + 1)):
         return False, f"metric rows {logged}"
-    step, leaves, extra = final_state(workdir, policy)
+    try:
+        step, leaves, extra = final_state(workdir, policy)
+    except (ValueError, OSError) as e:
+        return False, f"the final checkpoint cannot be read: {str(e)[:200]}"
     ref_step, ref_leaves, ref_extra = reference
     if step != ref_step:
         return False, f"final checkpoint step {step}, reference {ref_step}"
