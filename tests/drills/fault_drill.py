@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The drill tests its own checkout's code, in its launches (run from ROOT) and in-process (the final states, the tool
+# environment): not whatever copy of the package the interpreter has installed.
+sys.path.insert(0, str(ROOT))
 
 # The tiny RollVerify run, made small: a few steps of 8 groups x 4, a checkpoint every step (async, as default).
 PARAMS = ["RolloutConfig.batch_groups = 8", "RolloutConfig.group_size = 4", "EngineConfig.num_slots = 16",
