@@ -784,14 +784,17 @@ def lock_race(root, trials: int, racers: int = 4) -> tuple[str, bool, str]:
 
 def tool_kill9(root, ref, record, rng):
     """kill -9 during a tool-use run (``configs/tiny_tool_rollverify.gin``: calculator calls in the rollout), a
-    moment after step 1's row (mid-rollout: the rollout is most of a step), then the same command: bit-identical to
-    an uninterrupted tool-use run (which needs tool-use batches that do not depend on thread timing)."""
+    moment after step 1's checkpoint commits (mid-rollout of step 2: the rollout is most of a step), then the same
+    command: bit-identical to an uninterrupted tool-use run (which needs tool-use batches that do not depend on
+    thread timing)."""
     steps = ref.steps
     ref.state  # noqa: B018
     work = root / "tool_kill9"
     proc = start(train_cmd(work, steps, gin=TOOL_GIN), root / "tool_kill9.log")
     delay = rng.uniform(0.0, 1.5)
     wait_for_step(proc, work, 1)
+    while 1 not in committed(work) and proc.poll() is None:  # step 1's checkpoint: the resume starts from it
+        time.sleep(0.05)
     time.sleep(delay)
     running = proc.poll() is None
     proc.send_signal(signal.SIGKILL)
@@ -803,7 +806,7 @@ def tool_kill9(root, ref, record, rng):
     if not running:
         ok, detail = False, "the run had ended before the kill"
     calls = [r.get("tools/calls") for r in rows(work) if r["step"] > 0] if (work / "metrics.jsonl").exists() else []
-    record(f"kill -9 in a tool-use rollout ({delay:.1f} s after step 1's row, last row: step {killed_at}), resume",
+    record(f"kill -9 in a tool-use rollout ({delay:.1f} s after step 1's commit, last row: step {killed_at}), resume",
            ok and running, f"{detail}; tool calls per step {calls}")
 
 
