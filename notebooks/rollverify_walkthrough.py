@@ -141,7 +141,7 @@ print(f"acceptance (tokens kept / cached): {keep.sum() / lengths.sum():.3f}")
 
 # %%
 rows = []
-for _ in range(3):
+for _ in range(2):
     m = train.train_one_step(run)
     rows.append({k: m[k] for k in ("reward/mean", "verify/acceptance", "verify/acceptance_window",
                                    "ops/token_mean", "staleness/mean", "rollout/slot_utilization",
