@@ -20,7 +20,7 @@
 #
 # This notebook walks through one RollVerify cycle on the embedded tiny policy (CPU, about two minutes):
 # a long-tailed rollout, the pause when a batch is ready, the Off-Policy Shift (OPS) of the cached tokens
-# after one policy update, the verifier's cuts, and a few RollVerify training steps with their metrics.
+# after one policy update, the verifier's cuts, and two RollVerify training steps with their metrics.
 # Inside a checkout it runs as is (from the repository root or from `notebooks/`); on Colab or any fresh
 # machine the first cell clones the project and installs it with pip (Python 3.11 to 3.13).
 
@@ -135,13 +135,13 @@ for t, k in list(zip(paused, keep, strict=True))[:8]:
 print(f"acceptance (tokens kept / cached): {keep.sum() / lengths.sum():.3f}")
 
 # %% [markdown]
-# ## 4. A few RollVerify steps
+# ## 4. Two RollVerify steps
 # Each step: resume (prefill + verify + truncate) the cache first, fill the free slots with new groups, stop
 # at B complete groups, pause the rest, train. The acceptance window drives the switch to on-policy.
 
 # %%
 rows = []
-for _ in range(3):
+for _ in range(2):
     m = train.train_one_step(run)
     rows.append({k: m[k] for k in ("reward/mean", "verify/acceptance", "verify/acceptance_window",
                                    "ops/token_mean", "staleness/mean", "rollout/slot_utilization",

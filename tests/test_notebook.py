@@ -23,4 +23,4 @@ def test_walkthrough_executes(tmp_path):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "acceptance (tokens kept / cached)" in outputs
-    assert outputs.count("step ") >= 3
+    assert outputs.count("step ") >= 2  # section 4: a line per RollVerify step

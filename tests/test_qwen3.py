@@ -79,7 +79,8 @@ def test_moe_routed_per_device_equals_the_global_routing():
         h, router = nnx.merge(graphdef, p).hidden_states(tokens, mesh=m)
         return jnp.sum(h ** 2) + sum(jnp.sum(r ** 2) for r in router), (h, router)
 
-    (want, (h0, r0)), g0 = jax.value_and_grad(loss, has_aux=True)(params, None)
+    # The references are compiled: eager dispatch compiles every op of the forward and backward on its own.
+    (want, (h0, r0)), g0 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, None)
     placed = mesh_lib.shard_model(nnx.merge(graphdef, params), mesh)
     (got, (h1, r1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(nnx.state(placed), mesh)
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
@@ -97,28 +98,37 @@ def _assert_grads_close(got, want) -> None:
         np.testing.assert_allclose(np.asarray(a), b, atol=1e-4 + 1e-5 * float(np.abs(b).max()), rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def replicated_moe():
+    """The model the expert-parallel cases shard, its tokens, its loss and the loss's values, router logits and
+    gradients on one device: one reference (compiled once) for every layout."""
+    model = init_model(model_config("tiny_moe", num_hidden_layers=2), seed=6)
+    tokens = jax.random.randint(jax.random.key(3), (4, 7), 0, 64)
+
+    def loss(graphdef, p, m):
+        h, router = nnx.merge(graphdef, p).hidden_states(tokens, mesh=m)
+        return jnp.sum(h ** 2) + sum(jnp.sum(r ** 2) for r in router), (h, router)
+
+    graphdef, params = nnx.split(model)
+    (_, (h0, r0)), g0 = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=(0, 2))(
+        graphdef, params, None)
+    return model, params, loss, (h0, r0, g0)
+
+
 @pytest.mark.parametrize("experts_axes, chunk", [
     ("fsdp", 4),                # experts over an axis that splits the rows: all-gather, reduce-scatter, 3 chunks
     ("tensor", 4096),           # over an axis the rows are whole on: outputs summed
     (("fsdp", "tensor"), 5),    # both at once, one expert per device, a padded last chunk
     (("data", "fsdp"), 9),      # over both row axes, with the inner dimension over 'tensor'
 ])
-def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk, spec_of):
+def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk, spec_of, replicated_moe):
     """Expert parallelism on 8 devices (experts sharded by the logical-axis rules, each device holding only its
     own) gives the values, router logits and gradients of the model computed on one device."""
     from rollverify_jax.infra import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh((2, 2, 2))
-    model = init_model(model_config("tiny_moe", num_hidden_layers=2), seed=6)
-    graphdef, params = nnx.split(model)
-    tokens = jax.random.randint(jax.random.key(3), (4, 7), 0, 64)
+    model, params, loss, (h0, r0, g0) = replicated_moe
     rules = tuple((name, experts_axes if name == "experts" else axes) for name, axes in mesh_lib.DEFAULT_RULES)
-
-    def loss(p, m):
-        h, router = nnx.merge(graphdef, p).hidden_states(tokens, mesh=m)
-        return jnp.sum(h ** 2) + sum(jnp.sum(r ** 2) for r in router), (h, router)
-
-    (want, (h0, r0)), g0 = jax.value_and_grad(loss, has_aux=True)(params, None)
     # The rules and the chunk as a run gets them: from gin, through the spec, into the model's config.
     spec = spec_of(f"logical_axis_rules.rules = {rules!r}", f"expert_parallel_chunk.tokens = {chunk}")
     assert execution_config(model.cfg, spec).expert_parallel_chunk == chunk
@@ -127,7 +137,8 @@ def test_expert_parallel_moe_equals_the_replicated_experts(experts_axes, chunk, 
     placed = nnx.state(mesh_lib.shard_model(nnx.merge(graphdef, params), mesh, spec.axis_rules_dict()))
     gate = placed["layers"][1]["mlp"]["gate_proj"][...]
     assert gate.addressable_shards[0].data.shape[0] < gate.shape[0]  # each device holds only its experts
-    (got, (h1, r1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(placed, mesh)
+    (_, (h1, r1)), g1 = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=(0, 2))(
+        graphdef, placed, mesh)
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
     for a, b in zip(r1, r0, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
