@@ -178,7 +178,8 @@ def _stopped(decision: Decision, stop: StopRequest, checkpointer) -> None:
         "no checkpoint yet (the run starts over)"
     took = stop.seconds_since_signal()
     took = f" {took:.0f} s after the signal" if took is not None else ""
-    print(f"stopped by {name}: {where}{took}; run the same command to resume.", file=sys.stderr, flush=True)
+    again = "resume" if latest is not None else "start it again"
+    print(f"stopped by {name}: {where}{took}; run the same command to {again}.", file=sys.stderr, flush=True)
     raise SystemExit(decision.exit_status)
 
 
