@@ -81,7 +81,8 @@ def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_ru
     assert eval_run.engine.version == 3  # the checkpoint's step
     metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 100", "EvalConfig.at_k = (1,)"])
     assert set(metrics) >= {"eval/avg@2", "eval/pass@1", "eval/pass@2", "eval/maj@1", "eval/maj@2", "eval/accuracy",
-                            "eval/response_length"}
+                            "eval/response_length", "eval/grader_errors", "eval/grader_timeouts"}
+    assert metrics["eval/grader_errors"] == metrics["eval/grader_timeouts"] == 0.0
     assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {3}
     assert set(rows[0]) == {"step", "problem", "sample", "prompt", "response", "answer", "reward", "num_tokens"}
     assert [s.name for s in eval_run.sets] == [""]

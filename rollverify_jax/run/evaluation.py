@@ -174,11 +174,15 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
     texts = [decode(t.tokens) for t in done]
     # The reward sees the whole interaction: num_turns and tool_calls of a multi-turn trajectory, as in training.
     graded = [with_interaction(records[t.group_id], t.env_spans, t.num_tokens, tools is not None) for t in done]
-    rewards, _ = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False, records=graded)
+    rewards, graded_metrics = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False,
+                                           records=graded)
     correct = np.asarray(rewards).reshape(len(records), k) > 0.5
     votes = [[vote_key(texts[i * k + j]) for j in range(k)] for i in range(len(records))]
     metrics = {**sample_metrics(correct, votes, at_k, prefix),
                f"{prefix}response_length": float(np.mean([t.num_tokens for t in done])),
+               # an accuracy of 0 with grader errors is a broken reward, not a policy that knows nothing
+               f"{prefix}grader_errors": graded_metrics["reward/grader_errors"],
+               f"{prefix}grader_timeouts": graded_metrics["reward/grader_timeouts"],
                "time/eval": time.perf_counter() - t0}
     if tools is not None:
         metrics[f"{prefix}tool_calls"] = float(np.mean([t.tool_calls for t in done]))
