@@ -19,6 +19,7 @@ from pathlib import Path
 from jax.sharding import AbstractMesh, AxisType
 
 from rollverify_jax.data.datasets import get_dataset, length_summary
+from rollverify_jax.data.prompts import lost_turns
 from rollverify_jax.data.rewards import get_reward_spec
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import Tokenizer, model_config
@@ -163,8 +164,11 @@ def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len
     if tokenizer is None:
         note(f"{label}: {len(records)} prompts, schema OK.")
         return part
+    renderer = prompt_renderer(train_cfg, tokenizer)
+    if lost := lost_turns(records, renderer):
+        note(f"warning: {label}: {lost}")
     try:
-        stats = length_summary(prompt_renderer(train_cfg, tokenizer).lengths(records), max_len)
+        stats = length_summary(renderer.lengths(records), max_len)
     except ValueError as e:  # text the tokenizer cannot encode
         problems.append(f"{label}: {message(e)}")
         return part
