@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from rollverify_jax.data.datasets import get_dataset, length_summary
@@ -33,8 +34,8 @@ from rollverify_jax.scale.fit import format_report, per_device_bytes
 
 def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     """Checks the whole configuration without weights (``RunSpec.from_gin`` built and cross-checked every part).
-    ``num_devices``: the device count the mesh is laid on (None: the mesh shape's own product, 8 when it holds
-    a -1)."""
+    ``num_devices``: the device count the mesh is laid on (None: the mesh shape's own product, or the devices
+    this machine has when the shape holds a -1, as training lays it)."""
     train_cfg, rollout, engine, learner_cfg = spec.train, spec.rollout, spec.engine, spec.learner
     get_reward_spec(spec.reward.get("name", "math"))
     policy, problems = check_policy(spec)
@@ -43,7 +44,7 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     if num_devices is not None and num_devices < 1:
         raise ValueError(f"--dry_run_devices={num_devices} must be >= 1.")
     if num_devices is None:
-        num_devices = 8 if -1 in shape else math.prod(shape)
+        num_devices = jax.device_count() if -1 in shape else math.prod(shape)
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         if num_devices % known:
