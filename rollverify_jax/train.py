@@ -227,6 +227,10 @@ def _main(args: argparse.Namespace) -> None:
     for line in run_summary(read_metrics(path) if path.exists() else metrics):
         print(line)
     print(f"metrics: {path}")
+    if metrics[-1]["step"] < spec.train.num_steps:  # the loop ends early only at the time budget
+        print(f"stopped at step {metrics[-1]['step']} of {spec.train.num_steps}: this launch's time budget "
+              f"(TrainConfig.time_budget_s = {spec.train.time_budget_s:g} s) ran out. The run is not finished: the "
+              "same command continues it from this step with a fresh budget.")
 
 
 if __name__ == "__main__":
