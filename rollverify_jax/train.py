@@ -2,8 +2,8 @@
 
 GRPO on the rollout engine, in one of three rollout modes (on-policy, naive partial, RollVerify), with
 orbax checkpoints: running the same command again continues from the latest step of its workdir (with a fresh
-``TrainConfig.time_budget_s``: the budget bounds one sitting); once the workdir holds a checkpoint at
-``TrainConfig.num_steps`` the command says the run is complete and exits 0 without building anything.
+``TrainConfig.time_budget_s``: the budget bounds one sitting); once the workdir holds a whole checkpoint of this
+run at ``TrainConfig.num_steps`` the command says the run is complete and exits 0 without building anything.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ def train_one_step(trainer: Trainer) -> dict:
 
 def train(spec: RunSpec, workdir) -> list[dict]:
     """Runs (or resumes) training in ``workdir`` (local or e.g. ``gs://``); returns the metrics written by this
-    invocation. A workdir whose run reached ``TrainConfig.num_steps`` is left as it is (one line says so): the
-    check reads only its checkpoint listing, so nothing is built or compiled for it."""
-    done = run_dir.latest_committed_step(workdir)
-    if done is not None and done >= spec.train.num_steps:
+    invocation. A workdir whose run reached ``TrainConfig.num_steps`` is left as it is (one line says so) once
+    its last checkpoint is known whole and this run's (``run_dir.complete_step``: files, model, settings, as a
+    resume checks them), without building or compiling anything; a damaged one is resumed, set aside and redone."""
+    done = run_dir.complete_step(spec, workdir)
+    if done is not None:
         print(f"run complete: {storage.absolute(workdir)} holds checkpoint step {done} (TrainConfig.num_steps = "
               f"{spec.train.num_steps}); to train further pass --gin_param=TrainConfig.num_steps=<more than {done}>"
               ", to start another run pass --workdir=<a new directory>.", flush=True)
@@ -234,4 +235,4 @@ def _main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_and_exit(main)

@@ -4,7 +4,7 @@
 
 Compares every row of the two workdirs' metrics.jsonl key by key, exactly (rewards, losses and log-prob-derived
 metrics of a fixed seed are bitwise reproducible on one machine), leaving out the keys that measure time
-(``time/*``, ``*_time``, ``*time_share``, ``*tokens_per_s``), and the logged generations
+(``time/*``, ``*_time``, ``*time_share``, ``*wait_s``, ``*tokens_per_s``), and the logged generations
 (``samples/step_<N>.jsonl``: prompts, responses, rewards) file by file. Exit status 0 when they agree, 1 with
 the differences listed.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def is_timing(key: str) -> bool:
-    return key.startswith("time/") or key.endswith(("_time", "time_share", "tokens_per_s"))
+    return key.startswith("time/") or key.endswith(("_time", "time_share", "wait_s", "tokens_per_s"))
 
 
 def rows(workdir: Path) -> list[dict]:

@@ -527,6 +527,34 @@ def test_unreadable_newest_checkpoint_falls_back_and_is_kept_aside(tmp_path, cap
         assert ckpt.restore()[2] == {"step": 2}
 
 
+def test_a_truncated_data_file_of_a_large_array_is_damage_and_seen_without_a_restore(tmp_path, capsys):
+    """An array past OCDBT's inline size lives in a data file of its own; cut short, orbax's restore error no
+    longer starts with tensorstore's status code (it used to be taken for a storage error: nothing moved, the run
+    stopped). The tree's references show it, before any restore too (``step_damage``: the "run complete" check)."""
+    from rollverify_jax.run.checkpoint import step_damage
+
+    big = {"x": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": jnp.sin(jnp.arange(4096.0) * step)}, {"step": step}, force=True)
+    root = tmp_path / "checkpoints"
+    assert step_damage(root / "2") is None
+    files = [p for p in (root / "2" / "state").glob("ocdbt.process_*/d/*") if p.stat().st_size > 4096 * 3]
+    assert len(files) == 1
+    files[0].write_bytes(files[0].read_bytes()[:1000])
+    evidence = step_damage(root / "2")
+    assert evidence.startswith("state/ocdbt.process_") and "is shorter than the " in evidence, evidence
+    with Checkpointer(tmp_path, CheckpointConfig(async_save=False), FP) as ckpt:
+        step, state, extra = ckpt.restore(abstract_state=big)
+        assert step == 1 and extra == {"step": 1}
+    assert "checkpoint: step 2 cannot be read (state/ocdbt.process_" in capsys.readouterr().err
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2.corrupt"]
+    (root / "2.corrupt" / files[0].relative_to(root / "2")).unlink()
+    assert "is missing" in step_damage(root / "2.corrupt")
+    shutil.rmtree(root / "1" / "extra")
+    assert step_damage(root / "1") == "its 'extra' item is missing"
+
+
 def _failing_restore(monkeypatch, ckpt, error, step=2):
     """orbax's restore of ``step`` raises ``error`` (every other step restores as usual)."""
     real = ckpt._manager.restore

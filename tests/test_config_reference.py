@@ -29,8 +29,10 @@ def test_every_setting_has_a_row_with_its_documentation():
                 if f.init:
                     assert f"| `{gin_name}.{f.name}` |" in text, f"{gin_name}.{f.name}"
     # A trailing comment, a docstring entry naming two fields, a function's docstring entry, a per-call argument
-    # left out, and what a resume compares.
-    assert "| `RolloutConfig.batch_groups` | `int` | `8` | yes | B: complete groups per training batch |" in text
-    assert "| `LossConfig.eps_high` | `float` | `0.28` | yes | PPO clip range" in text
-    assert "| `initialize.heartbeat_timeout_s` | `int` | `60` | no | a process that died or hangs" in text
+    # left out, and what a resume does with a changed value: refuses it (run-defining), follows it with a warning
+    # (execution), or does not compare it (bookkeeping).
+    assert "| `RolloutConfig.batch_groups` | `int` | `8` | refuses | B: complete groups per training batch |" in text
+    assert "| `LossConfig.eps_high` | `float` | `0.28` | refuses | PPO clip range" in text
+    assert "| `initialize.heartbeat_timeout_s` | `int` | `60` | warns | a process that died or hangs" in text
+    assert "| `EngineConfig.live_slots` | `bool` | `True` | warns | decode runs over the slots" in text
     assert "`make_mesh.devices`" not in text and "| `TrainConfig.num_steps` | `int` | `40` | no |" in text

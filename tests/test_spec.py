@@ -40,9 +40,9 @@ def test_a_bound_value_reaches_its_part_and_the_classes_themselves_read_nothing(
     assert spec.is_bound("RolloutConfig.mode") and not spec.is_bound("RolloutConfig.group_size")
 
 
-def test_the_fingerprint_is_every_run_defining_setting(spec_of):
-    """Every field of every run-defining part is compared on resume unless listed as bookkeeping: a setting added
-    to a config class is checked without anyone adding it to a list."""
+def test_the_fingerprint_is_every_compared_setting(spec_of):
+    """Every field of every compared part is in the fingerprint unless listed as bookkeeping: a setting added to a
+    config class is checked without anyone adding it to a list (and refuses a resume unless classed execution)."""
     spec = spec_of()
     settings = spec.settings()
     for field in spec_lib.PARTS:
@@ -50,14 +50,124 @@ def test_the_fingerprint_is_every_run_defining_setting(spec_of):
         keys = list(part) if isinstance(part, spec_lib.Bindings) else [f.name for f in dataclasses.fields(part)]
         for key in keys:
             full = f"{field}.{key}"
-            expected = (field not in spec_lib.NOT_RUN_DEFINING_PARTS and full not in spec_lib.NOT_RUN_DEFINING
+            expected = (field not in spec_lib.NOT_COMPARED_PARTS and full not in spec_lib.NOT_COMPARED
                         and full != "learner.loss")
             assert (full in settings) == expected, full
     assert settings["verify.ds"] == spec.verify.ds and settings["learner.ratio_against"] == "behavior"
-    assert settings["flash.impl"] == spec.flash.impl  # kernel knobs too
+    assert settings["flash.impl"] == spec.flash.impl  # kernel knobs too (execution: reported when changed)
     bound = spec_of("paged_attention.pages_per_compute_block = 2").settings()
     assert bound["attention.pages_per_compute_block"] == 2
     assert {k for k in bound if bound[k] != settings.get(k)} == {"attention.pages_per_compute_block"}
+    assert spec_lib.resume_class("model.num_hidden_layers") == "refuses"  # a model_config override, by its part
+    assert spec_lib.resume_class("some_new_part.field") == "refuses"  # unknown: run-defining until classed
+
+
+POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
+BASE = (f"TrainConfig.policy_path = '{POLICY}'", "TrainConfig.train_dataset_kwargs = {'n': 64, 'split': 'train'}")
+# Written here, not read from spec.py's tables: settings that change what is trained. Each must refuse a resume,
+# as the run's own settings (Trainer.settings, with the data's and tokenizer's hashes) compare them; the value is
+# a key the refusal must name.
+MUST_REFUSE = {
+    "RewardScorer.name = 'dapo'": "reward.name",  # the reward function
+    "RewardScorer.overlong_buffer = 16": "reward.overlong_buffer",  # DAPO's overlong penalty
+    "RewardScorer.by_data_source = {'openai/gsm8k': 'exact'}": "reward.by_data_source",  # the per-source map
+    "RewardScorer.timeout_s = 1.0": "reward.timeout_s",  # a timed-out grade scores 0
+    "LearnerConfig.loss_name = 'gspo'": "learner.loss_name",  # the loss
+    "LossConfig.eps_high = 0.3": "loss.eps_high",
+    "LossConfig.kl_coef = 0.01": "loss.kl_coef",
+    "LearnerConfig.num_minibatches = 2": "learner.num_minibatches",
+    "LearnerConfig.ratio_against = 'step_start'": "learner.ratio_against",
+    "OptimizerConfig.learning_rate = 2e-6": "optimizer.learning_rate",  # the optimizer
+    "OptimizerConfig.warmup_steps = 5": "optimizer.warmup_steps",
+    "OptimizerConfig.weight_decay = 0.0": "optimizer.weight_decay",
+    "RolloutConfig.mode = 'rollverify'": "rollout.mode",  # the rollout mode
+    "RolloutConfig.batch_groups = 4": "rollout.batch_groups",
+    "RolloutConfig.group_size = 4": "rollout.group_size",
+    "VerifyConfig.ds = 0.05": "verify.ds",  # verification thresholds
+    "VerifyConfig.dt = 1.5": "verify.dt",
+    "SwitchConfig.threshold = 0.3": "switch.threshold",
+    "SamplingConfig.temperature = 0.7": "sampling.temperature",  # sampling
+    "SamplingConfig.top_p = 0.9": "sampling.top_p",
+    "EngineConfig.num_slots = 32": "engine.num_slots",  # which trajectories a phase finishes
+    "EngineConfig.kv_dtype = 'bfloat16'": "engine.kv_dtype",  # what is sampled
+    "TrainConfig.param_dtype = 'bfloat16'": "train.param_dtype",
+    "TrainConfig.policy_path = '<a copy of the policy>'": "train.policy_path",  # the model (its architecture: the
+    # checkpoint's fingerprint, test_train_stops.py)
+    "TrainConfig.seed = 1": "train.seed",
+    "TrainConfig.advantage = 'rloo'": "train.advantage",
+    "TrainConfig.train_dataset_kwargs = {'n': 48, 'split': 'train'}": "data.train_records",  # the data
+    "SyntheticTask.max_operand = 5": "data.train_sha256",
+    "ToolUseConfig.max_calls = 2": "tool_use.max_calls",
+    "SandboxConfig.memory_mb = 512": "sandbox.memory_mb",
+}
+# Settings of how the run executes on a machine or slice: a resume follows a change, one warning line each.
+EXECUTION = {
+    "paged_attention.pages_per_compute_block = 2": "attention.pages_per_compute_block",  # a kernel block size
+    "FlashConfig.block_q = 256": "flash.block_q",
+    "EngineConfig.live_slots = False": "engine.live_slots",  # live-slot buckets
+    "ToolUseConfig.workers = 16": "tool_use.workers",  # tool worker count
+    "RewardScorer.num_workers = 8": "reward.num_workers",
+    "make_mesh.shape = (2, -1, 1)": "mesh.shape",  # the slice's layout
+    "LearnerConfig.micro_batch_size = 4": "learner.micro_batch_size",  # exact accumulation
+}
+
+
+@pytest.fixture(scope="module")
+def base_settings(tmp_path_factory):
+    import shutil
+
+    from rollverify_jax.run import builder
+
+    other = tmp_path_factory.mktemp("other") / "policy"
+    shutil.copytree(POLICY, other)
+
+    def settings_of(*bindings):
+        bindings = [b.replace("<a copy of the policy>", str(other)) for b in bindings]
+        spec_lib.parse_gin([], [*BASE, *bindings])
+        try:
+            return builder.resume_settings(RunSpec.from_gin())[1]
+        finally:
+            gin.clear_config()
+    return settings_of, settings_of()
+
+
+@pytest.mark.parametrize("binding", list(MUST_REFUSE))
+def test_a_changed_run_defining_setting_refuses_a_resume(base_settings, binding, capsys):
+    settings_of, saved = base_settings
+    named = rf"other run-defining settings:\n(.*\n)*  {re.escape(MUST_REFUSE[binding])}: checkpoint "
+    with pytest.raises(ValueError, match=named):
+        check_resume_settings(saved, settings_of(binding), allow=False)
+    check_resume_settings(saved, settings_of(binding), allow=True)  # --allow_changed_settings: listed, continued
+    assert "resuming with changed settings (--allow_changed_settings):\n" in capsys.readouterr().out
+
+
+def test_a_changed_execution_setting_resumes_with_one_warning_each(base_settings, capsys):
+    """A resume on another machine, slice or kernel follows the new values, each said in one line; with a
+    run-defining change beside them the refusal lists that one alone."""
+    settings_of, saved = base_settings
+    current = settings_of(*EXECUTION)
+    check_resume_settings(saved, current, allow=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(EXECUTION), lines
+    for key, line in zip(sorted(EXECUTION.values()), lines, strict=True):
+        assert line.startswith(f"warning: execution setting {key} changed (checkpoint ") and "followed" in line
+    with pytest.raises(ValueError, match="optimizer.learning_rate") as e:
+        check_resume_settings(saved, {**current, "optimizer.learning_rate": 1.0}, allow=False)
+    assert "attention." not in str(e.value) and "flash." not in str(e.value)
+    check_resume_settings(saved, current, allow=False, source="spec.json", report_execution=False)
+    assert capsys.readouterr().out == ""  # the spec.json check leaves the report to the checkpoint's
+
+
+def test_a_checkpoint_from_before_the_split_resumes_on_another_kernel(base_settings, capsys):
+    """Format-2 checkpoints compared kernel and layout settings as run-defining (and held no compile cache or
+    process settings): they resume with a changed one, reported."""
+    settings_of, saved = base_settings
+    old = {k: v for k, v in saved.items() if not k.startswith(("compile_cache.", "distributed."))}
+    assert old["settings.format"] == 2 and "attention.pages_per_compute_block" in old
+    check_resume_settings(old, settings_of("paged_attention.pages_per_compute_block = 2",
+                                           "compilation_cache.dir = '/elsewhere'"), allow=False)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "attention.pages_per_compute_block changed (checkpoint 4, now 2)" in out[0]
 
 
 def test_a_checkpoint_of_the_hand_kept_list_resumes_against_the_derived_one(spec_of, capsys):

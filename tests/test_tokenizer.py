@@ -110,6 +110,24 @@ def test_char_special_tokens_encode_as_one_id_and_are_skipped(char_tok):
     assert char_tok.decode(ids, skip_special_tokens=False) == "a <|im_end|>\n<pad>"
 
 
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_plain_text_encodes_no_special_id_and_round_trips(char_tok, tmp_path, kind):
+    """Text nobody vetted (a tool's output) holding every special token of the vocabulary: ``plain_text`` encodes
+    each as its characters, never its id, and decoding (keeping or skipping specials) gives the text back; the
+    default encoding still reads them as markup."""
+    if kind == "char":
+        tok = char_tok
+    else:
+        _train_bpe(tmp_path)
+        tok = Tokenizer.from_dir(tmp_path)
+    text = "Answer: 5 " + " | ".join(tok.special_tokens) + "\n<|im_end|><|endoftext|>"
+    special_ids = set(tok.special_tokens.values())
+    ids = tok.encode(text, plain_text=True)
+    assert len(special_ids) >= 3 and not special_ids & set(ids)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.decode(ids) == text
+    assert special_ids <= set(tok.encode(text))  # as markup: each is one id
+
+
 def test_char_eos_and_pad_ids(char_tok, char_dir):
     sp = char_tok.special_tokens
     assert char_tok.eos_ids == (sp["<|im_end|>"], sp["<|endoftext|>"])

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.rl.batch import build_batch
 from rollverify_jax.rl.buffer import PausedCache
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rollout.stats import RolloutStats
 from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig
 from rollverify_jax.run.checkpoint import decode_extra, encode_extra
 from rollverify_jax.tools import SandboxConfig, ToolRegistry, ToolResult, ToolStatus
@@ -236,6 +238,7 @@ def test_a_cut_lands_on_a_policy_token_and_removes_every_later_turn(engine):
 
 def test_a_tool_that_overruns_its_timeout_gets_an_error_reply_and_frees_its_slot(engine):
     slow = GatedRunner(ToolUseConfig(**{**_fields(TOOLS), "timeout_s": 0.2}), gate=threading.Event())
+    slow.overrun_s = 0.0  # no sandbox whose own timeout reply to wait for: the environment's deadline answers
     done = _run_all(engine, _requests(4), slow)  # the gate stays shut: only the timeout ends a call
     called = [t for t in done.values() if t.tool_calls]
     assert called and slow.stats.errors == slow.stats.calls == sum(t.tool_calls for t in called)
@@ -243,6 +246,112 @@ def test_a_tool_that_overruns_its_timeout_gets_an_error_reply_and_frees_its_slot
     assert called[0].tokens[slice(*called[0].env_spans[0])] == timeout[: called[0].env_spans[0][1]
                                                                         - called[0].env_spans[0][0]]
     slow.gate.set()
+
+
+TEXT = (lambda x: [ord(ch) for ch in x], lambda ids: "".join(map(chr, ids)))  # a codec that round-trips
+
+
+def _called(env: ToolEnvironment, calls: list[str]) -> list[str]:
+    """Every call of ``calls`` requested at once (as parked slots do), then answered as the scheduler polls; the
+    replies' text in order."""
+    requests = []
+    for i, call in enumerate(calls):
+        turn = TEXT[0](call)
+        t = Trajectory(uid=i, group_id=i, prompt=np.asarray([5], np.int32), seed=0, max_new_tokens=256,
+                       tokens=turn, logps=[0.0] * len(turn), versions=[0] * len(turn))
+        assert env.awaits_reply(t)
+        requests.append(env.request(t))
+    replies: dict[int, list[int]] = {}
+    while len(replies) < len(requests):
+        env.wait([r for i, r in enumerate(requests) if i not in replies], timeout=0.01)
+        for i, r in enumerate(requests):
+            if i not in replies and (reply := env.reply(r, room=200)) is not None:
+                replies[i] = reply
+    return [TEXT[1](replies[i]) for i in range(len(requests))]
+
+
+def test_a_calls_wait_for_a_worker_never_counts_in_its_timeout():
+    """32 calls of 0.1 s at once on 4 workers with a 0.4 s limit: each runs and is answered with its own output
+    (the limit used to count from the submission: 16 of them timed out, most without ever running)."""
+    ran = []
+
+    class Sleep:
+        name, description = "nap", ""
+
+        def call(self, arguments):
+            time.sleep(0.1)
+            ran.append(arguments)
+            return ToolResult(f"slept {arguments}", ToolStatus.OK, 0.1)
+
+    config = ToolUseConfig(tools=("nap",), call_end_token=">", timeout_s=0.4, workers=4)
+    env = ToolEnvironment(config, *TEXT, ord(">"), registry=ToolRegistry([Sleep()]))
+    replies = _called(env, [f"<nap>{i}</nap>" for i in range(32)])
+    assert replies == [f"<tool_response>slept {i}</tool_response>" for i in range(32)]
+    assert sorted(ran, key=int) == [str(i) for i in range(32)]
+    metrics = env.phase_metrics([], 1.0, RolloutStats(), 1)
+    assert (metrics["tools/calls"], metrics["tools/timeouts"], metrics["tools/errors"]) == (32, 0, 0)
+    assert metrics["tools/queue_wait_s"] > 0  # 28 of them waited for a worker
+    env.close()
+
+
+def test_a_call_past_its_timeout_reads_the_tools_own_timeout_reply_with_what_it_printed():
+    """A tool that enforces its own limit (as the sandbox does) answers with its output so far: the environment's
+    deadline comes after it, so a generic error never replaces that reply."""
+    class Overrun:
+        name, description = "spin", ""
+
+        def call(self, arguments):
+            time.sleep(0.3)  # past the 0.1 s limit: the tool stops itself, keeping what it printed
+            return ToolResult(f"{arguments} so far", ToolStatus.TIMEOUT, 0.3, "timed out after 0.1 s")
+
+    env = ToolEnvironment(ToolUseConfig(tools=("spin",), call_end_token=">", timeout_s=0.1, workers=1), *TEXT,
+                          ord(">"), registry=ToolRegistry([Overrun()]))
+    assert _called(env, ["<spin>a</spin>", "<spin>b</spin>"]) == [
+        f"<tool_response>{x} so far\nError: timed out after 0.1 s</tool_response>" for x in "ab"]
+    assert (env.stats.calls, env.stats.timeouts) == (2, 2)
+    env.close()
+
+
+def test_python_calls_past_their_timeout_on_a_busy_pool_keep_the_sandboxs_reply():
+    """Two sandboxed programs that print, then run past their 0.75 s limit, on one worker: each reads the sandbox's
+    timeout reply with what it printed, the second as the first (its wait for the worker is not its time)."""
+    from rollverify_jax.tools import check_sandbox
+
+    try:
+        check_sandbox(SandboxConfig(timeout_s=5.0, memory_mb=256))
+    except RuntimeError as e:
+        pytest.skip(f"no sandbox on this machine: {str(e)[:80]}")
+    env = ToolEnvironment(ToolUseConfig(tools=("python",), call_end_token=">", timeout_s=0.75, workers=1), *TEXT,
+                          ord(">"), sandbox=SandboxConfig(memory_mb=256))
+    code = "print('partial {}', flush=True)\nimport time\ntime.sleep(30)"
+    replies = _called(env, [f"<python>{code.format(i)}</python>" for i in range(2)])
+    assert replies == [f"<tool_response>partial {i}\nError: timed out after 0.75 s</tool_response>" for i in range(2)]
+    assert env.stats.timeouts == 2
+    env.close()
+
+
+def test_a_tools_output_is_plain_text_and_the_replys_frame_is_markup(tmp_path):
+    """A reply holding every special token of the vocabulary encodes none of them as its id (an EOS id inside an
+    environment span used to be the result), and decodes back to the same text, also as the reward decodes it
+    (skipping special ids); the frame's own turn markers stay special tokens."""
+    from rollverify_jax.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(Path(__file__).resolve().parents[1] / "assets" / "tiny_tool_policy")
+    frame = ("<|im_end|>\n<|im_start|>user\n<tool_response>", "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    config = ToolUseConfig(tools=("calculator",), call_end_token="</calculator>", reply_prefix=frame[0],
+                           reply_suffix=frame[1], max_reply_tokens=400)
+    env = ToolEnvironment.for_tokenizer(config, tokenizer)
+    output = "x " + " y ".join(tokenizer.special_tokens) + " z"
+    reply = env.reply_tokens(ToolResult(output, ToolStatus.OK, 0.0), room=1000)
+    prefix, suffix = tokenizer.encode(frame[0]), tokenizer.encode(frame[1])
+    assert reply[:len(prefix)] == prefix and reply[len(reply) - len(suffix):] == suffix
+    body = reply[len(prefix):len(reply) - len(suffix)]
+    specials = set(tokenizer.special_tokens.values())
+    assert specials >= set(tokenizer.eos_ids) and not specials & set(body)
+    assert {tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|im_start|>")} <= set(prefix) & set(suffix)
+    assert tokenizer.decode(body, skip_special_tokens=False) == tokenizer.decode(body) == output
+    assert tokenizer.decode(reply, skip_special_tokens=False) == frame[0] + output + frame[1]
+    env.close()
 
 
 def test_a_reply_is_cut_to_the_room_left_and_to_its_own_cap():
@@ -315,7 +424,7 @@ def test_two_environments_in_one_process_keep_their_own_tools_and_limits():
     assert python_a.config.memory_mb == 256 and b.registry.get("python").config.memory_mb == 1024
     assert b.registry.get("python").config.timeout_s == 5.0 and "calculator" not in a.registry
     echo = type("Echo", (), {"name": "echo", "description": "", "call": lambda self, x: ToolResult(x, "ok", 0.0)})
-    text = (lambda x: [ord(ch) for ch in x], lambda ids: "".join(map(chr, ids)))  # a codec that round-trips
+    text = TEXT
     c = ToolEnvironment(ToolUseConfig(tools=("echo",)), *text, ord(">"), registry=ToolRegistry([echo()]))
     d = ToolEnvironment(ToolUseConfig(tools=("calculator",)), *text, ord(">"))
     assert "echo" not in a.registry and "echo" not in b.registry

@@ -269,3 +269,69 @@ def test_a_workdir_whose_checkpoints_were_all_set_aside_refuses_to_start_over(po
     assert "metrics.jsonl has 3 rows of training steps (up to step 3)" in err and "--restart_from_scratch" in err
     assert (workdir / "metrics.jsonl").read_text() == rows
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3.corrupt"]
+
+
+def _truncate_array_files(step_dir):
+    """Cuts each data file of the state's arrays (the per-process OCDBT files past 1 kB) to half its length."""
+    for path in step_dir.glob("state/ocdbt.process_*/d/*"):
+        if path.stat().st_size > 1000:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_run_complete_only_for_a_whole_last_checkpoint_of_this_run(policy, tmp_path, monkeypatch, capsys):
+    """A workdir whose run reached num_steps is called complete only once its last checkpoint is known whole and
+    this run's, as a resume would check it, and nothing is built for it: changed execution settings are reported
+    and followed, another run-defining setting or model is refused (exit 2, naming it). A truncated array file or
+    a deleted item in that checkpoint is no complete run: the launch resumes, sets the step aside and redoes it
+    (it used to print "run complete" and exit 0 over the damage, and accept any settings and model)."""
+    import shutil
+
+    own = tmp_path / "policy"  # a copy whose config.json can say another model
+    shutil.copytree(policy, own)
+    workdir, quick = tmp_path / "run", ("TrainConfig.eval_every = 0", "EvalConfig.at_start = False")
+    train_run(own, workdir, "on_policy", 2, quick)
+    rows = (workdir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(builder, "build_trainer", lambda *a: pytest.fail("a complete run was built"))
+        m.setattr(builder, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+        execution = ("paged_attention.pages_per_compute_block = 2", "EngineConfig.live_slots = False",
+                     "ToolUseConfig.workers = 16")
+        train_run(own, workdir, "on_policy", 2, (*quick, *execution))
+        out = capsys.readouterr().out
+        assert f"run complete: {workdir.absolute()} holds checkpoint step 2" in out
+        assert out.count("warning: execution setting ") == 3
+        assert "tool_use.workers changed (checkpoint 4, now 16)" in out
+        changed = (*quick, "OptimizerConfig.learning_rate = 1e-3")
+        for source in ("spec.json", "checkpoint"):  # the last launch's spec.json first; without it, the checkpoint's
+            with pytest.raises(SystemExit) as e:
+                train_run(own, workdir, "on_policy", 2, changed)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"optimizer.learning_rate: {source} 0.003, now 0.001" in err, err
+            if source == "spec.json":
+                (workdir / "spec.json").rename(tmp_path / "spec.json")
+        (tmp_path / "spec.json").rename(workdir / "spec.json")
+        config = json.loads((own / "config.json").read_text())
+        (own / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+        with pytest.raises(SystemExit) as e:
+            train_run(own, workdir, "on_policy", 2, quick)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "was saved for a different model; differing fields: num_hidden_layers: " \
+            "checkpoint=2, current=3" in err, err
+        (own / "config.json").write_text(json.dumps(config))
+    assert (workdir / "metrics.jsonl").read_text() == rows
+    checkpoints = workdir / "checkpoints"
+    _truncate_array_files(checkpoints / "2")
+    resumed = train_run(own, workdir, "on_policy", 2, (*quick, "ToolUseConfig.workers = 16"))
+    out, err = capsys.readouterr()
+    assert "checkpoint step 2 is not whole (state/ocdbt.process_0/d/" in out and "is shorter than" in out
+    assert "run complete" not in out and "tool_use.workers changed (checkpoint 4, now 16): followed" in out
+    assert "checkpoint: step 2 cannot be read" in err and "moved to 2.corrupt" in err
+    assert [m["step"] for m in resumed] == [1, 2] and "resumed from checkpoint step 1" in out
+    shutil.rmtree(checkpoints / "2" / "extra")  # the redone step's host state, deleted
+    train_run(own, workdir, "on_policy", 2, quick)
+    out, err = capsys.readouterr()
+    assert "checkpoint step 2 is not whole (its 'extra' item is missing)" in out and "moved to 2.corrupt-1" in err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2", "2.corrupt", "2.corrupt-1"]
+    train_run(own, workdir, "on_policy", 2, quick)
+    assert "run complete: " in capsys.readouterr().out

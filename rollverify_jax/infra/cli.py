@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tokenize
 import traceback
@@ -45,6 +46,42 @@ def run_cli(body: Callable[[], None], show_traceback: bool) -> None:
         if not show_traceback:
             print("(run again with --traceback for the full stack)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_and_exit(main: Callable[[], None]) -> None:
+    """A command's ``__main__``: runs ``main``, then ends the process at once with its exit status.
+
+    By the time ``main`` returns (or raises ``SystemExit``) a training run has closed everything it opened: its
+    last checkpoint committed, its grader and tool pools stopped, the metrics written, the lock released, the
+    summary printed. What the interpreter's own exit would do after that is only teardown: joining threads, the
+    exit hooks (JAX's clears its backends), freeing the module state with every array and compiled program. After
+    the summary of a 2-step tiny run at load 13-14 that took 6-15 s (the hooks 2-6 s, the freeing 4-9 s), time in
+    which a caller's limit killed runs that had finished. So the streams and logs are flushed, JAX's distributed
+    service (when this process joined one) is left (the other processes wait at its barrier), and ``os._exit``
+    ends the process. An exception other than ``SystemExit`` takes the interpreter's usual way out, with its
+    traceback."""
+    try:
+        main()
+        status = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    logging.shutdown()
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            jax.distributed.shutdown()  # does nothing unless this process joined others
+        except Exception as e:  # the run's outcome is decided: said, not changed
+            print(f"warning: leaving JAX's distributed service failed: {e}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(status)
 
 
 def add_process_flags(ap) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -203,10 +204,17 @@ class Tokenizer:
             raise KeyError(f"Token {token!r} is not in the vocabulary of the tokenizer at {self.path}.")
         return token_id
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text (e.g. ``<|im_end|>``) become one id."""
+    def encode(self, text: str, add_special_tokens: bool = False, plain_text: bool = False) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (e.g. ``<|im_end|>``) become one id.
+
+        ``plain_text``: the text is data, not markup: a special token written in it is encoded as its characters
+        (its ordinary pieces), never as the special id, so ``decode(..., skip_special_tokens=False)`` gives the
+        text back. For text nobody vetted, e.g. a tool's output in the rollout: ``<|endoftext|>`` printed by a
+        program must not become an EOS id inside the policy's context. Added tokens that are not special (tool
+        tags) are still one id each, as HF's ``split_special_tokens`` leaves them."""
+        hf = self._plain_hf if plain_text else self.hf
         try:
-            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+            return hf.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as e:  # tokenizers raises a bare Exception, e.g. for a char missing from a vocab
             raise ValueError(self._cannot_encode(text, e)) from e
 
@@ -227,6 +235,15 @@ class Tokenizer:
         except Exception:  # tokenizers' bare Exception, as in encode
             return False
         return True
+
+    @functools.cached_property
+    def _plain_hf(self) -> HFTokenizer:
+        """A copy of ``hf`` that splits special tokens as text (``encode_special_tokens``): a flag of the
+        tokenizer object, so it lives on a copy of its own rather than being flipped on the shared one, which
+        other threads may be encoding with."""
+        hf = HFTokenizer.from_str(self.hf.to_str())
+        hf.encode_special_tokens = True
+        return hf
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """``encode`` over many texts at once (``tokenizers`` batches them in Rust)."""

@@ -5,7 +5,9 @@ is one)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 from etils import epath
@@ -15,8 +17,8 @@ from rollverify_jax.data.prompts import PromptRenderer, load_prompts
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.infra import storage
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
-from rollverify_jax.models.hf import config_to_hf
-from rollverify_jax.models.qwen3 import expert_parallel_chunk
+from rollverify_jax.models.hf import config_from_hf, config_to_hf
+from rollverify_jax.models.qwen3 import Qwen3Config, expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.engine import rollout_graphdef
@@ -27,7 +29,7 @@ from rollverify_jax.run.evaluation import EvalSet, Evaluator
 from rollverify_jax.run.fresh_start import check_fresh_start
 from rollverify_jax.run.programs import execution_config, make_engine_plan, make_learner, make_mesh
 from rollverify_jax.run.spec import RunSpec, TrainConfig, check_resume_settings
-from rollverify_jax.run.trainer import Serving, Trainer
+from rollverify_jax.run.trainer import Serving, Trainer, run_settings
 
 
 def prompt_renderer(train: TrainConfig, tokenizer: Tokenizer) -> PromptRenderer:
@@ -69,9 +71,41 @@ def load_policy(spec: RunSpec, train, mesh):
 
 
 def model_fingerprint(model) -> dict:
-    raw = config_to_hf(model.cfg)
+    """The architecture a checkpoint's ``meta`` item holds, checked on restore."""
+    return config_fingerprint(model.cfg)
+
+
+def config_fingerprint(cfg: Qwen3Config) -> dict:
+    raw = config_to_hf(cfg)
     return {k: raw[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
                                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
+
+
+def policy_config(spec: RunSpec) -> Qwen3Config:
+    """The policy's config as ``load_policy`` builds it (architecture and dtypes), read without its weights:
+    ``TrainConfig.policy_path``'s config.json, or the random policy's ``model_config``."""
+    train = spec.train
+    if train.policy_path is None:
+        return execution_config(model_config(**spec.model), spec)
+    path = Path(train.policy_path) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"No config.json in {train.policy_path}; expected an HF-layout checkpoint directory.")
+    return config_from_hf(json.loads(path.read_text()), dtype=train.param_dtype, compute_dtype=train.compute_dtype)
+
+
+def resume_settings(spec: RunSpec) -> tuple[dict, dict]:
+    """(the model fingerprint, ``Trainer.settings``) of the run ``spec`` builds, without building it: what a
+    complete workdir's last checkpoint is compared with. Reads the policy's config.json, the tokenizer and the
+    train data (the records the trainer would load, for their hash); builds no model and compiles nothing."""
+    cfg = policy_config(spec)
+    tok_path = spec.train.tokenizer_path or spec.train.policy_path
+    if tok_path is None:
+        raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
+    tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=cfg.vocab_size)
+    records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"),
+                           prompt_renderer(spec.train, tokenizer), spec.max_prompt_len())
+    return config_fingerprint(cfg), run_settings(spec, input_identity(spec, records, tokenizer),
+                                                 spec.engine.compute_dtype or cfg.dtype)
 
 
 def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> tuple[Serving, Evaluator]:

@@ -157,6 +157,107 @@ class FingerprintMismatch(ValueError):
     """The checkpoint was saved for another model architecture."""
 
 
+def check_fingerprint(step_dir: epath.Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Raises FingerprintMismatch naming every differing field when checkpoint ``step_dir``'s model fingerprint
+    (its ``meta`` item) is not ``current``."""
+    diff = _fingerprint_diff(saved, current)
+    if diff:
+        raise FingerprintMismatch(
+            f"Checkpoint {step_dir} was saved for a different model; differing fields: " + "; ".join(diff)
+            + ". Use a fresh workdir for this model (or restore with the matching model config).")
+
+
+def read_json_item(step_dir: storage.PathLike, item: str) -> Any:
+    """A JSON item (``extra``, ``meta``) of a committed step as orbax's ``JsonSave`` wrote it, read as plain JSON
+    (no orbax manager, no arrays)."""
+    return json.loads((storage.as_path(step_dir) / item / "metadata").read_text())
+
+
+def file_damage(step_dir: epath.Path) -> str | None:
+    """What a committed step's files show to be damaged without reading an array: a missing item, a missing or
+    unparsable JSON item, a missing OCDBT manifest. Raises what the storage raises when they cannot be looked at."""
+    for item in ITEM_NAMES:
+        if not (step_dir / item).is_dir():
+            return f"its {item!r} item is missing"
+    for name in ("extra/metadata", "meta/metadata", "state/_METADATA"):
+        path = step_dir / name
+        if not path.exists():
+            if name.startswith("state"):  # orbax restores without it
+                continue
+            return f"{name} is missing"
+        try:
+            json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return f"{name} is not valid JSON"
+    state = step_dir / "state"
+    if ((state / "d").is_dir() or any(state.glob("ocdbt.process_*"))) and not (state / "manifest.ocdbt").exists():
+        return "state/manifest.ocdbt is missing"
+    return None
+
+
+def _kvstore_url(path: epath.Path) -> str:
+    text = str(path).rstrip("/") + "/"
+    return text if "://" in text else f"file://{storage.absolute(path)}/"
+
+
+def array_damage(step_dir: epath.Path) -> str | None:
+    """What the ``state`` item's OCDBT database shows to be damaged without reading an array: a B+tree node that
+    does not decode, or a value it references in a data file that is gone or shorter than the reference. Reads
+    the manifest and the tree's nodes (keys and small inline values: kilobytes), and one byte per data file, at
+    the end of the last value the tree places there. Raises what the storage raises that is not damage."""
+    import tensorstore as ts
+
+    state = step_dir / "state"
+    if not (state / "manifest.ocdbt").exists():
+        return None  # no OCDBT database (another layout): the file checks are all there is
+    kv = ts.KvStore.open(_kvstore_url(state)).result()
+    try:
+        versions = ts.ocdbt.dump(kv).result().get("versions") or []
+        latest = max(versions, key=lambda v: v["generation_number"])["root"] if versions else {}
+        pending = [latest["location"]] if "location" in latest else []
+        ends: dict[str, int] = {}  # data file -> end of the last value referenced there
+        while pending:
+            for entry in ts.ocdbt.dump(kv, pending.pop()).result().get("entries", ()):
+                if "location" in entry:  # an interior node's child
+                    pending.append(entry["location"])
+                if "indirect_value" in entry:  # value:<base>:<relative path>:<offset>:<length>
+                    where, offset, length = entry["indirect_value"].split(":", 1)[1].rsplit(":", 2)
+                    name = where.replace(":", "", 1)
+                    ends[name] = max(ends.get(name, 0), int(offset) + int(length))
+    except ValueError as e:
+        if _status_code(e) in _DAMAGE_CODES:
+            return f"state's OCDBT tree does not decode ({_first_line(e)})"
+        if _status_code(e) == "NOT_FOUND":
+            for named in _QUOTED.findall(str(e)):
+                path = storage.as_path(named)
+                if not path.exists() and path.parent.is_dir():
+                    return f"{named[len(str(step_dir)) + 1:] if named.startswith(str(step_dir)) else named} is missing"
+        raise
+    for name, end in sorted(ends.items()):
+        try:
+            read = kv.read(name, byte_range=slice(max(end - 1, 0), end)).result()
+        except ValueError as e:
+            if _status_code(e) in _DAMAGE_CODES:
+                return f"state/{name} is shorter than the {end} bytes its OCDBT tree references"
+            raise
+        if read.state == "missing":
+            return f"state/{name} is missing"
+    return None
+
+
+def step_damage(step_dir: storage.PathLike) -> str | None:
+    """Why committed step ``step_dir`` cannot be taken as whole without restoring it, or None when it is: the
+    damage its files show (``file_damage``, ``array_damage``), or an error reading them (then a restore decides
+    whether it is damage). What the "run complete" check reads; no orbax manager, no array read."""
+    step_dir = storage.as_path(step_dir)
+    try:
+        if not (step_dir / COMMIT_FILE).exists():
+            return f"{COMMIT_FILE} is missing"
+        return file_damage(step_dir) or array_damage(step_dir)
+    except Exception as e:  # noqa: BLE001  (storage errors: the restore path says what they are)
+        return f"its files could not be read ({_first_line(e)})"
+
+
 # Outcomes of one restore attempt on one host, all-gathered before anything moves: an error on any host stops
 # every host, else damage seen by any host sets the step aside.
 _RESTORED, _DAMAGED, _FAILED = 0, 1, 2
@@ -279,13 +380,7 @@ class Checkpointer:
         """Raises FingerprintMismatch (a ValueError) when checkpoint ``step`` was saved for a different model
         architecture; whatever orbax raises when its ``meta`` item cannot be read."""
         saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
-        diff = _fingerprint_diff(saved, self.model_fingerprint)
-        if diff:
-            raise FingerprintMismatch(
-                f"Checkpoint {self.directory / str(step)} was saved for a different model; differing fields: "
-                + "; ".join(diff)
-                + ". Use a fresh workdir for this model (or restore with the matching model config)."
-            )
+        check_fingerprint(self.directory / str(step), saved, self.model_fingerprint)
 
     def restore(self, step: int | None = None, abstract_state: Any = None) -> tuple[int, Any, dict[str, Any]]:
         """Returns (step, state, extra) of ``step`` (default: the latest committed step that can be read).
@@ -372,23 +467,9 @@ class Checkpointer:
         try:
             if not (step_dir / COMMIT_FILE).exists():
                 return None  # the step itself cannot be seen now: storage, not damage
-            for item in ITEM_NAMES:
-                if not (step_dir / item).is_dir():
-                    return f"its {item!r} item is missing"
-            for name in ("extra/metadata", "meta/metadata", "state/_METADATA"):
-                path = step_dir / name
-                if not path.exists():
-                    if name.startswith("state"):  # orbax restores without it
-                        continue
-                    return f"{name} is missing"
-                try:
-                    json.loads(path.read_text())
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return f"{name} is not valid JSON"
-            state = step_dir / "state"
-            if ((state / "d").is_dir() or any(state.glob("ocdbt.process_*"))) \
-                    and not (state / "manifest.ocdbt").exists():
-                return "state/manifest.ocdbt is missing"
+            evidence = file_damage(step_dir)
+            if evidence:
+                return evidence
             code = _status_code(error)
             if code in _DAMAGE_CODES:
                 return f"tensorstore reports {code}"
@@ -397,9 +478,10 @@ class Checkpointer:
                     path = storage.as_path(named)
                     if named.startswith(str(step_dir)) and not path.exists() and path.parent.is_dir():
                         return f"{named[len(str(step_dir)) + 1:]} is missing"
+            # orbax wraps an array's read error without tensorstore's status code: the tree's references decide.
+            return array_damage(step_dir)
         except Exception:  # noqa: BLE001  (the files cannot even be looked at: no evidence of damage)
             return None
-        return None
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the ``params`` of step's train state, read onto the shardings of ``abstract_params`` (a pytree of

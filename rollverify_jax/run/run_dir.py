@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from etils import epath
 
 from rollverify_jax.infra import distributed, spec_json, storage
-from rollverify_jax.run import builder
+from rollverify_jax.run import builder, checkpoint
 from rollverify_jax.run.checkpoint import COMMIT_FILE
 from rollverify_jax.run.metrics import save_operative_config
 from rollverify_jax.run.spec import RunSpec, check_resume_settings, parse_gin
@@ -96,7 +96,34 @@ def check_saved_spec(spec: RunSpec, workdir: storage.PathLike) -> None:
         saved = RunSpec.from_json(path.read_text(), str(path)).settings()
     except (TypeError, ValueError):  # written by another version of the code: the checkpoint's check decides
         return
-    check_resume_settings(saved, spec.settings(), allow=False, source=spec_json.SPEC_FILE)
+    check_resume_settings(saved, spec.settings(), allow=False, source=spec_json.SPEC_FILE,
+                          report_execution=False)
+
+
+def complete_step(spec: RunSpec, workdir: storage.PathLike) -> int | None:
+    """The step of the workdir's checkpoint at ``TrainConfig.num_steps`` (or past it) when it is whole and this
+    run's, so there is nothing to train; None when the run must be built: no such checkpoint, or one whose files
+    are not whole (the resume then sets it aside and redoes it). Another model or other run-defining settings are
+    refused as a resume refuses them, and changed execution settings reported (``check_resume_settings``).
+
+    It reads the checkpoint listing, the step's JSON items (settings, model fingerprint), its OCDBT tree and one
+    byte per data file (``checkpoint.step_damage``), ``spec.json``, the policy's config.json, the tokenizer and
+    the train data (``builder.resume_settings``): no model is built, nothing compiled, no array restored."""
+    done = latest_committed_step(workdir)
+    if done is None or done < spec.train.num_steps:
+        return None
+    step_dir = storage.as_path(workdir) / "checkpoints" / str(done)
+    problem = checkpoint.step_damage(step_dir)
+    if distributed.gather_ints([problem is not None]).any():  # every host builds the run, or none does
+        print(f"checkpoint step {done} is not whole ({problem or 'another process found it damaged'}): the run "
+              "resumes to set it aside and redo it.", flush=True)
+        return None
+    check_saved_spec(spec, workdir)  # the last launch's spec.json, as before a resume
+    fingerprint, settings = builder.resume_settings(spec)
+    checkpoint.check_fingerprint(step_dir, checkpoint.read_json_item(step_dir, "meta") or {}, fingerprint)
+    extra = checkpoint.decode_extra(checkpoint.read_json_item(step_dir, "extra") or {})
+    check_resume_settings(extra.get("settings", {}), settings, allow=spec.train.allow_changed_settings)
+    return done
 
 
 def run_spec(checkpoint: storage.PathLike, gin_files: list[str], gin_params: list[str]) -> RunSpec:

@@ -206,18 +206,56 @@ _PER_CALL = {"mesh": {"devices"}, "attention": {"platform", "megacore"}, "sandbo
              "distributed": {"coordinator_address", "num_processes", "process_id"}}
 _AS_BINDINGS = {"reward", "synthetic_task"}  # classes built later from these bindings (a grader pool; per split)
 
-# How a run reports, saves and is compiled for, not what it trains: changing these never refuses a resume.
-NOT_RUN_DEFINING_PARTS = frozenset({"checkpoint", "eval", "metrics", "aot", "compile_cache", "distributed", "sim",
-                                    "cost_model", "roofline"})
-NOT_RUN_DEFINING = frozenset({
+# A resume compares each setting of ``RunSpec.settings`` with the checkpoint's and treats a difference by its class:
+# run-defining (what is trained: refused unless --allow_changed_settings), execution (how this machine or slice runs
+# it: one warning line each, then followed) or bookkeeping (not compared). A setting named nowhere below is
+# run-defining, so one added to a config class is refused on change without anyone listing it.
+
+# Bookkeeping: how a run reports, saves, evaluates and is simulated; never compared.
+NOT_COMPARED_PARTS = frozenset({"checkpoint", "eval", "metrics", "aot", "sim", "cost_model", "roofline"})
+NOT_COMPARED = frozenset({
     "train.run_name", "train.runs_root", "train.num_steps", "train.time_budget_s", "train.eval_size",
     "train.eval_samples", "train.eval_every", "train.eval_dataset", "train.eval_dataset_kwargs", "train.eval_sets",
     "train.metrics_tensorboard", "train.allow_changed_settings", "train.max_skipped_steps",
     "train.restart_from_scratch", "train.tokenizer_path",  # the tokenizer itself is compared by its hash
     "train.train_dataset", "train.train_dataset_kwargs",  # compared with the records' hash (Trainer.inputs)
 })
+# Execution: how the run executes on this machine or slice. None changes what is trained in exact arithmetic
+# (only float rounding, memory, speed, or what waits on this machine's wall clock), so a resume on another
+# machine, slice or kernel follows the new value and says so. Dtypes are not here: a precision is part of what
+# is trained (the rollout's activation dtype decides what is sampled). Nor are the engine's scheduling inputs
+# (num_slots, steps_per_dispatch, dispatch_ahead, page_size, page_reservation, kv_memory_bytes, max_seq_len):
+# they decide which trajectories are admitted, preempted or finished by a phase's end, so which make a batch.
+EXECUTION_PARTS = frozenset({
+    "flash", "attention",  # attention kernels: implementation, tile and block sizes, interpret mode
+    # The slice's layout: mesh shape and axis types, logical-axis sharding, the expert-parallel exchange's chunk.
+    # (With a KV budget, EngineConfig.kv_memory_bytes, the pool's split over the batch devices can move when a
+    # request is admitted; the budget itself is run-defining.)
+    "mesh", "axis_rules", "moe",
+    "compile_cache", "distributed",  # this machine's compilation cache; how its processes find each other
+})
+EXECUTION_SETTINGS = frozenset({
+    # Decode/prefill compute buckets and the serving layout: which slots and page columns a decode computes over,
+    # prefill padding, the resume prefill's log-prob chunk, where the engine's weights lie, TPU megacore.
+    "engine.live_pages", "engine.live_slots", "engine.min_prefill_len", "engine.logits_chunk",
+    "engine.serving_layout", "engine.megacore",
+    # The learner's memory / FLOP trade-offs, each "same result" (exact micro-batch accumulation, packing,
+    # rematerialisation, scanned layers).
+    "learner.micro_batch_size", "learner.pack_sequences", "learner.tail_row_width", "learner.logits_chunk",
+    "learner.remat", "learner.scan_layers",
+    # Worker pools and waits on this machine's wall clock: grader processes and how they start, the grace before
+    # a hung grader is killed (its item is a timeout either way), tool calls running at once, the wait for
+    # replies before a dispatch.
+    "reward.num_workers", "reward.mp_context", "reward.startup_timeout_s", "reward.hard_timeout_grace_s",
+    "tool_use.workers", "tool_use.reply_grace_s",
+    # The host the sandbox runs on: the ids it runs as when the trainer is root, and whether a machine without
+    # user namespaces may run it guarded (its limits, interpreter and replies are unchanged).
+    "sandbox.sandbox_uid", "sandbox.sandbox_gid", "sandbox.allow_unsandboxed_network",
+})
 SETTINGS_FORMAT = 2  # checkpoints without "settings.format" hold the hand-kept list of earlier versions
-# Earlier versions' keys -> this version's (checkpoints written before the fingerprint was derived).
+# Earlier versions' keys -> this version's (checkpoints written before the fingerprint was derived). Format-2
+# checkpoints (before the split into run-defining and execution settings) hold the same keys as now, less the
+# compile_cache and distributed parts: a setting is classed by its key, so they resume as they are.
 LEGACY_SETTINGS = {"loss.name": "learner.loss_name", "advantage": "train.advantage",
                    "skip_uniform_groups": "train.skip_uniform_groups", "policy_path": "train.policy_path",
                    "param_dtype": "train.param_dtype", "compute_dtype": "train.compute_dtype",
@@ -484,18 +522,19 @@ class RunSpec:
         return mesh_lib.logical_axis_rules(**self.axis_rules)
 
     def settings(self) -> dict:
-        """The resume fingerprint: every setting of the run-defining parts, less the bookkeeping ones
-        (``NOT_RUN_DEFINING``); what the run reads (data, tokenizer) is added by the trainer."""
+        """The resume fingerprint: every setting of the compared parts, less the bookkeeping ones
+        (``NOT_COMPARED``); what the run reads (data, tokenizer) is added by the trainer. A resume refuses a
+        run-defining difference and follows an execution one (``resume_class``)."""
         out: dict[str, Any] = {"settings.format": SETTINGS_FORMAT}
         for field in PARTS:
-            if field in NOT_RUN_DEFINING_PARTS:
+            if field in NOT_COMPARED_PARTS:
                 continue
             value = self._part(field)
             if field == "learner":
                 value = {k: v for k, v in value.items() if k != "loss"}  # the loss is its own part
             for key, v in value.items():
                 name = f"{field}.{key}"
-                if name not in NOT_RUN_DEFINING:
+                if name not in NOT_COMPARED:
                     out[name] = v
         return out
 
@@ -521,19 +560,39 @@ class RunSpec:
         return storage.as_path(self.train.runs_root) / name
 
 
-def check_resume_settings(saved: dict, current: dict, allow: bool, source: str = "checkpoint") -> None:
+def resume_class(name: str) -> str:
+    """What a resume does when setting ``name`` (``part.key``, as ``RunSpec.settings`` names it) differs from the
+    checkpoint's: ``'refuses'`` (run-defining, also every key of what the run reads), ``'warns'`` (execution:
+    reported and followed) or ``'no'`` (bookkeeping: not compared)."""
+    part = name.split(".", 1)[0]
+    if part in NOT_COMPARED_PARTS or name in NOT_COMPARED:
+        return "no"
+    if part in EXECUTION_PARTS or name in EXECUTION_SETTINGS:
+        return "warns"
+    return "refuses"
+
+
+def check_resume_settings(saved: dict, current: dict, allow: bool, source: str = "checkpoint",
+                          report_execution: bool = True) -> None:
     """Refuses a resume whose run-defining settings differ from the ``source``'s (the checkpoint's, or the
-    workdir's ``spec.json``: its last launch's), naming every difference."""
+    workdir's ``spec.json``: its last launch's), naming every difference; ``allow`` continues with a warning
+    listing them. A changed execution setting is followed, one warning line each (``report_execution``: the
+    spec.json check leaves them to the checkpoint's, so each is said once)."""
     if "settings.format" not in saved:
         saved = {LEGACY_SETTINGS.get(k, k): v for k, v in saved.items()}
-    diffs = [f"  {k}: {source} {saved[k]!r}, now {current.get(k)!r}" for k in sorted(saved)
-             if json.dumps(saved[k]) != json.dumps(current.get(k))]
-    if not diffs:
-        return
-    listing = "\n".join(diffs)
-    if not allow:
-        what = "checkpoint was trained" if source == "checkpoint" else f"{source} (its last launch) holds"
-        raise ValueError(f"This workdir's {what} with other settings:\n{listing}\nResume with the "
-                         "checkpoint's settings, use a new workdir, or pass --allow_changed_settings to continue "
-                         "with the new ones.")
-    print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)
+    changed = [k for k in sorted(saved) if json.dumps(saved[k]) != json.dumps(current.get(k))]
+    diffs = [f"  {k}: {source} {saved[k]!r}, now {current.get(k)!r}" for k in changed
+             if resume_class(k) == "refuses"]  # one an older version compared that is bookkeeping now: skipped
+    if diffs:
+        listing = "\n".join(diffs)
+        if not allow:
+            what = "checkpoint was trained" if source == "checkpoint" else f"{source} (its last launch) holds"
+            raise ValueError(f"This workdir's {what} with other run-defining settings:\n{listing}\nResume with "
+                             "the checkpoint's settings, use a new workdir, or pass --allow_changed_settings to "
+                             "continue with the new ones.")
+        print(f"warning: resuming with changed settings (--allow_changed_settings):\n{listing}", flush=True)
+    if report_execution:  # followed: said once the resume goes ahead
+        for k in changed:
+            if resume_class(k) == "warns":
+                print(f"warning: execution setting {k} changed ({source} {saved[k]!r}, now {current.get(k)!r}): "
+                      "followed, it changes how the run executes here, not what it trains", flush=True)

@@ -40,9 +40,11 @@ class Serving:
     tools: ToolEnvironment | None = None  # ToolUseConfig.enabled: multi-turn tool use
 
     def close(self) -> None:
-        self.scorer.close()
-        if self.tools is not None:
-            self.tools.close()
+        try:
+            self.scorer.close()
+        finally:
+            if self.tools is not None:
+                self.tools.close()
 
 
 @dataclasses.dataclass
@@ -104,9 +106,8 @@ class Trainer:
     # State ------------------------------------------------------------------------------------------------
 
     def settings(self) -> dict:
-        """The settings that define what the run trains (saved in every checkpoint, compared on resume): the
-        spec's, plus what it reads and the rollout's resolved activation dtype (it changes what is sampled)."""
-        return {**self.spec.settings(), **self.inputs, "inputs.rollout_dtype": self.serving.engine.compute_dtype}
+        """The settings saved in every checkpoint and compared on resume (``run_settings``)."""
+        return run_settings(self.spec, self.inputs, self.serving.engine.compute_dtype)
 
     def state_dict(self, wall: float) -> dict:
         """The host-side state a checkpoint holds beside the train state (params, optimizer, PRNG)."""
@@ -120,5 +121,15 @@ class Trainer:
         self.step = int(extra["step"])
 
     def close(self) -> None:
-        self.serving.close()
-        self.checkpointer.close()
+        """The last save committed first (a run's end waits for it), then the grader and tool pools stopped, each
+        with a bounded wait (``RewardScorer.close``, ``ToolEnvironment.close``)."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.serving.close()
+
+
+def run_settings(spec: RunSpec, inputs: dict, rollout_dtype: str) -> dict:
+    """The settings a checkpoint holds and a resume compares: the spec's (``RunSpec.settings``), what the run
+    reads (``builder.input_identity``) and the rollout's resolved activation dtype (it changes what is sampled)."""
+    return {**spec.settings(), **inputs, "inputs.rollout_dtype": rollout_dtype}

@@ -37,7 +37,7 @@ class Setting:
     type: str
     default: str
     doc: str
-    compared: bool  # part of the resume fingerprint (RunSpec.settings)
+    on_resume: str  # what a resume does when it changed: 'refuses', 'warns' or 'no' (spec.resume_class)
 
 
 def _one_line(text: str) -> str:
@@ -115,9 +115,10 @@ def _summary(head: str) -> str:
     return _one_line(head.split("\n\n")[0]) if head else ""
 
 
-def describe(field_name: str, target: Any, per_call: set[str], not_compared: set[str],
-             part_compared: bool) -> tuple[str, list[Setting]]:
+def describe(field_name: str, target: Any, per_call: set[str]) -> tuple[str, list[Setting]]:
     """(summary, settings) of one registered configurable."""
+    from rollverify_jax.run.spec import resume_class
+
     doc = inspect.getdoc(target) or ""
     if dataclasses.is_dataclass(target):
         fields = [f for f in dataclasses.fields(target) if f.init]
@@ -135,7 +136,7 @@ def describe(field_name: str, target: Any, per_call: set[str], not_compared: set
             text = " ".join(t for t in (entries.get(f.name, ""), comments.get(f.name, "")) if t) \
                 or _mentions(doc, f.name)
             settings.append(Setting(f.name, _type(f.type), default, _one_line(text),
-                                    part_compared and f"{field_name}.{f.name}" not in not_compared))
+                                    resume_class(f"{field_name}.{f.name}")))
         return _summary(head), settings
     function = target.__init__ if isinstance(target, type) else target
     params = [p for p in inspect.signature(function).parameters.values()
@@ -149,12 +150,12 @@ def describe(field_name: str, target: Any, per_call: set[str], not_compared: set
         if p.kind is p.VAR_KEYWORD:
             settings.append(Setting(f"**{p.name}", "", "", _one_line(
                 entries.get(p.name) or _mentions(fn_doc, p.name) or "any other keyword, by name (see the summary)"),
-                part_compared))
+                resume_class(f"{field_name}.{p.name}")))
             continue
         annotation = "" if p.annotation is inspect.Parameter.empty else _type(p.annotation)
         text = entries.get(p.name) or _mentions(fn_doc, p.name)
         settings.append(Setting(p.name, annotation, _default(p.default), _one_line(text),
-                                part_compared and f"{field_name}.{p.name}" not in not_compared))
+                                resume_class(f"{field_name}.{p.name}")))
     return _summary(head), settings
 
 
@@ -176,18 +177,19 @@ def render() -> str:
         "Every setting a run reads, by the name gin files bind it with. Bind one in a gin file "
         "(`RolloutConfig.batch_groups = 32`) or on the command line (`--gin_param=\"RolloutConfig.batch_groups = "
         "32\"`); every value a run used, bound or default, is written to `<workdir>/operative_config.gin`. "
-        "*On resume*: whether a resume compares the setting with the checkpoint's and refuses a different value "
-        "(`--allow_changed_settings` continues anyway); settings marked no are bookkeeping (steps, budget, "
-        "evaluation, paths, reporting) and may change between launches.",
+        "*On resume*: what a resume does when the setting differs from the checkpoint's. *refuses*: it defines "
+        "what is trained, and the resume stops with every difference named (`--allow_changed_settings` continues "
+        "anyway); *warns*: it says how the run executes on this machine or slice (kernels, layout, compute "
+        "buckets, worker pools), which changes nothing trained in exact arithmetic, so the new value is followed "
+        "with one warning line; *no*: bookkeeping (steps, budget, evaluation, paths, reporting), not compared.",
         "",
         "| gin name | defined in | what it sets |",
         "| --- | --- | --- |",
     ]
     sections = []
     for field_name, (gin_name, target) in parts.items():
-        compared = field_name not in spec_lib.NOT_RUN_DEFINING_PARTS
-        summary, settings = describe(field_name, target, spec_lib._PER_CALL.get(field_name, set()),
-                                     set(spec_lib.NOT_RUN_DEFINING), compared)
+        summary, settings = describe(field_name, target, spec_lib._PER_CALL.get(field_name, set()))
+        part_class = spec_lib.resume_class(f"{field_name}.*")
         module = inspect.getsourcefile(target)
         module = Path(module).resolve().relative_to(ROOT).as_posix()
         kind = "dataclass" if dataclasses.is_dataclass(target) else ("class" if isinstance(target, type)
@@ -195,13 +197,14 @@ def render() -> str:
         anchor = gin_name.lower()
         out.append(f"| [`{gin_name}`](#{anchor}) | `{module}` ({kind}) | {_cell(summary.split('. ')[0].rstrip('.'))} |")
         section = [f"## {gin_name}", "", f"`{module}`, {kind} `{target.__name__}`"
-                   + ("" if compared else "; not compared on resume") + ".", ""]
+                   + {"no": "; not compared on resume", "warns": "; execution settings (a resume follows a change "
+                      "with a warning)"}.get(part_class, "") + ".", ""]
         if summary:
             section += [summary, ""]
         section += ["| setting | type | default | on resume | what it does |", "| --- | --- | --- | --- | --- |"]
         for s in settings:
             section.append(f"| `{gin_name}.{s.name}` | {('`' + _cell(s.type) + '`') if s.type else ''} | "
-                           f"{('`' + _cell(s.default) + '`') if s.default else ''} | {'yes' if s.compared else 'no'} "
+                           f"{('`' + _cell(s.default) + '`') if s.default else ''} | {s.on_resume} "
                            f"| {_cell(s.doc)} |")
         sections += ["", *section]
     return "\n".join(out + sections) + "\n"

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 NAMESPACES, GUARDED = "namespaces", "guarded"
@@ -231,7 +232,7 @@ def _run(code: str, cfg: SandboxConfig, mode: str) -> SandboxRun:
                               setup_stage="launch", elapsed_s=time.monotonic() - start)
         os.close(status_w)
         status_w = -1
-        with proc:
+        with proc, _running(proc):
             stdout, stderr, timed_out, overflow = _collect(proc, cfg, start + cfg.timeout_s)
             report = _read_report(status_r)
     finally:
@@ -240,6 +241,42 @@ def _run(code: str, cfg: SandboxConfig, mode: str) -> SandboxRun:
         os.close(status_r)
         shutil.rmtree(scratch, ignore_errors=True)
     return _outcome(mode, report, stdout, stderr, timed_out, overflow, time.monotonic() - start)
+
+
+_RUNNING: dict[subprocess.Popen, int] = {}  # the relays of the sandboxes running now -> the thread running each
+_RUNNING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _running(proc: subprocess.Popen):
+    with _RUNNING_LOCK:
+        _RUNNING[proc] = threading.get_ident()
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.pop(proc, None)
+
+
+def running_pids(threads: Collection[int] | None = None) -> list[int]:
+    """The relays of the sandboxes running now (of those ``threads``' calls; all by default)."""
+    with _RUNNING_LOCK:
+        return [p.pid for p, t in _RUNNING.items() if threads is None or t in threads]
+
+
+def stop_running(threads: Collection[int]) -> int:
+    """Stops the sandboxes that these threads (``threading.get_ident``) run now, as a timeout does (the relay
+    kills the sandbox; its process group is killed if it does not within ``_STOP_GRACE_S``): those calls return
+    at once, with what they printed. For a run's end, where a call still running is not waited for. Returns how
+    many were stopped."""
+    with _RUNNING_LOCK:
+        procs = [p for p, t in _RUNNING.items() if t in threads]
+    stopped = 0
+    for proc in procs:
+        if proc.poll() is None:  # not reaped: its pid is still its process group's
+            _stop(proc)
+            stopped += 1
+    return stopped
 
 
 def _spec(code: str, cfg: SandboxConfig, mode: str, scratch: str, prefixes: list[str]) -> dict:
