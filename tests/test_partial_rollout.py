@@ -404,7 +404,8 @@ def test_rollverify_with_new_weights_cuts_some_tokens_and_regenerates_from_the_v
 
 PHASE_KEYS = {"time/rollout", "time/verify", "rollout/tokens_per_s", "rollout/tokens", "rollout/slot_utilization",
               "rollout/prefill_tokens", "rollout/host_time", "rollout/prefill_time", "rollout/decode_time",
-              "rollout/dispatches", "rollout/decode_steps", "staleness/mean", "staleness/max", "cache/size",
+              "rollout/dispatches", "rollout/decode_steps", "rollout/decode_steps_dropped", "staleness/mean",
+              "staleness/max", "cache/size",
               "cache/staleness_mean", "verify/acceptance", "verify/num_verified", "verify/tokens_total",
               "verify/regen_tokens", "verify/regen_equal_rate", "mode/on_policy", "verify/num_cut",
               "verify/num_restarted", "verify/tokens_removed", "verify/finished_verified", "verify/finished_cut",

@@ -256,3 +256,45 @@ def test_outputs_are_on_the_disk_before_their_rename(tmp_path, monkeypatch):
     prepare(write_jsonl(tmp_path / "aime.jsonl", [{"problem": "P", "answer": "1"}]), "--output", tmp_path / "o.jsonl")
     (count, src), = renamed
     assert any(p == str(src) for p in synced[:count]), (synced, renamed)
+
+
+def verl_rows() -> list[dict]:
+    """A verl RL file (the layout of tests/test_datasets.py's verl files): a system message, earlier tool turns,
+    extra_info beyond an index (tools_kwargs), agent_name, its own data_source; two rows share a prompt."""
+    system = {"role": "system", "content": "Call the calculator before answering."}
+    return [{"data_source": f"src_{i % 2}", "agent_name": "tool_agent" if i else None,
+             "prompt": [system, {"role": "user", "content": f"What is {i % 3} + {i % 3}?"}],
+             "ability": "math", "reward_model": {"ground_truth": str(2 * (i % 3)), "style": "rule"},
+             "extra_info": {"index": i, "split": "train", "need_tools_kwargs": True,
+                            "tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": str(2 * (i % 3))}}}}}
+            for i in range(4)]
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_a_verl_file_keeps_its_fields_and_reads_back_as_the_verl_loader_reads_it(tmp_path, capsys, suffix):
+    """A verl RL parquet is not DAPO-Math-17k: its system message, extra_info and agent_name are kept, every row
+    (no deduplication), so the verl loader reads the converted file into the records it reads from the input."""
+    source = write_parquet(tmp_path / "verl.parquet", verl_rows())
+    out = tmp_path / f"out.{suffix}"
+    prepare(source, "--output", out)
+    expected = get_dataset("verl_parquet", path=str(source))
+    assert expected[0]["messages"][0]["role"] == "system" and "tools_kwargs" in expected[0]["extra_info"]
+    assert get_dataset(f"verl_{suffix}", path=str(out)) == expected
+    report = capsys.readouterr().out
+    assert "4 verl problems from 4 rows" in report and f"TrainConfig.train_dataset = 'verl_{suffix}'" in report
+    # A DAPO-Math-17k file (one user turn, extra_info of an index only) stays DAPO, deduplicated.
+    prepare(write_parquet(tmp_path / "dapo.parquet", dapo_rows(2, repeats=2)), "--output", tmp_path / "dapo.jsonl")
+    assert "2 dapo problems from 4 rows" in capsys.readouterr().out
+
+
+def test_a_verl_file_is_refused_where_its_fields_would_be_lost(tmp_path, tfds_tmp, capsys):
+    source = write_parquet(tmp_path / "verl.parquet", verl_rows())
+    err = fails(capsys, source, "--kind", "dapo", "--output", tmp_path / "o.jsonl")
+    assert "verl.parquet: row 0 holds a prompt of 2 message(s) with roles ['system', 'user']" in err
+    assert "extra_info keys ['need_tools_kwargs', 'split', 'tools_kwargs']" in err and "--kind verl" in err
+    err = fails(capsys, source, "--output", tmp_path / "tfds", "--format", "array_record")
+    assert "verl RL file" in err and "verl_parquet" in err
+    dapo = write_parquet(tmp_path / "dapo.parquet", dapo_rows(2, repeats=1))
+    err = fails(capsys, dapo, source, "--output", tmp_path / "o.jsonl")
+    assert "verl.parquet holds verl rows but the inputs before it hold dapo rows" in err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "tfds").exists()

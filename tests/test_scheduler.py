@@ -670,18 +670,28 @@ def test_dispatching_ahead_gives_the_same_rollouts_token_for_token(model, case):
 
 def test_pause_with_a_dispatch_in_flight_drops_its_tokens(model):
     """A pause while decode n + 1 is in flight returns the trajectories as the host last read them (n), and
-    resuming them ends in the same samples as never pausing."""
+    resuming them ends in the same samples as never pausing. The pause waits for the dropped dispatch, so its
+    device time is the rollout's decode time (not the next train step's), and counts its steps as dropped: every
+    dispatch issued is either read or dropped."""
     cfg = dataclasses.replace(CFG, dispatch_ahead=True)
     engine = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
     reference = _finish_all(_submit(engine, _requests(5)))
     sched = _submit(engine, _requests(5))
     sched.run(max_dispatches=3)
-    assert sched._inflight is not None
+    assert sched._inflight is not None and sched.stats.decode_steps_dropped == 0
     seen = {t.uid: t.num_tokens for t in sched.slots.values()}
+    pending, device_s = sched._inflight.pending, 0.2
+    real_fetch = pending.fetch
+    pending.fetch = lambda: (time.sleep(device_s), real_fetch())[1]  # a dispatch the device is still running
+    decode_time = sched.stats.decode_time
     paused = sched.pause_all()
     assert sched._inflight is None and engine.allocator.num_free == engine.allocator.capacity
+    assert sched.stats.decode_time - decode_time >= device_s
+    assert sched.stats.decode_steps_dropped == CFG.steps_per_dispatch
+    assert sched.stats.decode_steps + sched.stats.decode_steps_dropped == sched.issued * CFG.steps_per_dispatch
     assert {t.uid: t.num_tokens for t in paused if t.uid in seen} == seen
     sched.resume(paused)
     done = {**{t.uid: t for t in sched.take_finished()}, **_finish_all(sched)}
     for uid, t in reference.items():
         assert done[uid].tokens == t.tokens, uid
+    assert sched.stats.decode_steps + sched.stats.decode_steps_dropped == sched.issued * CFG.steps_per_dispatch

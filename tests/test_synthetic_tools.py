@@ -194,7 +194,7 @@ def test_tool_configs_bind_the_policy_task_and_tool_protocol():
     tool_use = {k.removeprefix("ToolUseConfig."): v for k, v in bindings.items() if k.startswith("ToolUseConfig.")}
     tool_use["tools"] = list(tool_use["tools"])  # a gin tuple, a JSON list
     protocol = {k: v for k, v in json.loads((ASSET / "tool_use.json").read_text()).items()
-                if k not in ("workers", "reply_grace_s")}  # the protocol the policy learned, not scheduling knobs
+                if k not in ("workers", "reply_dispatches")}  # the protocol the policy learned, not scheduling knobs
     assert tool_use == protocol
     prompt_max, solution_max = SyntheticToolTask(**TASK_KWARGS).length_bounds()
     assert bindings["RolloutConfig.max_new_tokens"] >= solution_max

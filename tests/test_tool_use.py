@@ -4,6 +4,7 @@ round-trip included), faults that never hold a slot, environments that keep thei
 
 import dataclasses
 import json
+import random
 import threading
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ def _decode(ids) -> str:
 
 
 class GatedRunner(ToolEnvironment):
-    """A tool environment whose calls wait for ``gate`` (a tool still running when the phase pauses)."""
+    """A tool environment whose calls wait for ``gate`` (a tool that runs until its timeout)."""
 
     def __init__(self, config=TOOLS, gate: threading.Event | None = None):
         super().__init__(config, _encode, _decode, CALL_END)
@@ -53,14 +54,17 @@ class GatedRunner(ToolEnvironment):
 
 
 class SlowRunner(ToolEnvironment):
-    """A tool environment whose calls take ``delay`` seconds (a reply that is not in yet when the phase pauses)."""
+    """A tool environment whose calls take ``delay`` seconds (a reply that is not in yet when the phase pauses),
+    or with ``jitter`` (a seed) a random pick of 0, 1, 10 or 30 ms each: a tool whose latency varies from run to
+    run."""
 
-    def __init__(self, config=TOOLS, delay: float = 0.05):
+    def __init__(self, config=TOOLS, delay: float = 0.05, jitter: int | None = None):
         super().__init__(config, _encode, _decode, CALL_END)
         self.delay = delay
+        self.rng = None if jitter is None else random.Random(jitter)
 
     def _run(self, text):
-        time.sleep(self.delay)
+        time.sleep(self.delay if self.rng is None else self.rng.choice([0.0, 0.001, 0.01, 0.03]))
         return super()._run(text)
 
 
@@ -137,10 +141,11 @@ def test_replies_keep_history_cached_and_prefill_only_their_own_tokens(engine):
     assert sched.env.stats.calls == calls and sched.env.stats.errors == calls  # random text: no valid call
 
 
-@pytest.mark.parametrize("dispatches", [2, 5, 9])
+@pytest.mark.parametrize("dispatches", [2, 5, 10])
 def test_pause_mid_turn_or_while_a_tool_runs_then_a_checkpoint_then_resume_is_exact(engine, reference, dispatches):
-    gate = threading.Event()
-    sched = Scheduler(engine, GatedRunner(gate=gate))
+    """Replies due 3 dispatches after their calls (which take 20 ms): a pause finds calls still running, takes
+    their replies, and the resumed run samples what the unpaused one did."""
+    sched = Scheduler(engine, SlowRunner(ToolUseConfig(**{**_fields(TOOLS), "reply_dispatches": 3}), delay=0.02))
     sched.submit(_requests())
     sched.run(max_dispatches=dispatches)
     waiting = len(sched.waits)
@@ -149,23 +154,20 @@ def test_pause_mid_turn_or_while_a_tool_runs_then_a_checkpoint_then_resume_is_ex
     cache = PausedCache()
     cache.pause(paused)
     restored = PausedCache.from_dict(decode_extra(json.loads(json.dumps(encode_extra(cache.to_dict())))))
-    gate.set()
     sched.resume(restored.paused)
     done = {**{t.uid: t for t in sched.take_finished()}, **_finish(sched)}
     assert sorted(done) == sorted(reference)
     for uid, t in reference.items():
         assert done[uid].tokens == t.tokens and done[uid].env_spans == t.env_spans, uid
         np.testing.assert_allclose(done[uid].logps, t.logps, atol=1e-4)
-    if dispatches == 9:
-        assert waiting > 0  # a tool was still running at the pause: it ran again after the resume
+    assert waiting > 0  # calls were running at the pause: their replies were waited for
 
 
-@pytest.mark.parametrize("grace", [5.0, 0.0])
-def test_a_pause_keeps_the_replies_that_come_within_the_grace_and_asks_again_for_the_rest(engine, reference, grace):
-    """Which parked slots keep their reply at a pause is decided by ``reply_grace_s``, never by whether a worker
-    thread happened to run first: the calls parked by the dispatch just read are all in after a grace longer than
-    they take, and none is with no grace (each is asked again at the resume). Either way the samples are the same."""
-    env = SlowRunner(ToolUseConfig(**{**_fields(TOOLS), "reply_grace_s": grace}), delay=0.05)
+@pytest.mark.parametrize("delay", [0.5, 0.0])
+def test_a_pause_takes_every_reply_however_long_it_takes(engine, reference, delay):
+    """Which parked slots hold their reply at a pause never depends on how long the calls take: calls parked by
+    the dispatch just read (half a second each, or none) are all waited for, and the samples are the unpaused run's."""
+    env = SlowRunner(delay=delay)
     sched = Scheduler(engine, env)
     sched.submit(_requests())
     while not sched.waits:  # stop at the dispatch that parks the first slots: their calls just started
@@ -174,14 +176,38 @@ def test_a_pause_keeps_the_replies_that_come_within_the_grace_and_asks_again_for
     spans, calls = {t.uid: len(t.env_spans) for t in parked}, env.stats.calls
     paused = sched.pause_all()
     assert engine.allocator.num_free == engine.allocator.capacity
-    kept = grace > 0
     for t in parked:
-        assert (len(t.env_spans) == spans[t.uid] + 1) == kept and env.awaits_reply(t) != kept, t.uid
-    assert env.stats.calls == calls + (len(parked) if kept else 0)
+        assert len(t.env_spans) == spans[t.uid] + 1 and not env.awaits_reply(t), t.uid
+    assert env.stats.calls == calls + len(parked)
     sched.resume(paused)
     done = {**{t.uid: t for t in sched.take_finished()}, **_finish(sched)}
     for uid, t in reference.items():
         assert done[uid].tokens == t.tokens and done[uid].env_spans == t.env_spans, uid
+
+
+def _trace(sched, pause_at: int) -> list:
+    """Per step up to ``pause_at``: what finished, what runs in which slot, what waits in which slot; then what the
+    pause returns (uid, tokens, reply spans)."""
+    out = []
+    for _ in range(pause_at):
+        sched.step()
+        out.append((sorted(t.uid for t in sched.take_finished()), sorted((s, t.uid) for s, t in sched.slots.items()),
+                    sorted((s, w.traj.uid) for s, w in sched.waits.items())))
+    return out + [[(t.uid, t.num_tokens, t.env_spans) for t in sched.pause_all()]]
+
+
+@pytest.mark.parametrize("reply_dispatches", [1, 3])
+def test_what_a_rollout_batches_and_pauses_does_not_depend_on_tool_latency(engine, reply_dispatches):
+    """Two runs whose calls take other random times (0 to 30 ms, while a dispatch takes a few) finish, run, park
+    and pause the same trajectories at every step: a reply joins at the dispatch fixed when it was asked for."""
+    config = ToolUseConfig(**{**_fields(TOOLS), "reply_dispatches": reply_dispatches})
+    traces = []
+    for jitter in (1, 2):
+        sched = Scheduler(engine, SlowRunner(config, jitter=jitter))
+        sched.submit(_requests(48, seed=2))
+        traces.append(_trace(sched, 60))
+        assert sched.env.stats.calls >= 8
+    assert traces[0] == traces[1]
 
 
 def _finish(sched):
@@ -252,8 +278,8 @@ TEXT = (lambda x: [ord(ch) for ch in x], lambda ids: "".join(map(chr, ids)))  # 
 
 
 def _called(env: ToolEnvironment, calls: list[str]) -> list[str]:
-    """Every call of ``calls`` requested at once (as parked slots do), then answered as the scheduler polls; the
-    replies' text in order."""
+    """Every call of ``calls`` requested at once (as parked slots do), then answered in order, as the scheduler
+    takes each at its due dispatch (``reply`` waits for it); the replies' text."""
     requests = []
     for i, call in enumerate(calls):
         turn = TEXT[0](call)
@@ -261,13 +287,7 @@ def _called(env: ToolEnvironment, calls: list[str]) -> list[str]:
                        tokens=turn, logps=[0.0] * len(turn), versions=[0] * len(turn))
         assert env.awaits_reply(t)
         requests.append(env.request(t))
-    replies: dict[int, list[int]] = {}
-    while len(replies) < len(requests):
-        env.wait([r for i, r in enumerate(requests) if i not in replies], timeout=0.01)
-        for i, r in enumerate(requests):
-            if i not in replies and (reply := env.reply(r, room=200)) is not None:
-                replies[i] = reply
-    return [TEXT[1](replies[i]) for i in range(len(requests))]
+    return [TEXT[1](env.reply(r, room=200)) for r in requests]
 
 
 def test_a_calls_wait_for_a_worker_never_counts_in_its_timeout():
@@ -434,9 +454,7 @@ def test_two_environments_in_one_process_keep_their_own_tools_and_limits():
     for env, expected in ((c, "<tool_response>hi</tool_response>"),
                           (d, "<tool_response>Error: no tool call found before the closing tag</tool_response>")):
         assert env.awaits_reply(t)
-        request = env.request(t)
-        env.wait([request], timeout=10)
-        assert text[1](env.reply(request, room=100)) == expected
+        assert text[1](env.reply(env.request(t), room=100)) == expected  # reply waits for the call
     for env in (a, b, c, d):
         env.close()
 

@@ -2,7 +2,10 @@
 faults and refusals of a run: test_train_stops.py; the two files split the end-to-end runs between the workers.)"""
 
 import json
+import random
 import re
+import time
+from pathlib import Path
 
 import gin
 import jax
@@ -98,14 +101,25 @@ def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
     assert len({m["reward/mean"] for m in full[1:]}) > 1 and any(m["reward/uniform_group_fraction"] < 1
                                                                  for m in full[1:])
     assert any(abs(m["loss"]) > 1e-6 and m["grad_norm"] > 1e-6 for m in full[1:])
-    for a, b in zip(full, resumed, strict=True):  # the steps before the resume were written by the first launch
+    _assert_same_rows(full, resumed)  # the steps before the resume were written by the first launch
+    _assert_same_final_state(tmp_path, policy, 3)
+
+
+def _assert_same_rows(a_rows: list[dict], b_rows: list[dict]) -> None:
+    """Two runs' metrics rows are equal, timings aside."""
+    for a, b in zip(a_rows, b_rows, strict=True):
         a, b = _untimed(a), _untimed(b)
         assert a.keys() == b.keys(), a.keys() ^ b.keys()
         differ = {k: (a[k], b[k]) for k in a if not _same_value(a[k], b[k])}
         assert not differ, f"step {a['step']}: {differ}"
+
+
+def _assert_same_final_state(tmp_path, policy, steps: int) -> None:
+    """The runs in ``full`` and ``split`` end at step ``steps`` with the same train state, bit for bit, and the
+    same data and rollout state."""
     (step_a, state_a, extra_a), (step_b, state_b, extra_b) = final_state(tmp_path / "full", policy), \
         final_state(tmp_path / "split", policy)
-    assert step_a == step_b == 3 and len(state_a) == len(state_b)
+    assert step_a == step_b == steps and len(state_a) == len(state_b)
     for x, y in zip(state_a, state_b, strict=True):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
@@ -113,9 +127,67 @@ def test_resumed_run_equals_uninterrupted_run(policy, tmp_path):
     assert extra_a["data"] == extra_b["data"] and extra_a["rollout"]["next_uid"] == extra_b["rollout"]["next_uid"]
 
 
+TOOL_POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_tool_policy"
+_TOOL_TASK = ("'max_steps': 4, 'length_median': 2.0, 'length_sigma': 0.5, 'max_value': 99999, 'max_start': 99, "
+              "'max_operand': 9, 'min_factor': 11, 'max_factor': 999, 'tool_fraction': 0.4, 'max_tool_steps': 4, "
+              "'holdout_fraction': 0.1")
+# The tiny tool-use default (configs/tiny_tool_base.gin: its policy, task and tool protocol) at the tiny runs'
+# sizes: problems of at most 4 steps (prompts <= 43 tokens, solutions <= 95), responses cut at 48 tokens, so some
+# calls are made in every step and the long tail is paused mid-turn or mid-call.
+TOOL_RUN = (f"TrainConfig.policy_path = '{TOOL_POLICY}'", "TrainConfig.train_dataset = 'synthetic_tools'",
+            "TrainConfig.train_dataset_kwargs = {'n': 256, 'split': 'train', " + _TOOL_TASK + "}",
+            "TrainConfig.eval_dataset = 'synthetic_tools'",
+            "TrainConfig.eval_dataset_kwargs = {'n': 8, 'split': 'test', " + _TOOL_TASK + "}",
+            "ToolUseConfig.enabled = True", "ToolUseConfig.tools = ('calculator',)",
+            "ToolUseConfig.call_end_token = '</calculator>'", "ToolUseConfig.reply_prefix = '<tool_response>'",
+            "ToolUseConfig.reply_suffix = '</tool_response>'", "ToolUseConfig.max_calls = 8",
+            "ToolUseConfig.max_reply_tokens = 32", "RolloutConfig.max_new_tokens = 48",
+            "EngineConfig.max_seq_len = 96")
+
+
+class _Killed(BaseException):
+    """A ``kill -9`` stand-in: nothing in a run catches it, and it stops the launch where it is raised."""
+
+
+def test_a_tool_use_run_resumes_as_it_runs_whatever_its_tools_latency(tmp_path, monkeypatch):
+    """Tool-use runs are held to the resume test too, with every calculator call made slow at random (0 to 30 ms,
+    other draws in each launch): two uninterrupted launches log the same step, and one killed in step 2's rollout
+    (with calls running) resumes from step 1's checkpoint (trajectories paused mid-turn or mid-call in it) to the
+    uninterrupted run's metrics and train state, bit for bit. Four train steps and a part in all."""
+    from rollverify_jax.rl.partial_rollout import RolloutManager
+    from rollverify_jax.rollout.scheduler import Scheduler
+    from rollverify_jax.rollout.tool_use import ToolEnvironment
+
+    rng, run = random.Random(0), ToolEnvironment._run
+    monkeypatch.setattr(ToolEnvironment, "_run",
+                        lambda self, text: (time.sleep(rng.choice([0.0, 0.001, 0.01, 0.03])), run(self, text))[1])
+    full = train_run(TOOL_POLICY, tmp_path / "full", "rollverify", 2, TOOL_RUN)
+    assert all(m["tools/calls"] > 0 and m["rollout/extend_tokens"] > 0 for m in full[1:])
+    assert len({m["reward/mean"] for m in full[1:]}) > 1
+
+    phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
+
+    def dying_step(self):
+        if len(phases) == 2 and self.stats.dispatches >= 2 and self.waits:  # step 2's rollout, calls running
+            raise _Killed
+        return step(self)
+
+    monkeypatch.setattr(RolloutManager, "run_phase", lambda self: (phases.append(1), run_phase(self))[1])
+    monkeypatch.setattr(Scheduler, "step", dying_step)
+    with pytest.raises(_Killed):
+        train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, TOOL_RUN)
+    monkeypatch.setattr(Scheduler, "step", step)
+    _assert_same_rows(full[:2], read_metrics(tmp_path / "split" / "metrics.jsonl"))  # two uninterrupted steps
+    assert any(t.get("env_spans") for t in final_state(tmp_path / "split", TOOL_POLICY)[2]["rollout"]["cache"]
+               ["paused"])
+    resumed = train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, TOOL_RUN)
+    _assert_same_rows(full, resumed)
+    _assert_same_final_state(tmp_path, TOOL_POLICY, 2)
+
+
 def _untimed(m: dict) -> dict:
     """A metrics row without what depends on the clock (timings, throughput, the wall time a resume carries)."""
-    return {k: v for k, v in m.items() if not (k.startswith("time/") or k.endswith(("per_s", "_time")))}
+    return {k: v for k, v in m.items() if not (k.startswith("time/") or k.endswith(("per_s", "_time", "time_share")))}
 
 
 def _same_value(x, y) -> bool:

@@ -1,10 +1,11 @@
-"""Converts downloaded DAPO-Math-17k, AIME 2024 / 2025 and GSM8K files into the files the configs read.
+"""Converts downloaded DAPO-Math-17k, verl RL, AIME 2024 / 2025 and GSM8K files into the files the configs read.
 
     python -m rollverify_jax.data.prepare raw/dapo-math-17k.parquet --output data/dapo-math-17k.parquet
     python -m rollverify_jax.data.prepare raw/aime_2024.parquet --output data/aime-2024.jsonl
     python -m rollverify_jax.data.prepare raw/aime2025-I.jsonl raw/aime2025-II.jsonl --output data/aime-2025.jsonl
     python -m rollverify_jax.data.prepare raw/dapo-math-17k.parquet --format array_record --output data/tfds
     python -m rollverify_jax.data.prepare raw/gsm8k/main/train-00000-of-00001.parquet --output data/gsm8k-train.parquet
+    python -m rollverify_jax.data.prepare raw/verl/train.parquet --output data/verl-train.parquet
 
 Inputs are parquet, JSONL or JSON (a list of objects) files, or directories holding them (a Hugging Face dataset
 download). The schema is detected from the columns (``--kind`` forces it):
@@ -12,6 +13,14 @@ download). The schema is detected from the columns (``--kind`` forces it):
 * DAPO-Math-17k: ``prompt`` (chat messages ``[{"role": "user", "content": ...}]`` or a string) and
   ``reward_model.ground_truth``. Written in the same schema (the ``dapo_parquet`` / ``dapo_jsonl`` loaders read
   it), one row per distinct prompt: the dataset repeats each of its ~17.9K problems about 100 times.
+* verl RL: the same two columns, with what DAPO-Math-17k's schema cannot hold (``verl_fields``: a prompt that is
+  more than one user turn, e.g. a system message or earlier tool turns; ``extra_info`` keys beyond ``index``; an
+  ``agent_name``). Every row is written with verl's columns (``data_source``, ``prompt``, ``ability``,
+  ``reward_model``, ``extra_info``, ``agent_name``) as the file gives them, one for one (no deduplication: rows
+  of one prompt may differ in ``extra_info``; the loader's ``deduplicate=True`` does it), checked as the
+  ``verl_parquet`` / ``verl_jsonl`` loaders check them, which read the output into the records they read from
+  the input. ``--kind dapo`` on such a file is refused, naming the fields it would drop. (A parquet output from
+  JSONL rows whose ``extra_info`` keys differ holds a null for the keys a row lacks, as any parquet does.)
 * AIME: a problem column (``problem``, ``question``, ``Problem``, ``Question``) and an answer column (``answer``,
   ``Answer``, else ``solution`` / ``Solution``, whose last ``\\boxed{...}`` is taken). Written as ``id``,
   ``problem``, ``answer`` rows (the ``aime_jsonl`` / ``aime_parquet`` loaders read them and wrap each problem in
@@ -23,7 +32,8 @@ download). The schema is detected from the columns (``--kind`` forces it):
   ``math500_*`` loaders read them as they are.)
 
 ``--format array_record`` builds a TFDS array_record dataset of ``{prompt, answer}`` records under the output
-directory instead (read through grain by the ``tfds`` loader). Every output is written to a temporary name, read
+directory instead (read through grain by the ``tfds`` loader; not for verl files, whose messages and
+``extra_info`` it cannot hold). Every output is written to a temporary name, read
 back through the project's loader, flushed to the disk, and only then renamed into place, so a failed run leaves no
 partial file and a replaced build is put back if its swap fails. ``--config_name`` and ``--split`` are plain names
 (they name a directory and files under ``--output``).
@@ -59,7 +69,8 @@ SOLUTION_COLUMNS = ("solution", "Solution")
 ID_COLUMNS = ("id", "ID", "problem_idx", "idx")
 DAPO_COLUMNS = ("prompt", "reward_model")
 GSM8K_COLUMNS = ("question", "answer")
-KINDS = ("auto", "dapo", "aime", "gsm8k")
+VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info", "agent_name")
+KINDS = ("auto", "dapo", "verl", "aime", "gsm8k")
 # A build's config name and split become one directory and part of its file names under the output directory:
 # no separators, no leading dot (so never '.' or '..').
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -168,8 +179,9 @@ def _first(columns: Sequence[str], candidates: Sequence[str]) -> str | None:
 
 def check_columns(path: Path, columns: Sequence[str], kind: str, problem_col: str | None, answer_col: str | None):
     """The (problem, answer) columns an AIME file is read from; for DAPO, that its columns are there."""
-    if kind in ("dapo", "gsm8k"):
-        needed, label = (DAPO_COLUMNS, "DAPO-Math-17k") if kind == "dapo" else (GSM8K_COLUMNS, "GSM8K")
+    if kind in ("dapo", "verl", "gsm8k"):
+        needed, label = {"dapo": (DAPO_COLUMNS, "DAPO-Math-17k"), "verl": (DAPO_COLUMNS, "a verl RL file"),
+                         "gsm8k": (GSM8K_COLUMNS, "GSM8K")}[kind]
         missing = [c for c in needed if c not in columns]
         if missing:
             raise PrepareError(f"{path}: missing column(s) {missing} for {label} (columns: {list(columns)}); "
@@ -198,6 +210,36 @@ def dapo_row(row: Row, path: Path, where: str) -> Row:
         "reward_model": {"ground_truth": answer, "style": "rule"},
         "extra_info": {"index": str(extra.get("index", where.split()[-1]))},
     }
+
+
+def verl_fields(row: Row) -> list[str]:
+    """What of a (prompt, reward_model) row DAPO-Math-17k's schema would drop (``dapo_row`` keeps the last user
+    turn, data_source, ability, the ground truth and ``extra_info.index``): a verl RL file's system message,
+    earlier turns, ``extra_info`` and ``agent_name``. A null is absent (parquet writes one for a key another row
+    has)."""
+    found = []
+    prompt = row.get("prompt")
+    if isinstance(prompt, list | tuple):
+        turn = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], dict) else {}
+        if turn.get("role") != "user" or {k for k, v in turn.items() if v is not None} - {"role", "content"}:
+            found.append(f"a prompt of {len(prompt)} message(s) with roles "
+                         f"{[m.get('role') if isinstance(m, dict) else m for m in prompt]!r:.80}")
+    info = row.get("extra_info")
+    if info is not None:
+        keys = sorted(k for k, v in info.items() if v is not None and k != "index") if isinstance(info, dict) else None
+        if keys is None or keys:
+            found.append(f"extra_info keys {keys}" if keys else f"an extra_info of type {type(info).__name__}")
+    if row.get("agent_name") is not None:
+        found.append(f"agent_name {row['agent_name']!r:.40}")
+    return found
+
+
+def verl_row(row: Row, path: Path, where: str) -> Row:
+    """A verl RL row with verl's columns as given, once the ``verl_*`` loaders' own row parser accepts it (the
+    output then reads back into the same records)."""
+    parse = sources.PRESETS["verl"][0]
+    parse(row, 0, str(path), where, sources.TEMPLATES["none"], None)
+    return {k: row[k] for k in VERL_COLUMNS if k in row}
 
 
 def aime_row(row: Row, path: Path, where: str, problem_col: str, answer_col: str, index: int) -> Row:
@@ -234,37 +276,68 @@ def gsm8k_row(row: Row, path: Path, where: str) -> Row:
     return {"question": question, "answer": solution}
 
 
+class _VerlFile(Exception):
+    """A file read as DAPO-Math-17k turned out to hold verl fields: it is read again as verl."""
+
+
 def convert(files: Sequence[Path], kind: str, problem_col: str | None, answer_col: str | None,
             keep_duplicates: bool) -> tuple[str, list[Row], int]:
-    """(kind, rows in the project's schema, rows read) over every input file."""
+    """(kind, rows in the project's schema, rows read) over every input file. A (prompt, reward_model) file is
+    DAPO-Math-17k until a row holds what that schema would drop (``verl_fields``); then the file is read again
+    as verl (one pass for DAPO-Math-17k's 1.79M rows)."""
     rows: list[Row] = []
     seen: set[str] = set()
     read = 0
+    auto = kind == "auto"
     for path in files:
         columns = columns_of(path)
-        file_kind = detect_kind(path, columns) if kind == "auto" else kind
-        if rows and file_kind != kind:
-            raise PrepareError(f"{path} holds {file_kind} rows but the inputs before it hold {kind} rows; "
-                               "convert them separately")
+        file_kind = detect_kind(path, columns) if auto else kind
+        args = (rows, seen, problem_col, answer_col, keep_duplicates, read, auto)
+        try:
+            read += _convert_file(path, columns, file_kind, kind, *args)
+        except _VerlFile:
+            file_kind = "verl"
+            read += _convert_file(path, columns, file_kind, kind, *args)
         kind = file_kind
-        problem, answer = check_columns(path, columns, kind, problem_col, answer_col)
-        for i, raw in enumerate(read_rows(path)):
-            where = f"row {i}"
-            if kind == "dapo":
-                row = dapo_row(raw, path, where)
-            elif kind == "gsm8k":
-                row = gsm8k_row(raw, path, where)
-            else:
-                row = aime_row(raw, path, where, problem, answer, read)
-            read += 1
-            key = row["prompt"][0]["content"] if kind == "dapo" else row.get("problem") or row.get("question")
-            if kind == "dapo" and not keep_duplicates and key in seen:
-                continue
-            seen.add(key)
-            rows.append(row)
     if not rows:
         raise PrepareError(f"the inputs {[str(f) for f in files]} hold no rows")
     return kind, rows, read
+
+
+def _convert_file(path: Path, columns: Sequence[str], kind: str, before: str, rows: list[Row], seen: set[str],
+                  problem_col: str | None, answer_col: str | None, keep_duplicates: bool, read: int,
+                  auto: bool) -> int:
+    """Appends ``path``'s rows as ``kind`` to ``rows`` (the inputs before it hold ``before`` rows); returns the
+    rows read. Raises ``_VerlFile`` (``rows`` as it was) when an auto-detected DAPO file holds verl fields."""
+    if rows and kind != before:
+        raise PrepareError(f"{path} holds {kind} rows but the inputs before it hold {before} rows; "
+                           "convert them separately")
+    problem, answer = check_columns(path, columns, kind, problem_col, answer_col)
+    start, count = len(rows), 0
+    for i, raw in enumerate(read_rows(path)):
+        where = f"row {i}"
+        if kind == "dapo":
+            extra = verl_fields(raw)
+            if extra and auto:
+                del rows[start:]
+                raise _VerlFile
+            if extra:
+                raise PrepareError(f"{path}: {where} holds {'; '.join(extra)}, which the DAPO-Math-17k schema drops; "
+                                   "convert it with --kind verl (read by the verl_parquet / verl_jsonl loader)")
+            row = dapo_row(raw, path, where)
+        elif kind == "verl":
+            row = verl_row(raw, path, where)
+        elif kind == "gsm8k":
+            row = gsm8k_row(raw, path, where)
+        else:
+            row = aime_row(raw, path, where, problem, answer, read + count)
+        count += 1
+        key = row["prompt"][0]["content"] if kind == "dapo" else row.get("problem") or row.get("question")
+        if kind == "dapo" and not keep_duplicates and key in seen:
+            continue
+        seen.add(key)
+        rows.append(row)
+    return count
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -361,7 +434,7 @@ def _swap_into_place(build: Path, target: Path, old: Path) -> None:
 
 def gin_hint(kind: str, fmt: str, output: str, config_name: str, split: str) -> str:
     """The bindings that point a config at the output."""
-    role = "train" if kind in ("dapo", "gsm8k") else "eval"
+    role = "train" if kind in ("dapo", "verl", "gsm8k") else "eval"
     if fmt == "array_record":
         name, kwargs = "tfds", {"data_dir": output, "config_name": config_name, "split": split}
     else:
@@ -397,6 +470,10 @@ def prepare(args: argparse.Namespace) -> str:
     files = input_files(args.inputs)
     kind, rows, read = convert(files, args.kind, args.problem_column, args.answer_column, args.keep_duplicates)
     config_name = args.config_name or kind
+    if fmt == "array_record" and kind == "verl":
+        raise PrepareError(f"{files[0]} is a verl RL file: an array_record build holds prompt and answer only, "
+                           "not its messages and extra_info; write .parquet or .jsonl (read by the verl_parquet / "
+                           "verl_jsonl loader)")
     if fmt == "array_record":
         count = write_array_record(rows, Path(args.output), kind, config_name, args.split)
     else:

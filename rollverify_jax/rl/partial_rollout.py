@@ -169,6 +169,7 @@ class RolloutManager:
             "rollout/decode_time": stats.decode_time,
             "rollout/dispatches": stats.dispatches,
             "rollout/decode_steps": stats.decode_steps,
+            "rollout/decode_steps_dropped": stats.decode_steps_dropped,
             "staleness/mean": float(batch_stale.mean()) if batch_stale.size else 0.0,
             "staleness/max": int(batch_stale.max()) if batch_stale.size else 0,
             "cache/size": len(self.cache),

@@ -2,9 +2,12 @@
 
 The scheduler knows only this much: a slot whose trajectory stopped where the environment replies (one of the
 engine's stop tokens ended the turn; ``awaits_reply``) is *parked*: it keeps its pages and decodes nothing while
-the environment works on a ``request``. Once ``reply`` gives the reply's tokens, they are appended to the
-trajectory as environment tokens (``Trajectory.append_env``: no log mu, outside verification and the loss) and
-written into the slot's cache with ``Engine.extend``, and the slot decodes on. Tool use
+the environment works on a ``request``. The scheduler takes the reply (``reply``, which blocks until it is in) at
+a point fixed in decode dispatches, never when it happens to arrive: before the ``reply_dispatches``-th dispatch
+after the request, at a pause, or when nothing else can decode. Its tokens are appended to the trajectory as
+environment tokens (``Trajectory.append_env``: no log mu, outside verification and the loss) and written into
+the slot's cache with ``Engine.extend``, and the slot decodes on. So what a rollout produces (which groups finish
+first, where a pause finds each trajectory) never depends on how long a reply took. Tool use
 (``rollout/tool_use.py``) is one environment; the scheduler never sees a tool.
 
 JAX-free (futures and trajectories only), so an environment is testable without an engine.
@@ -44,11 +47,12 @@ class Environment(abc.ABC):
     """What a rollout's parked slots wait on. One instance per run (or per evaluation), holding its own state:
     two environments in one process never share anything.
 
-    reply_grace_s: before each decode dispatch, and at a pause, the scheduler waits this long for the requests
-    still running, so a reply that comes in microseconds joins the next dispatch instead of sitting one out, and
-    a pause keeps it (which replies a paused trajectory holds never depends on thread timing)."""
+    reply_dispatches: a request's reply is taken (blocking) before the ``reply_dispatches``-th decode dispatch
+    issued after it (1: the next one), so the dispatches before that one overlap the environment's work; a pause
+    takes every reply still open, and with nothing left to decode the earliest requests' replies are taken at
+    once. Counted in dispatches, not seconds: which dispatch a reply joins is the same in every run."""
 
-    reply_grace_s: float = 0.0
+    reply_dispatches: int = 1
 
     @abc.abstractmethod
     def awaits_reply(self, t: Trajectory) -> bool:
@@ -63,14 +67,10 @@ class Environment(abc.ABC):
         """Starts the work whose reply continues ``t`` (off the decode loop)."""
 
     @abc.abstractmethod
-    def reply(self, request: Request, room: int) -> list[int] | None:
-        """The reply's tokens once ``request`` is answered (None while it is not), at most ``room`` of them."""
-
-    @staticmethod
-    def wait(requests: Sequence[Request], timeout: float, every: bool = False) -> None:
-        """Blocks until one of ``requests`` (``every``: all of them) is done or ``timeout`` seconds pass."""
-        concurrent.futures.wait([r.future for r in requests], timeout,
-                                concurrent.futures.ALL_COMPLETED if every else concurrent.futures.FIRST_COMPLETED)
+    def reply(self, request: Request, room: int) -> list[int]:
+        """The reply's tokens, at most ``room`` of them, waiting for ``request`` to be answered. The wait is bounded
+        by the environment's own limit (a tool's timeout), past which the reply says so: the scheduler calls this
+        only at points fixed in dispatches, so a reply's content must not depend on when it is asked for."""
 
     def phase_metrics(self, batch: Sequence[Trajectory], wall: float, stats: RolloutStats,
                       num_slots: int) -> dict:

@@ -3,7 +3,9 @@
 Host-side only: it decides which request goes to which slot, refills freed slots at every dispatch, and
 keeps each trajectory's tokens, behaviour log-probs (``log mu``) and policy versions. With an environment
 (``rollout/environment.py``), a slot whose turn ended where the environment replies is parked until the reply's
-tokens are extended into its cache.
+tokens are extended into its cache. Every decision depends on the dispatches and the tokens sampled, never on
+the clock: a reply is taken at a dispatch fixed when it was asked for (``Environment.reply_dispatches``), however
+long it took, so two runs of one seed batch and pause the same trajectories.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ class _InFlight:
 class _Wait:
     """A parked slot: its trajectory waits for the environment's reply to ``request``. Its pages hold the first
     ``cached`` tokens of prompt + response; the rest (the turn's last token, then the reply) is written by
-    ``Engine.extend`` when the reply comes."""
+    ``Engine.extend`` when the reply is taken: before decode dispatch number ``due`` (the scheduler's count of
+    dispatches issued, ``Scheduler.issued``), sooner at a pause or when nothing else can decode."""
 
     traj: Trajectory
     request: Request
     cached: int
+    due: int
 
 
 class Scheduler:
@@ -75,8 +79,9 @@ class Scheduler:
     finishes in n is refilled before n + 2 instead of n + 1 (it idles one dispatch; the device already stopped
     it), and running slots reserve pages through n + 1. Every sample is unchanged (keys depend only on the
     request's seed and token index); which dispatch a request starts in may differ, so a pause mid-phase can
-    find trajectories at other lengths. Between steps one dispatch may be in flight; ``pause_all`` drops its
-    tokens, so paused trajectories end where the host last read them."""
+    find trajectories at other lengths. Between steps one dispatch may be in flight; ``pause_all`` waits for it
+    (its device time is the rollout's, its steps are counted in ``RolloutStats.decode_steps_dropped``) and drops
+    its tokens, so paused trajectories end where the host last read them."""
 
     def __init__(self, engine: Engine, env: Environment | None = None):
         """``env``: multi-turn rollouts; a turn that stops (at one of ``engine.stop_ids``) where ``env`` replies
@@ -86,6 +91,7 @@ class Scheduler:
         self.waits: dict[int, _Wait] = {}
         self.dispatch_ahead = engine.config.dispatch_ahead
         self._inflight: _InFlight | None = None
+        self.issued = 0  # decode dispatches issued so far: the clock a parked slot's reply is due on (_Wait.due)
         self._eos = set(engine.eos_ids)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.slots: dict[int, Trajectory] = {}
@@ -233,34 +239,32 @@ class Scheduler:
             self._park(slot, t, len(t.prompt) + t.num_tokens - 1)  # the stop token is not cached yet
 
     def _park(self, slot: int, t: Trajectory, cached: int) -> None:
-        """Asks the environment for ``t``'s reply; its slot keeps the pages (decode already stopped it)."""
+        """Asks the environment for ``t``'s reply; its slot keeps the pages (decode already stopped it). The reply
+        is due before the ``reply_dispatches``-th dispatch issued from now."""
         self.slots.pop(slot, None)
-        self.waits[slot] = _Wait(t, self.env.request(t), cached)
+        self.waits[slot] = _Wait(t, self.env.request(t), cached, self.issued + self.env.reply_dispatches)
 
-    def _await_replies(self) -> None:
-        """Waits up to the environment's ``reply_grace_s`` for every request still open, before replies are read
-        (at each dispatch and at a pause). Which replies are in then does not depend on thread timing: a
-        request submitted microseconds ago (a calculator call parked by the dispatch just read) is answered
-        within the grace, not only if its worker thread happened to run first."""
-        running = [w.request for w in self.waits.values() if not w.request.done()]
-        if running and self.env.reply_grace_s > 0:
-            t0 = time.perf_counter()
-            self.env.wait(running, self.env.reply_grace_s, every=True)
-            self.stats.reply_blocked_time += time.perf_counter() - t0
-
-    def _serve_replies(self) -> None:
-        """Appends every reply that came to its trajectory and continues those slots with one ``extend`` (their
-        history stays cached). A slot whose pages cannot grow for the reply is preempted: it re-prefills, reply
-        included, when pages free up."""
-        self._await_replies()
-        ready = []
-        for slot, w in list(self.waits.items()):
+    def _take_replies(self, waits: list[_Wait]) -> None:
+        """Appends each one's reply to its trajectory, waiting for those not in yet (up to the environment's own
+        limit): what is appended never depends on when it arrived."""
+        t0 = time.perf_counter()
+        for w in waits:
             t = w.traj
-            reply = self.env.reply(w.request, t.max_new_tokens - t.num_tokens - 1)
-            if reply is None:
-                continue
+            t.append_env(self.env.reply(w.request, t.max_new_tokens - t.num_tokens - 1), self.engine.version)
+        self.stats.reply_blocked_time += time.perf_counter() - t0
+
+    def _serve_replies(self, due: int) -> None:
+        """Takes the reply of every parked slot due by dispatch number ``due`` and continues those slots with one
+        ``extend`` (their history stays cached). A slot whose pages cannot grow for the reply is preempted: it
+        re-prefills, reply included, when pages free up."""
+        taken = [(slot, w) for slot, w in self.waits.items() if w.due <= due]
+        if not taken:
+            return
+        self._take_replies([w for _, w in taken])
+        ready = []
+        for slot, w in taken:
+            t = w.traj
             del self.waits[slot]
-            t.append_env(reply, self.engine.version)
             if self.engine.allocator.grow(slot, self._tokens_to_reserve(t)):
                 ready.append((slot, w))
             else:
@@ -396,7 +400,7 @@ class Scheduler:
         prefill_before, decode_before, blocked_before = (self.stats.prefill_time, self.stats.decode_time,
                                                          self.stats.reply_blocked_time)
         if self.waits:
-            self._serve_replies()
+            self._serve_replies(self.issued + 1)
         self._admit()
         self._grow_or_preempt()
         new = None
@@ -405,12 +409,11 @@ class Scheduler:
             t1 = time.perf_counter()
             new = _InFlight(self.engine.dispatch_generate(), list(self.slots.items()),
                             self.engine.config.steps_per_dispatch)
+            self.issued += 1
             self.stats.decode_time += time.perf_counter() - t1
             self.stats.parked_slot_steps += len(self.waits) * self.engine.config.steps_per_dispatch
-        elif self.waits and self._inflight is None:  # nothing to decode until a reply comes: block, not spin
-            t1 = time.perf_counter()
-            self.env.wait([w.request for w in self.waits.values()], timeout=0.05)
-            self.stats.reply_blocked_time += time.perf_counter() - t1
+        elif self.waits and self._inflight is None:  # nothing to decode until a reply: take the earliest due now
+            self._serve_replies(min(w.due for w in self.waits.values()))
         done, self._inflight = self._inflight, None
         if not self.dispatch_ahead:
             done, new = new, None
@@ -468,35 +471,40 @@ class Scheduler:
             if max_dispatches is not None and count >= max_dispatches:
                 break
         if self.idle:  # a dispatch still in flight decodes no running trajectory: nothing to read
-            self._inflight = None
+            self._drop_inflight()
+
+    def _drop_inflight(self) -> None:
+        """Forgets the dispatch in flight, unread, after waiting for it: its device time is the rollout's
+        (``decode_time``), not whatever runs next on the device (a train step), and its steps, which the device ran
+        for nothing, are counted in ``decode_steps_dropped``."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        t0 = time.perf_counter()
+        flight.pending.fetch()
+        self.stats.decode_time += time.perf_counter() - t0
+        self.stats.decode_steps_dropped += flight.steps
 
     # ------------------------------------------------------------------------------------------------
     # Pause
 
     def pause_all(self) -> list[Trajectory]:
         """Every unfinished trajectory (running ones first, then parked ones, then queued ones); their pages are
-        freed and the queue is emptied. Finished ones stay in ``finished``. A dispatch in flight is dropped unread:
-        the trajectories end where the host last read them, as without ``dispatch_ahead``. A parked one keeps the
-        reply that comes within ``reply_grace_s`` (as before a dispatch); a request still open then is cancelled
-        and asked again at its resume."""
-        self._inflight = None
+        freed and the queue is emptied. Finished ones stay in ``finished``. A dispatch in flight is waited for and
+        dropped unread (``_drop_inflight``): the trajectories end where the host last read them, as without
+        ``dispatch_ahead``. A parked one gets its reply, waited for (up to the environment's own limit) however
+        long it takes: what a paused trajectory holds never depends on the clock."""
+        self._drop_inflight()
         running = list(self.slots.items())
         if running:
             self.engine.deactivate([s for s, _ in running])
         for slot, _ in running:
             self.engine.allocator.release(slot)
         self.slots.clear()
-        waiting = []
-        self._await_replies()  # as before a dispatch: a reply that comes within the grace is kept
-        for slot, w in self.waits.items():  # a reply already in is kept; a request still open is asked again
-            t = w.traj
-            reply = self.env.reply(w.request, t.max_new_tokens - t.num_tokens - 1) if w.request.done() else None
-            if reply is None:
-                w.request.cancel()
-            else:
-                t.append_env(reply, self.engine.version)
+        self._take_replies(list(self.waits.values()))
+        for slot in self.waits:
             self.engine.allocator.release(slot)
-            waiting.append(t)
+        waiting = [w.traj for w in self.waits.values()]
         self.waits.clear()
         paused = schedule_decisions.pause_order([t for _, t in running], waiting, [p.traj for p in self.queue])
         self.queue.clear()

@@ -11,7 +11,11 @@ class RolloutStats:
     """Counters since the last ``reset``; slot utilization = useful token-steps / (slots x decode steps)."""
 
     dispatches: int = 0
-    decode_steps: int = 0
+    decode_steps: int = 0  # steps of the decode dispatches read (their tokens reached the trajectories)
+    # Steps of dispatches never read: with dispatch_ahead, the one in flight at a pause (or when the work ran out),
+    # which the device ran for nothing. Apart from decode_steps, which stays the steps that produced tokens (what
+    # the replay counts, and what slot utilization and the tool wait fraction divide by).
+    decode_steps_dropped: int = 0
     useful_token_steps: int = 0
     tokens_generated: int = 0
     prefill_sequences: int = 0
@@ -26,7 +30,7 @@ class RolloutStats:
     regen_tokens: int = 0
     regen_equal: int = 0
     parked_slot_steps: int = 0  # slots x decode steps spent holding a trajectory that waits for a reply
-    reply_blocked_time: float = 0.0  # seconds with nothing to decode while the environment worked
+    reply_blocked_time: float = 0.0  # seconds spent waiting for environment replies, decoding nothing meanwhile
     extend_tokens: int = 0  # tokens appended to parked slots (environment replies), never a re-prefill
 
     def slot_utilization(self, num_slots: int) -> float:

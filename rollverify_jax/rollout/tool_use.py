@@ -15,6 +15,7 @@ reply looks like is testable on its own.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -61,10 +62,11 @@ class ToolUseConfig:
     workers: calls running at once (None: one per CPU core this process may use: a sandboxed program is
     CPU-bound, more at once would only slow each down). A call beyond them waits for a worker, in order; the
     scheduler holds at most one open call per engine slot, so the wait is bounded (slots / workers runs).
-    reply_grace_s: before each decode dispatch (and at a pause) the scheduler waits
-    this long for the calls still running: an in-process tool (the calculator) answers in microseconds, so its
-    slot joins the next dispatch instead of sitting one out, and a pause keeps its reply whatever the thread
-    timing; a slow tool costs each dispatch at most this much."""
+    reply_dispatches: a call's reply joins its trajectory before the ``reply_dispatches``-th decode dispatch
+    after the call (the scheduler waits for it there, up to its timeout; ``Environment.reply_dispatches``): 1
+    suits a tool that answers in microseconds (the calculator: its slot sits out no dispatch), more lets a slow
+    tool (the python sandbox) overlap that many dispatches minus one instead of holding up the next. Counted in
+    dispatches, so which dispatch a reply joins is the same in every run."""
 
     enabled: bool = False
     tools: tuple[str, ...] = ("calculator",)
@@ -75,18 +77,16 @@ class ToolUseConfig:
     max_reply_tokens: int = 256
     timeout_s: float = 10.0
     workers: int | None = None
-    reply_grace_s: float = 0.002
+    reply_dispatches: int = 1
 
     def __post_init__(self):
         if not self.tools:
             raise ValueError("ToolUseConfig.tools is empty: name at least one tool, e.g. ('calculator',).")
-        for name in ("max_calls", "max_reply_tokens", "workers"):
+        for name in ("max_calls", "max_reply_tokens", "workers", "reply_dispatches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ToolUseConfig.{name}={getattr(self, name)} must be >= 1.")
         if not self.timeout_s > 0:
             raise ValueError(f"ToolUseConfig.timeout_s={self.timeout_s} must be > 0.")
-        if not self.reply_grace_s >= 0:
-            raise ValueError(f"ToolUseConfig.reply_grace_s={self.reply_grace_s} must be >= 0.")
 
 
 # A call still running this long past its timeout_s gets the environment's timeout reply. The sandbox answers its
@@ -138,7 +138,7 @@ class ToolEnvironment(Environment):
         self.encode, self.decode = encode, decode
         self.encode_text = encode_text or encode
         self.call_end_id = int(call_end_id)
-        self.reply_grace_s = config.reply_grace_s
+        self.reply_dispatches = config.reply_dispatches
         self.stats = ToolStats()
         if registry is None:  # an unknown name fails here, naming the known ones
             sandbox = dataclasses.replace(sandbox or SandboxConfig(), timeout_s=config.timeout_s)
@@ -202,19 +202,25 @@ class ToolEnvironment(Environment):
             result = self.registry.call(*call)
         return result, time.perf_counter() - t0
 
-    def reply(self, request: ToolRequest, room: int) -> list[int] | None:
-        """The reply's tokens once the call is done (None while it waits for a worker or runs), at most ``room``
-        of them (the reply's frame is kept whole and the output cut first). The tool's own result, its own
-        timeout included; a call still running ``overrun_s`` past ``timeout_s`` of its run gets a timeout reply."""
-        call = request.call
-        if request.done():
-            result, seconds = request.future.result()
-        elif call.running is not None and time.perf_counter() - call.running > self.config.timeout_s + self.overrun_s:
-            request.cancel()  # a thread cannot be killed: its result, when it comes, is dropped
-            seconds = time.perf_counter() - call.running
-            result = ToolResult("", ToolStatus.TIMEOUT, seconds, f"the call ran past {self.config.timeout_s:g} s")
-        else:
-            return None
+    def reply(self, request: ToolRequest, room: int) -> list[int]:
+        """The reply's tokens, at most ``room`` of them (the reply's frame is kept whole and the output cut first),
+        waiting for the call: for a worker first (a bounded wait: one open call per slot), then for its run, the
+        tool's own result, its own timeout included; a tool still running ``overrun_s`` past ``timeout_s`` of its
+        run gets the environment's timeout reply (the same text every time)."""
+        call, limit = request.call, self.config.timeout_s + self.overrun_s
+        while True:
+            running = call.running
+            wait = 0.05 if running is None else max(0.0, running + limit - time.perf_counter())
+            try:
+                result, seconds = request.future.result(timeout=wait)
+                break
+            except concurrent.futures.TimeoutError:
+                if running is None:  # still waiting for a worker: its clock has not started
+                    continue
+                request.cancel()  # a thread cannot be killed: its result, when it comes, is dropped
+                seconds = time.perf_counter() - running
+                result = ToolResult("", ToolStatus.TIMEOUT, seconds, f"the call ran past {self.config.timeout_s:g} s")
+                break
         self.stats.calls += 1
         self.stats.errors += result.status in (ToolStatus.ERROR, ToolStatus.TIMEOUT)
         self.stats.timeouts += result.status == ToolStatus.TIMEOUT
@@ -246,8 +252,8 @@ class ToolEnvironment(Environment):
                       num_slots: int) -> dict:
         """The batch's calls and turns per trajectory, the phase's calls, errors, timeouts, tool seconds (their
         share of the phase's wall-clock; calls overlap decoding and each other) and mean wait for a worker, the
-        share of slot-steps spent holding a trajectory whose call runs, and the time nothing could decode for
-        want of a reply."""
+        share of slot-steps spent holding a trajectory whose call runs, and the time the rollout waited for
+        replies (decoding nothing meanwhile)."""
         calls = np.asarray([t.tool_calls for t in batch], np.float64)
         return {
             "tools/calls_per_trajectory": float(calls.mean()) if calls.size else 0.0,

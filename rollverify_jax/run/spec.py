@@ -244,10 +244,10 @@ EXECUTION_SETTINGS = frozenset({
     "learner.micro_batch_size", "learner.pack_sequences", "learner.tail_row_width", "learner.logits_chunk",
     "learner.remat", "learner.scan_layers",
     # Worker pools and waits on this machine's wall clock: grader processes and how they start, the grace before
-    # a hung grader is killed (its item is a timeout either way), tool calls running at once, the wait for
-    # replies before a dispatch.
+    # a hung grader is killed (its item is a timeout either way), tool calls running at once (the dispatch a
+    # reply joins is ToolUseConfig.reply_dispatches, run-defining).
     "reward.num_workers", "reward.mp_context", "reward.startup_timeout_s", "reward.hard_timeout_grace_s",
-    "tool_use.workers", "tool_use.reply_grace_s",
+    "tool_use.workers",
     # The host the sandbox runs on: the ids it runs as when the trainer is root, and whether a machine without
     # user namespaces may run it guarded (its limits, interpreter and replies are unchanged).
     "sandbox.sandbox_uid", "sandbox.sandbox_gid", "sandbox.allow_unsandboxed_network",

@@ -67,6 +67,19 @@ def main() -> None:
     results, equivalents = load_results(), load_equivalents()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    text, rows = render(results, equivalents, commit, args.source_commit)
+    Path(args.out).write_text(text)
+    for row in rows:
+        print(f"{row[0]:45s} {row[7]:6.1%}  ({row[2]} of {row[1] - row[5] - row[6]}; {row[3]} survived; "
+              f"{row[6]} not run)")
+    print(f"wrote {args.out}")
+
+
+def render(results: dict[str, dict[str, str]], equivalents: dict[str, str], commit: str, source_commit: str | None,
+           diff=diff) -> tuple[str, list[tuple]]:
+    """docs/mutation.md from the statuses by module (``load_results``) and the equivalent mutants, and the
+    table's rows (module, mutants, detected, survived, no tests, equivalent, not run, score); ``diff(name,
+    path)`` gives a mutant's diff (mutmut's, by default)."""
     rows, survivors, equivalent_rows = [], [], []
     for path, statuses in results.items():
         counts = collections.Counter(statuses.values())
@@ -83,7 +96,7 @@ def main() -> None:
     lines = [
         "# Mutation testing", "",
         f"`make mutants` (mutmut 3.8.1 over the modules where the method lives), reported at commit `{commit}`"
-        + (f" for the source of commit `{args.source_commit}`." if args.source_commit else "."),
+        + (f" for the source of commit `{source_commit}`." if source_commit else "."),
         "Score = mutants detected (killed, or timed out) / (mutants generated - equivalent ones). Target: "
         f"{TARGET:.0%} in every module.", "",
         "| module | mutants | detected | survived | no tests | equivalent | not run | score |",
@@ -111,11 +124,7 @@ def main() -> None:
         lines.append("None.")
     for path, name, status in survivors:
         lines += [f"- `{name}` ({status})", "", "```diff", diff(name, path), "```", ""]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    for row in rows:
-        print(f"{row[0]:45s} {row[7]:6.1%}  ({row[2]} of {row[1] - row[5] - row[6]}; {row[3]} survived; "
-              f"{row[6]} not run)")
-    print(f"wrote {args.out}")
+    return "\n".join(lines) + "\n", rows
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ tree is never touched), the tests that cover that code run against the copy, and
 they fail. The table goes to stdout and to ``docs/planted_bugs.md``.
 
     python -m rollverify_jax.studies.planted_bugs [--only NAME ...] [--out docs/planted_bugs.md]
+    python -m rollverify_jax.studies.planted_bugs --dry_run   # every bug still plants; the table, nothing run
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ BUGS = [
     Bug("scheduler ignores a verifier cut of a finished group member", "rollverify_jax/rollout/scheduler.py",
         "if t.finished and k >= t.num_tokens:", "if t.finished:", ("tests/test_scheduler.py",)),
     Bug("the verifier receives version 0 for every token", "rollverify_jax/rollout/scheduler.py",
-        "versions[i, : t.num_tokens] = t.versions", "versions[i, : t.num_tokens] = 0",
+        "versions[i, :n] = view.versions", "versions[i, :n] = 0",
         ("tests/test_scheduler.py", "tests/test_partial_rollout.py")),
     Bug("staleness from the newest token (cache, filter and metrics)", "rollverify_jax/verify/ops.py",
         "current_version - min(v) if len(v)", "current_version - max(v) if len(v)",
@@ -82,8 +83,9 @@ BUGS = [
         "uniform = np.repeat((rewards == rewards[:, :1]).all(axis=1), rewards.shape[1])",
         "uniform = np.repeat(np.ones(len(rewards), bool), rewards.shape[1])",
         (T + "test_uniform_groups_leave_the_loss",)),
-    Bug("DAPO chat prompts take the first user message", "rollverify_jax/data/datasets.py",
-        'return users[-1]["content"]', 'return users[0]["content"]', ("tests/test_datasets.py",)),
+    Bug("DAPO chat prompts take the first user message", "rollverify_jax/data/sources.py",
+        'return messages[users[-1]]["content"], messages', 'return messages[users[0]]["content"], messages',
+        ("tests/test_datasets.py",)),
     Bug("a hung grader is never killed (no deadline for its worker)", "rollverify_jax/data/rewards.py",
         "timeout=self.timeout_s + self.hard_timeout_grace_s)", "timeout=None)", ("tests/test_rewards.py",)),
 ]
@@ -97,14 +99,26 @@ def _copy_repo(dest: Path) -> None:
 
 def plant(bug: Bug, tree: Path) -> None:
     path = tree / bug.path
-    source = path.read_text()
+    path.write_text(planted(bug, path.read_text()))
+
+
+def planted(bug: Bug, source: str) -> str:
+    """``source`` with the bug in it; an error when its line is not there exactly once or it changes more."""
     if source.count(bug.old) != 1:
         raise SystemExit(f"{bug.name}: the text to replace occurs {source.count(bug.old)} times in {bug.path}; "
                          "it must occur exactly once (has the code changed?).")
     changed = [a for a, b in zip(bug.old.splitlines(), bug.new.splitlines(), strict=False) if a != b]
     if len(changed) != 1 or len(bug.old.splitlines()) != len(bug.new.splitlines()):
         raise SystemExit(f"{bug.name}: a planted bug changes exactly one line.")
-    path.write_text(source.replace(bug.old, bug.new))
+    return source.replace(bug.old, bug.new)
+
+
+def check_tests(bug: Bug) -> None:
+    """Every test the bug names exists (its file, and the test function where one is named)."""
+    for test in bug.tests:
+        file, _, name = test.partition("::")
+        if not (ROOT / file).is_file() or (name and f"def {name}(" not in (ROOT / file).read_text()):
+            raise SystemExit(f"{bug.name}: the test {test} does not exist (was it moved or renamed?).")
 
 
 def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
@@ -121,9 +135,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=None, help="substrings of bug names to run")
     ap.add_argument("--out", default=str(ROOT / "docs" / "planted_bugs.md"))
+    ap.add_argument("--dry_run", action="store_true", help="plant each bug in memory and check its tests exist; "
+                    "print the table without running them (nothing written)")
     args = ap.parse_args()
     bugs = [b for b in BUGS if not args.only or any(s in b.name for s in args.only)]
     rows = []
+    if args.dry_run:
+        for bug in bugs:
+            planted(bug, (ROOT / bug.path).read_text())
+            check_tests(bug)
+        print(report([(bug, None, 0.0, "") for bug in bugs], "dry run"))
+        return
     for bug in bugs:
         with tempfile.TemporaryDirectory(prefix="planted_") as tmp:
             tree = Path(tmp) / "repo"
@@ -134,6 +156,15 @@ def main() -> None:
         print(f"{'CAUGHT' if caught else 'MISSED'}  {bug.name}  ({seconds:.0f} s: {summary})", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    text = report(rows, commit)
+    if not args.only:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    print(f"caught {sum(bool(c) for _, c, _, _ in rows)} of {len(rows)}")
+
+
+def report(rows: list[tuple[Bug, bool | None, float, str]], commit: str) -> str:
+    """docs/planted_bugs.md from (bug, caught (None: not run), seconds, pytest's summary line) rows."""
     lines = ["# Planted bugs", "",
              f"Measured by `python -m rollverify_jax.studies.planted_bugs` at commit `{commit}` (plus the working tree "
              "it ran on).",
@@ -142,13 +173,11 @@ def main() -> None:
              "| planted bug | file | tests run | caught | pytest says |", "| --- | --- | --- | --- | --- |"]
     for bug, caught, seconds, summary in rows:
         tests = ", ".join(f"`{t.replace('tests/', '')}`" for t in bug.tests)
-        lines.append(f"| {bug.name} | `{bug.path}` | {tests} | {'yes' if caught else '**no**'} | "
-                     f"{summary.replace('|', '/')} ({seconds:.0f} s) |")
-    lines += ["", f"Caught: {sum(c for _, c, _, _ in rows)} of {len(rows)}.", ""]
-    if not args.only:
-        Path(args.out).write_text("\n".join(lines))
-        print(f"wrote {args.out}")
-    print(f"caught {sum(c for _, c, _, _ in rows)} of {len(rows)}")
+        said = "-" if caught is None else f"{summary.replace('|', '/')} ({seconds:.0f} s)"
+        shown = "not run" if caught is None else "yes" if caught else "**no**"
+        lines.append(f"| {bug.name} | `{bug.path}` | {tests} | {shown} | {said} |")
+    lines += ["", f"Caught: {sum(bool(c) for _, c, _, _ in rows)} of {len(rows)}.", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

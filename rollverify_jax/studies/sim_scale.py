@@ -13,8 +13,10 @@ the ~20K config with ``RolloutConfig.max_new_tokens = 8192`` (no 8K config was c
 the ~20K programs'). RollVerify runs under two acceptances:
 ``default`` (the shipped defaults and the paper-shaped acceptance of configs/sim/scale_common.gin) and
 ``tiny_acceptance`` (the per-segment failure probability fitted on ``--fit_runs``, by default every finished
-RollVerify run under ``--runs`` that logs the segment statistics, else 0.1 at every age: a one-segment trajectory
-then passes with 0.9, the tiny runs' measured cycle acceptance; no ramp). On-policy and naive partial do not
+RollVerify run under ``--runs`` that logs the segment statistics, else on the segment counts the published
+``docs/results/simulator_scale.json`` recorded (``--fit_json``: the published table is reproduced without its
+runs), else 0.1 at every age (also with an empty ``--fit_runs``): a one-segment trajectory then passes with 0.9,
+the tiny runs' measured cycle acceptance; no ramp). On-policy and naive partial do not
 verify, so they are run once per setting. ``DIAGNOSTICS`` and ``--sigmas`` rerun RollVerify (and on-policy for
 the sigmas) at the Qwen3-8B contexts to show what its saving depends on, and every row carries its cost terms
 in device-days.
@@ -31,6 +33,8 @@ from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim import predict as sim_predict
 from rollverify_jax.sim.shape import sim_config, sim_costs
+
+PUBLISHED = Path(__file__).resolve().parents[2] / "docs" / "results" / "simulator_scale.json"
 
 # (model, context tokens of the response cap, gin files, bindings)
 SETTINGS = [
@@ -107,6 +111,17 @@ def tiny_fail_prob(fit_runs: list[Path]) -> tuple[tuple[float, ...], dict]:
     return p, {"source": "fitted", "runs": [str(r.path) for r in runs], **fit}
 
 
+def fail_prob_from_json(path: Path) -> tuple[tuple[float, ...], dict]:
+    """p(c) refitted from the segment counts an earlier ``--json`` recorded (its ``tiny_source``): the published
+    table's tiny-run acceptance, reproducible without the runs it was fitted on."""
+    src = json.loads(Path(path).read_text()).get("tiny_source", {})
+    if "checked" not in src:
+        raise ValueError(f"{path} records no segment counts (tiny_source {src.get('source')!r}): fit on runs instead.")
+    p = cal.fail_prob_from_counts({int(a): n for a, n in src["checked"].items()},
+                                  {int(a): n for a, n in src["failed"].items()})
+    return p, {**src, "refitted_from": str(path)}
+
+
 def row(model: str, ctx: int, variant: str, r: dict, on_policy_days: float) -> dict:
     return {"model": model, "context": ctx, "mode": r["mode"], "variant": variant, "device_days": r["device_days"],
             "speedup_vs_on_policy": on_policy_days / r["device_days"]}
@@ -131,6 +146,8 @@ def main() -> None:
     ap.add_argument("--runs", default="runs", help="where to look for runs with segment statistics")
     ap.add_argument("--fit_runs", nargs="*", default=None, help="the runs to fit p(c) on (default: every finished "
                     "RollVerify run under --runs that logs segment statistics)")
+    ap.add_argument("--fit_json", default=None, help="refit p(c) from the segment counts an earlier --json "
+                    "recorded instead of runs (default, when no run is found: docs/results/simulator_scale.json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--plot_only", action="store_true", help="redraw --plot (and --tables) from the --json of an "
@@ -144,8 +161,14 @@ def main() -> None:
         if args.tables:
             print(tables(out))
         return
-    fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
-    tiny_p, tiny_source = tiny_fail_prob(fit_runs)
+    if args.fit_json:
+        tiny_p, tiny_source = fail_prob_from_json(Path(args.fit_json))
+    else:
+        fit_runs = finished_runs(Path(args.runs)) if args.fit_runs is None else [Path(p) for p in args.fit_runs]
+        if not fit_runs and args.fit_runs is None and PUBLISHED.is_file():  # a clone without the runs
+            tiny_p, tiny_source = fail_prob_from_json(PUBLISHED)
+        else:
+            tiny_p, tiny_source = tiny_fail_prob(fit_runs)
     tiny = [f"SimConfig.segment_fail_prob = {tuple(round(x, 6) for x in tiny_p)!r}", "SimConfig.fail_ramp_start = 0"]
     out = {"rows": [], "settings": [], "tiny_fail_prob": list(tiny_p), "tiny_source": tiny_source}
     print(f"tiny acceptance: p(c) = {tuple(round(x, 3) for x in tiny_p)} ({tiny_source.get('runs', tiny_source)})",

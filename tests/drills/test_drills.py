@@ -1,7 +1,8 @@
 """The drills, run as their CLIs (``pytest -m drill``; the default suite leaves them out: each takes an hour or
 more on a 2-core machine). The fault drill: every fault the trainer must survive, each check passing; the peer
 benchmark: this project's rollout against transformers, the correctness check passing (greedy tokens equal,
-logits within tolerance) before anything is timed."""
+logits within tolerance) before anything is timed. The default suite runs the drill's injected faults on its own
+tiny settings, so that an injection the code has moved away from fails CI, not the next drill."""
 
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared import run_params
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
@@ -19,6 +21,24 @@ def _run(tmp_path, *argv: str, timeout: int) -> subprocess.CompletedProcess:
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(":"))
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def test_the_fault_drills_injections_take_effect(tmp_path, policy, compilation_cache):
+    """The drill's two launches with a fault injected from inside (``fault_drill.py --only nan disk_full``): NaN
+    advantages patched into ``Trainer.learn`` must show as ``train/nonfinite_loss`` rows and stop the run (exit 3),
+    an ENOSPC patched into the checkpoint commit must end it with one message (exit 2); each case also checks its
+    injection's own line. On the settings of ``test_train_stops``' NaN and full-disk tests (``run_params``,
+    on-policy) and the suite's compilation cache, which holds their programs, so the launches mostly load them."""
+    settings = [p for p in run_params(policy, "on_policy", 4) if not p.startswith("TrainConfig.num_steps")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":")}
+    done = subprocess.run([sys.executable, str(HERE / "fault_drill.py"), "--root", str(tmp_path / "drill"),
+                           "--only", "nan", "disk_full", "--steps", "4", "--cache", str(compilation_cache),
+                           "--policy", str(policy), "--gin_file=", *[f"--param={p}" for p in settings]],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+    assert "PASS  NaN loss injected from step 2" in out and "injected: True" in out
+    assert "PASS  disk full at step 2's checkpoint" in out and "2 of 2 checks pass" in out
 
 
 @pytest.mark.drill
