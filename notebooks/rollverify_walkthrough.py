@@ -130,8 +130,8 @@ plt.show()
 
 # %%
 keep = np.asarray(two_stage_verify(new_r, beh_r, ver_r, lengths, 0.01, 2.0))
-for t, k in list(zip(paused, keep, strict=True))[:8]:
-    print(f"trajectory {t.uid:4d}: {t.num_tokens:4d} cached tokens -> keep {int(k):4d}")
+for i in np.argsort(keep / lengths, kind="stable")[:8]:  # the most-cut first
+    print(f"trajectory {paused[i].uid:4d}: {lengths[i]:4d} cached tokens -> keep {int(keep[i]):4d}")
 print(f"acceptance (tokens kept / cached): {keep.sum() / lengths.sum():.3f}")
 
 # %% [markdown]

@@ -179,7 +179,8 @@ def _stopped(decision: Decision, stop: StopRequest, checkpointer) -> None:
         "no checkpoint yet (the run starts over)"
     took = stop.seconds_since_signal()
     took = f" {took:.0f} s after the signal" if took is not None else ""
-    print(f"stopped by {name}: {where}{took}; run the same command to resume.", file=sys.stderr, flush=True)
+    again = "resume" if latest is not None else "start it again"
+    print(f"stopped by {name}: {where}{took}; run the same command to {again}.", file=sys.stderr, flush=True)
     raise SystemExit(decision.exit_status)
 
 
@@ -227,6 +228,10 @@ def _main(args: argparse.Namespace) -> None:
     for line in run_summary(read_metrics(path) if path.exists() else metrics):
         print(line)
     print(f"metrics: {path}")
+    if metrics[-1]["step"] < spec.train.num_steps:  # the loop ends early only at the time budget
+        print(f"stopped at step {metrics[-1]['step']} of {spec.train.num_steps}: this launch's time budget "
+              f"(TrainConfig.time_budget_s = {spec.train.time_budget_s:g} s) ran out. The run is not finished: the "
+              "same command continues it from this step with a fresh budget.")
 
 
 if __name__ == "__main__":

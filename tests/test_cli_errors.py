@@ -118,3 +118,39 @@ def test_a_damaged_metrics_line_before_the_last_is_one_error(tmp_path, capsys):
     run = _run_dir(tmp_path, ['{"step": 1, "time/step": 2.0}', '{"step": 2, "ti', '{"step": 3, "time/step": 2.5}'])
     err = _one_line_exit_2(capsys, simulate.main, [f"--gin_file={TINY_GIN}", f"--calibrate_from={run}"])
     assert "metrics.jsonl: line 2 is not a metrics record" in err, err
+
+
+@pytest.mark.parametrize("binding, hint", [
+    ("RolloutConfig.batch_group = 3", "did you mean RolloutConfig.batch_groups"),
+    ("TrainConfig.num_step = 3", "did you mean TrainConfig.num_steps?"),
+    ("RollotConfig.batch_groups = 3", "did you mean RolloutConfig"),
+])
+def test_a_misspelt_gin_setting_is_answered_with_the_real_name(tmp_path, capsys, binding, hint):
+    err = _one_line_exit_2(capsys, train.main, [f"--gin_file={TINY_GIN}", f"--gin_param={binding}",
+                                                 f"--workdir={tmp_path / 'run'}"])
+    assert hint in err and "docs/config_reference.md" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_policy_path_names_the_setting_and_the_nearest_directory(tmp_path, capsys):
+    typo = POLICY.parent / "tiny_polcy"
+    err = _one_line_exit_2(capsys, train.main, [f"--gin_file={TINY_GIN}", f"--workdir={tmp_path / 'run'}",
+                                                 f"--gin_param=TrainConfig.policy_path = '{typo}'"])
+    assert f"TrainConfig.policy_path: {typo} does not exist" in err and f"did you mean {POLICY}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_uncreatable_workdir_names_the_fix(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    err = _one_line_exit_2(capsys, train.main, [f"--gin_file={TINY_GIN}", f"--workdir={tmp_path / 'file' / 'run'}"])
+    assert f"cannot create the workdir {tmp_path / 'file' / 'run'}" in err and "--workdir=" in err, err
+
+
+def test_text_a_tokenizer_cannot_encode_names_its_characters_and_where_they_come_from():
+    from rollverify_jax.models.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(POLICY)
+    with pytest.raises(ValueError, match=r"no token for '\?Ü' and no unknown token\. If the text comes from a "
+                                         r"template \(the chat template"):
+        tokenizer.encode("3+4 = ?Ü")
+    with pytest.raises(ValueError, match=r"cannot encode '\?': its vocabulary has no token for '\?'"):
+        tokenizer.encode_batch(["3+4", "?"])

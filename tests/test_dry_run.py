@@ -174,3 +174,13 @@ def test_a_run_starts_without_the_over_long_prompts(tmp_path, capsys):
             validate_request(run.serving.prompts.encode(record), 200, 320)  # what the scheduler checks on admission
     finally:
         run.close()
+
+
+def test_a_mesh_with_minus_one_is_laid_on_the_devices_this_machine_has(capsys, monkeypatch):
+    """The tiny config's mesh (1, -1, 1) used to be reported on 8 devices on any machine, a one-device CPU too."""
+    import jax
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    report, _ = dry_run(capsys, [])
+    assert report["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    report, _ = dry_run(capsys, ["make_mesh.shape = (1, 2, 2)"])  # a fixed shape: its own count
+    assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}

@@ -81,7 +81,8 @@ def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_ru
     assert eval_run.engine.version == 3  # the checkpoint's step
     metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.num_samples_logged = 100", "EvalConfig.at_k = (1,)"])
     assert set(metrics) >= {"eval/avg@2", "eval/pass@1", "eval/pass@2", "eval/maj@1", "eval/maj@2", "eval/accuracy",
-                            "eval/response_length"}
+                            "eval/response_length", "eval/grader_errors", "eval/grader_timeouts"}
+    assert metrics["eval/grader_errors"] == metrics["eval/grader_timeouts"] == 0.0
     assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {3}
     assert set(rows[0]) == {"step", "problem", "sample", "prompt", "response", "answer", "reward", "num_tokens"}
     assert [s.name for s in eval_run.sets] == [""]
@@ -103,14 +104,19 @@ def test_default_evaluation_logs_generations_that_agree_with_its_metrics(eval_ru
 
 def test_eval_config_sets_k_temperature_and_length_apart_from_training(eval_run, tmp_path):
     sampler = eval_run.engine.sampling
-    metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.samples_per_problem = 3", "EvalConfig.temperature = 0.0",
-                                                   "EvalConfig.max_new_tokens = 6",
+    metrics, rows = _evaluate(eval_run, tmp_path, ["EvalConfig.temperature = 0.0", "EvalConfig.max_new_tokens = 6",
                                                    "EvalConfig.num_samples_logged = 100"])
-    assert "eval/avg@3" in metrics and "eval/avg@2" not in metrics and len(rows) == 4 * 3
+    # Greedy: one sample per problem (training's 2 would be the same response twice), the greedy continuation.
+    assert "eval/avg@1" in metrics and "eval/avg@2" not in metrics and len(rows) == 4
     assert max(r["num_tokens"] for r in rows) == 6
-    for i in range(4):  # greedy: the three samples of a problem are the same response
-        assert len({r["response"] for r in rows if r["problem"] == i}) == 1
     assert eval_run.engine.sampling is sampler  # training's sampler is back after the evaluation
+    for bad in ("EvalConfig.samples_per_problem = 3", "EvalConfig.at_k = (2,)"):  # k greedy copies: refused
+        _gin(["EvalConfig.temperature = 0.0", bad])
+        try:
+            with pytest.raises(ValueError, match="EvalConfig.temperature=0 is greedy"):
+                RunSpec.from_gin()
+        finally:
+            gin.clear_config()
     _, sampled = _evaluate(eval_run, tmp_path, ["EvalConfig.samples_per_problem = 3",
                                                 "EvalConfig.num_samples_logged = 100"])
     assert any(len({r["response"] for r in sampled if r["problem"] == i}) > 1 for i in range(4))

@@ -205,10 +205,12 @@ def test_bad_loss_name_lists_known_names():
 def test_schedules_and_config_errors():
     cos = learner.make_schedule(learner.OptimizerConfig(
         learning_rate=1.0, warmup_steps=10, schedule="cosine", total_steps=110, end_lr_ratio=0.1))
-    assert float(cos(0)) == 0.0 and float(cos(5)) == pytest.approx(0.5)
+    # The warmup's update k uses lr (k + 1) / (W + 1): the first update learns (a ramp from 0 wasted it).
+    assert [float(cos(k)) for k in (0, 4, 9)] == pytest.approx([1 / 11, 5 / 11, 10 / 11])
     assert float(cos(10)) == pytest.approx(1.0) and float(cos(110)) == pytest.approx(0.1)
     const = learner.make_schedule(learner.OptimizerConfig(learning_rate=2.0, warmup_steps=4))
-    assert float(const(2)) == pytest.approx(1.0) and float(const(100)) == pytest.approx(2.0)
+    assert [float(const(k)) for k in (0, 2)] == pytest.approx([2 / 5, 6 / 5])
+    assert float(const(4)) == pytest.approx(2.0) and float(const(100)) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="needs total_steps"):
         learner.OptimizerConfig(schedule="cosine")
     with pytest.raises(ValueError, match="schedule 'linear' is unknown"):

@@ -484,3 +484,14 @@ def test_phenomenon_queue_archives_finished_runs_and_reports_welch_tests_from_th
     given = ph.report(["onpolicy", "partial"], 6, "study", "onpolicy", [], target=0.25)  # partial's halfway eval
     assert "wall-clock to 0.250 (given" in given and "| naive partial | -0.110" in given and "| 7 ± 0 | 3/3 |" in given
     assert ph.label("timing/onpolicy") == "on-policy GRPO (timing)"  # a row re-run apart, e.g. alone for its speed
+
+
+def test_plot_run_keeps_identical_runs_visible():
+    """Two runs with the same values used to draw one line over the other, so one looked missing."""
+    import numpy as np
+
+    from rollverify_jax.studies.plot_run import lines
+    x, y = np.arange(3), np.array([0.1, 0.2, 0.3])
+    got = lines([("a", x, y), ("b", np.arange(0), np.arange(0)), ("c", x, y.copy()), ("d", x, y + 1)])
+    assert [(i, label, legend) for i, label, _, legend in got] == [(0, "a", "a"), (2, "c", "c (= a)"), (3, "d", "d")]
+    assert len({style for _, _, style, _ in got}) == 3  # each its own dash pattern

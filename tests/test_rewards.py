@@ -276,6 +276,37 @@ def test_a_nonfinite_grade_is_a_grader_error_not_a_nan_reward(faulty, capsys):
     assert metrics["reward/grader_nonfinite"] == 1.0
 
 
+def broken_reward(response: str, answer: str):
+    """A plug-in as users write them by mistake: it raises, or returns text instead of a number."""
+    if answer == "text":
+        return "correct"
+    if answer == "ok":
+        return 1.0
+    raise KeyError("ground_truth")
+
+
+def test_a_reward_that_cannot_grade_warns_and_evaluation_counts_it(capsys):
+    """A plug-in that raises (or returns text) on every item used to score 0 in silence: the run learned nothing
+    and evaluation reported accuracy 0.0. One warning names the reward, the share and the first error; it comes
+    again only when most of a batch fails anew."""
+    scorer = RewardScorer("exact")
+    scorer.spec = RewardSpec(fn=broken_reward, isolated=False)
+    got, metrics = scorer.score(["x"] * 4, ["a", "b", "c", "d"])
+    np.testing.assert_array_equal(got, [0.0] * 4)
+    assert metrics["reward/grader_errors"] == 4.0
+    err = capsys.readouterr().err
+    assert "reward 'exact' could not grade 4 of 4 responses (4 errors, 0 timeouts" in err, err
+    assert "the first: KeyError: 'ground_truth'" in err and "likely broken" in err, err
+    scorer.score(["x"] * 4, ["a", "b", "c", "d"])  # failing still: already said
+    assert capsys.readouterr().err == ""
+    scorer.score(["x"] * 4, ["ok", "ok", "ok", "a"])  # a few errors after the first warning: counted, not warned
+    assert capsys.readouterr().err == ""
+    got, metrics = scorer.score(["x"] * 2, ["text", "text"])  # most fail again: warned again, text named
+    err = capsys.readouterr().err
+    assert "could not grade 2 of 2" in err and "returned 'correct' (str), not a number" in err, err
+    assert metrics["reward/grader_nonfinite"] == 0.0
+
+
 def test_each_worker_is_limited_in_memory_and_cpu_time(tmp_path):
     """A grade past the worker's address space fails alone (a MemoryError in the worker, not the host's OOM
     killer); a CPU-bound grade is stopped by its CPU-time limit (1 s) while its alarm (60 s, however loaded the
@@ -475,6 +506,7 @@ def test_a_verl_reward_file_sees_the_whole_verl_record_in_the_pool(tmp_path, mon
                                records=records)
     np.testing.assert_array_equal(got, [1.0, 0.0, 1.0])
     assert metrics["reward/grader_errors"] == 0.0 and metrics["reward/my_source/mean"] == 0.5
+    assert metrics["reward/extra/acc"] == 1.0  # the other numbers of verl's dict are logged, graded in the pool
     received = [json.loads(line) for line in log.read_text().splitlines()]
     assert received == [["my_source", "so 0", "0", extra[0]], ["my_source", "so 3", "2", extra[1]]]
     with pytest.raises(ValueError, match=r"must take \(response: str, answer: str\) -> float, or be verl's "

@@ -149,7 +149,7 @@ def test_a_stop_on_a_skipped_step_commits_the_last_good_state(policy, tmp_path, 
 
 
 def test_another_hosts_clock_past_the_budget_stops_every_host_and_commits_a_skipped_last_step(policy, tmp_path,
-                                                                                              monkeypatch):
+                                                                                              monkeypatch, capsys):
     """Within the budget on this host's clock, past it on the other's (after step 2): both end after step 2
     (with the final evaluation), where before each host compared its own clock and this one went on alone. Step
     2's update is skipped (NaN): as the last step, its state is committed anyway."""
@@ -168,6 +168,10 @@ def test_another_hosts_clock_past_the_budget_stops_every_host_and_commits_a_skip
     metrics = train_run(policy, workdir, "on_policy", 5, (*QUICK, "TrainConfig.time_budget_s = 1e9"))
     assert [m["step"] for m in metrics] == [1, 2] and "eval/accuracy" in metrics[-1]
     assert metrics[-1]["train/skipped_updates"] == 1
+    # A budget stop does not look like a finished run: the last line says so, and how to go on.
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("stopped at step 2 of 5: this launch's time budget (TrainConfig.time_budget_s = 1e+09 s)")
+    assert "the same command continues it" in last
     with Checkpointer(workdir, CheckpointConfig()) as ckpt:
         assert ckpt.all_steps() == [2]
 

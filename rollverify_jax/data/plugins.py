@@ -38,6 +38,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 STYLES = ("rollverify", "verl", "trl")
 UNKNOWN_SOURCE = "unknown"  # the data_source of a record that names none (the synthetic task's, old checkpoints')
 _POSITIONAL = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -221,13 +223,19 @@ def call_style(fn: Callable[..., Any], name: str) -> CallStyle:
     return CallStyle()
 
 
-def verl_score(value: Any) -> Any:
-    """verl's ``compute_score`` returns a number, or a dict whose ``"score"`` is the reward."""
-    if isinstance(value, Mapping):
-        if "score" not in value:
-            raise KeyError(f"a verl reward returned a dict without 'score' (keys: {sorted(map(str, value))})")
-        return value["score"]
-    return value
+def split_grade(value: Any) -> tuple[Any, dict[str, float]]:
+    """(the reward, the numeric extras) of a grade: verl's ``compute_score`` returns a number, or a dict whose
+    ``"score"`` is the reward and whose other numeric entries (e.g. ``acc``, ``pred`` lengths) are logged as
+    ``reward/extra/<key>``."""
+    if not isinstance(value, Mapping):
+        return value, {}
+    if "score" not in value:
+        raise KeyError(f"a verl reward returned a dict without 'score' (keys: {sorted(map(str, value))})")
+    extras = {}
+    for key, item in value.items():
+        if key != "score" and isinstance(item, int | float | np.number) and np.isfinite(float(item)):
+            extras[str(key)] = float(item)
+    return value["score"], extras
 
 
 def trl_columns(answer: str, context: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,7 +272,7 @@ class Grader:
         if self.style.style == "verl":
             kwargs = {"data_source": context.get("data_source", UNKNOWN_SOURCE), "solution_str": response,
                       "ground_truth": answer, "extra_info": context.get("extra_info")}
-            return verl_score(self.fn(**self._taken(kwargs)))
+            return self.fn(**self._taken(kwargs))  # a number or verl's dict: split_grade reads it
         return self._call_trl(response, answer, context)
 
     def _taken(self, kwargs: dict[str, Any]) -> dict[str, Any]:

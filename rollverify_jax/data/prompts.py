@@ -62,6 +62,22 @@ def _prompt_key(record: Mapping[str, Any]) -> str:
     return record["prompt"] if messages is None else json.dumps([record["prompt"], messages], sort_keys=True)
 
 
+def lost_turns(records: Sequence[Mapping[str, Any]], renderer: PromptRenderer) -> str | None:
+    """A warning when the renderer drops part of chat records: without the chat template only a record's last user
+    message is its prompt, so a system message or earlier turns (a verl parquet's ``prompt`` list) never reach the
+    policy. None when nothing is lost."""
+    if renderer.chat:
+        return None
+    lost = sum(1 for r in records if any(m.get("role") != "user" for m in r.get("messages") or ())
+               or sum(m.get("role") == "user" for m in r.get("messages") or ()) > 1)
+    if not lost:
+        return None
+    return (f"{lost} of {len(records)} records are chat conversations (a system message or earlier turns) and "
+            "TrainConfig.chat_template = False renders only their last user message: the rest never reaches the "
+            "policy. Set TrainConfig.chat_template = True to render them whole (verl always applies the chat "
+            "template).")
+
+
 def load_prompts(role: str, name: str, kwargs: dict, renderer: PromptRenderer, max_len: int) -> list[Record]:
     """The records of dataset ``name`` (built with ``kwargs``) without the prompts longer than ``max_len`` tokens
     (as ``renderer`` counts them), dropped once here with a warning: admitted mid-run, such a prompt would stop the
@@ -69,6 +85,9 @@ def load_prompts(role: str, name: str, kwargs: dict, renderer: PromptRenderer, m
     records = list(get_dataset(name, **kwargs))
     if not records:
         raise ValueError(f"{role[0].upper() + role[1:]} dataset {name!r} with {kwargs} is empty.")
+    lost = lost_turns(records, renderer)
+    if lost:
+        print(f"warning: {role} dataset {name!r}: {lost}", flush=True)
     lengths = renderer.lengths(records)
     kept, dropped = drop_long_prompts(records, lengths, max_len)
     where = (f"longer than {max_len} tokens (the room EngineConfig.max_seq_len - RolloutConfig.max_new_tokens "

@@ -51,6 +51,7 @@ from rollverify_jax.data.plugins import (
     is_plugin,
     load_plugin,
     missing_columns,
+    split_grade,
 )
 from rollverify_jax.infra import distributed
 
@@ -333,7 +334,7 @@ def _worker_ready(timeout_s: float) -> bool:
 
 
 def _grade_in_worker(grader: Grader, response: str, answer: str, timeout_s: float, cpu_limit_s: float,
-                     context: Mapping[str, Any] | None = None) -> float:
+                     context: Mapping[str, Any] | None = None) -> tuple[float, dict[str, float]]:
     """One grade under a wall-clock timer (SIGALRM) and a CPU-time limit (RLIMIT_CPU's soft limit, set to the
     worker's CPU time so far plus ``cpu_limit_s``, raises SIGXCPU); the pool runs tasks in the main thread."""
     soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
@@ -342,7 +343,8 @@ def _grade_in_worker(grader: Grader, response: str, answer: str, timeout_s: floa
     resource.setrlimit(resource.RLIMIT_CPU, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return float(grader(response, answer, context))
+        score, extras = split_grade(grader(response, answer, context))
+        return float(score), extras
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
@@ -353,6 +355,27 @@ def _grade_in_worker(grader: Grader, response: str, answer: str, timeout_s: floa
 
 
 _COUNT_KEYS = ("timeouts", "errors", "nonfinite", "worker_restarts", "pool_restarts")
+
+
+@dataclasses.dataclass
+class _GradeNotes:
+    """What one batch's grading saw besides the grades: the first error's text (for the warning) and the numeric
+    extras a verl reward returns in its dict (``reward/extra/<key>``: the mean over the responses that returned
+    the key; on several processes, over process 0's share)."""
+
+    first_error: str | None = None
+    extras: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def error(self, e: BaseException) -> None:
+        if self.first_error is None:
+            self.first_error = f"{type(e).__name__}: {e}"[:300]
+
+    def add(self, extras: Mapping[str, float]) -> None:
+        for key, value in extras.items():
+            self.extras.setdefault(key, []).append(value)
+
+    def extra_metrics(self) -> dict[str, float]:
+        return {f"reward/extra/{key}": float(np.mean(values)) for key, values in sorted(self.extras.items())}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,6 +466,8 @@ class RewardScorer:
         self._pool: pebble.ProcessPool | None = None
         self._lock = threading.Lock()
         self._warned_no_records = False
+        self._warned_failures = self._warned_mostly_failing = False
+        self._notes = _GradeNotes()
 
     @staticmethod
     def _source_spec(source: Any, reward: Any) -> RewardSpec:
@@ -486,6 +511,7 @@ class RewardScorer:
 
         def grade(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             with self._lock:
+                self._notes = _GradeNotes()
                 base, counts = self._grade_jobs([jobs[i] for i in indices])
             return base, np.asarray([counts[k] for k in _COUNT_KEYS], np.float64)
 
@@ -498,11 +524,31 @@ class RewardScorer:
             print(f"warning: reward {self.name!r} returned a non-finite grade (NaN or inf) for {counts['nonfinite']} "
                   f"of {len(responses)} responses; they are scored 0 and counted in reward/grader_errors: a grade "
                   "must be a finite number (fix the reward function)", file=sys.stderr, flush=True)
+        self._warn_failures(counts, len(responses))
         penalties = self._penalties(response_lengths if overlong_penalty else None, len(responses))
         rewards = (base + penalties).astype(np.float32)
         self.totals.update(counts)
         metrics = self._metrics(rewards, base, penalties, counts, time.perf_counter() - start)
-        return rewards, {**metrics, **self._source_metrics(rewards, records)}
+        return rewards, {**metrics, **self._source_metrics(rewards, records), **self._notes.extra_metrics()}
+
+    def _warn_failures(self, counts: collections.Counter, n: int) -> None:
+        """A reward that cannot grade (it raises, hangs, or returns no number) scores 0 in silence otherwise: one
+        warning the first time, and again whenever most of a batch fails (a broken reward, not a bad response)."""
+        failed = counts["errors"] - counts["nonfinite"] + counts["timeouts"]
+        mostly = failed >= 0.5 * max(n, 1)
+        if not mostly:
+            self._warned_mostly_failing = False
+        if not failed or (self._warned_failures and (not mostly or self._warned_mostly_failing)):
+            return
+        self._warned_failures, self._warned_mostly_failing = True, mostly
+        first = f"; the first: {self._notes.first_error}" if self._notes.first_error else ""
+        advice = ("most of the batch failed: the reward function itself is likely broken (call it on one response "
+                  "by hand)") if mostly else "check the reward function on such responses"
+        errors = counts["errors"] - counts["nonfinite"]
+        print(f"warning: reward {self.name!r} could not grade {failed} of {n} responses ({errors} errors, "
+              f"{counts['timeouts']} timeouts past RewardScorer.timeout_s="
+              f"{self.timeout_s}){first}. They are scored 0 and counted in reward/grader_errors and "
+              f"reward/grader_timeouts; {advice}.", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop the grader processes (idempotent)."""
@@ -565,22 +611,26 @@ class RewardScorer:
         scores, counts = np.zeros(len(jobs), np.float32), collections.Counter()
         for i, job in enumerate(jobs):
             try:
-                value = job.spec.grader(job.response, job.answer, job.context)
-            except Exception:
+                value, extras = split_grade(job.spec.grader(job.response, job.answer, job.context))
+            except Exception as e:
                 counts["errors"] += 1
+                self._notes.error(e)
                 continue
             self._record(scores, counts, i, value)
+            self._notes.add(extras)
         return scores, counts
 
-    @staticmethod
-    def _record(scores: np.ndarray, counts: collections.Counter, index: int, value) -> None:
-        """A grade as the float32 reward it becomes; one that is not finite there (NaN, inf, past float32's
-        range) is a grader error, scored 0: it would turn the group's advantages and the loss into NaN."""
+    def _record(self, scores: np.ndarray, counts: collections.Counter, index: int, value) -> None:
+        """A grade as the float32 reward it becomes; one that is not a number (text, None) or not finite there
+        (NaN, inf, past float32's range) is a grader error, scored 0: it would turn the group's advantages and
+        the loss into NaN."""
         try:
             with np.errstate(over="ignore"):  # past float32's range is inf, refused below
                 grade = np.float32(value)
         except (TypeError, ValueError, OverflowError):
-            grade = np.float32("nan")
+            counts["errors"] += 1
+            self._notes.error(TypeError(f"the reward returned {value!r:.60} ({type(value).__name__}), not a number"))
+            return
         if np.isfinite(grade):
             scores[index] = grade
         else:
@@ -632,10 +682,13 @@ class RewardScorer:
                         todo.append(i)
                 except BrokenProcessPool:  # pebble's, for every task of a pool that broke
                     todo.append(i)
-                except Exception:
+                except Exception as e:
                     counts["errors"] += 1
+                    self._notes.error(e)
                 else:
-                    self._record(scores, counts, i, value)
+                    score, extras = value
+                    self._record(scores, counts, i, score)
+                    self._notes.add(extras)
             if todo and not pool.active:
                 self._kill_pool()
                 counts["pool_restarts"] += 1

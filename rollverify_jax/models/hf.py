@@ -7,6 +7,7 @@ the shard its mesh sharding asks for; a host never materialises a full checkpoin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -254,6 +255,19 @@ def _check_shapes(ckpt: _SafetensorsDir, tmap: dict[tuple, HFTensor], shapes: di
                 raise ValueError(f"Tensor {n!r} has shape {got} in the checkpoint, but the config implies {want}.")
 
 
+def _not_a_checkpoint(path: Path) -> str:
+    """Why ``path`` is not an HF-layout checkpoint, with the nearest directory names when it does not exist."""
+    if path.exists():
+        return (f"{path} holds no config.json: an HF-layout checkpoint directory holds config.json and *.safetensors "
+                "(download one with `huggingface-cli download <repo> --local-dir <dir>`, or export a run with "
+                "`python -m rollverify_jax.export`).")
+    parent = path.parent if path.parent.exists() else None
+    siblings = [p.name for p in parent.iterdir() if p.is_dir()] if parent else []
+    close = difflib.get_close_matches(path.name, siblings, n=2, cutoff=0.6)
+    hint = f" did you mean {' or '.join(str(parent / c) for c in close)}?" if close else ""
+    return f"{path} does not exist (an HF-layout checkpoint directory was expected).{hint}"
+
+
 def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_dtype: str | None = None,
                     mesh: Mesh | None = None, axis_rules: tuple = (),
                     expert_parallel_chunk: int = 4096) -> Qwen3ForCausalLM:
@@ -266,7 +280,7 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_d
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise FileNotFoundError(f"No config.json in {path}; expected an HF-layout checkpoint directory.")
+        raise FileNotFoundError(_not_a_checkpoint(path))
     cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=dtype, compute_dtype=compute_dtype).replace(
         axis_rules=tuple(axis_rules), expert_parallel_chunk=expert_parallel_chunk)
     ckpt = _SafetensorsDir(path)

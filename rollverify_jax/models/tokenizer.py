@@ -216,7 +216,25 @@ class Tokenizer:
         try:
             return hf.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as e:  # tokenizers raises a bare Exception, e.g. for a char missing from a vocab
-            raise ValueError(f"Tokenizer at {self.path} cannot encode {text[:80]!r}: {e}") from e
+            raise ValueError(self._cannot_encode(text, e)) from e
+
+    def _cannot_encode(self, text: str, error: Exception) -> str:
+        """Why ``text`` does not encode: the characters a vocabulary without an unknown token lacks (tokenizers says
+        only "Missing [UNK] token"), and where such characters come from."""
+        missing = sorted({c for c in text if not self._encodes(c)})
+        if not missing:
+            return f"Tokenizer at {self.path} cannot encode {text[:80]!r}: {error}"
+        return (f"Tokenizer at {self.path} cannot encode {text[:80]!r}: its vocabulary has no token for "
+                f"{''.join(missing)!r} and no unknown token. If the text comes from a template (the chat template, "
+                "TrainConfig.chat_template; a dataset's prompt template, its apply_template argument; a system "
+                "prompt), turn that off for this tokenizer, or use a tokenizer that covers these characters.")
+
+    def _encodes(self, char: str) -> bool:
+        try:
+            self.hf.encode(char, add_special_tokens=False)
+        except Exception:  # tokenizers' bare Exception, as in encode
+            return False
+        return True
 
     @functools.cached_property
     def _plain_hf(self) -> HFTokenizer:
@@ -232,6 +250,8 @@ class Tokenizer:
         try:
             encodings = self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         except Exception as e:
+            for text in texts:  # the first text that does not encode, named with its characters
+                self.encode(text, add_special_tokens)
             raise ValueError(f"Tokenizer at {self.path} cannot encode the batch: {e}") from e
         return [enc.ids for enc in encodings]
 

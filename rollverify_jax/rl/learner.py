@@ -73,8 +73,10 @@ class OptimizerConfig:
     """AdamW with global-norm clipping and a warmup + constant/cosine learning-rate schedule.
 
     Steps count optimizer updates (`num_minibatches * ppo_epochs` per rollout batch), not rollout batches.
-    schedule: 'constant' (linear warmup from 0, then `learning_rate`) or 'cosine' (linear warmup, then cosine
-        decay to `learning_rate * end_lr_ratio` at `total_steps`; optax counts the warmup inside total_steps).
+    schedule: 'constant' (linear warmup, then `learning_rate`) or 'cosine' (linear warmup, then cosine decay to
+        `learning_rate * end_lr_ratio` at `total_steps`; optax counts the warmup inside total_steps). The warmup's
+        update k (from 0) uses `learning_rate * (k + 1) / (warmup_steps + 1)`: the first update already learns
+        (a ramp from 0 spends it at lr 0).
     weight_decay: decoupled decay, applied to matrices only (ndim >= 2), not to norm scales or biases.
     max_grad_norm: clip the global gradient norm to this (None: no clipping).
     """
@@ -111,15 +113,16 @@ class OptimizerConfig:
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """Learning rate as a function of the optimizer-update count."""
     lr = cfg.learning_rate
+    start = lr / (cfg.warmup_steps + 1)  # a linear ramp from here reaches lr * (k + 1) / (W + 1) at update k
     if cfg.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.total_steps,
+            init_value=start, peak_value=lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.total_steps,
             end_value=lr * cfg.end_lr_ratio,
         )
     if cfg.warmup_steps == 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, lr, cfg.warmup_steps), optax.constant_schedule(lr)], [cfg.warmup_steps]
+        [optax.linear_schedule(start, lr, cfg.warmup_steps), optax.constant_schedule(lr)], [cfg.warmup_steps]
     )
 
 

@@ -60,9 +60,14 @@ def load_policy(spec: RunSpec, train, mesh):
     """The policy model: ``train.policy_path``'s HF checkpoint, or a random ``model_config`` one when it is None."""
     if train.policy_path is None:
         return init_model(execution_config(model_config(**spec.model), spec), seed=train.seed)
-    return load_pretrained(train.policy_path, dtype=train.param_dtype, compute_dtype=train.compute_dtype, mesh=mesh,
-                           axis_rules=spec.axis_rules.get("rules", ()),
-                           expert_parallel_chunk=expert_parallel_chunk(**spec.moe))
+    try:
+        return load_pretrained(train.policy_path, dtype=train.param_dtype, compute_dtype=train.compute_dtype,
+                               mesh=mesh, axis_rules=spec.axis_rules.get("rules", ()),
+                               expert_parallel_chunk=expert_parallel_chunk(**spec.moe))
+    except FileNotFoundError as e:
+        if not (storage.as_path(train.policy_path) / "config.json").exists():  # the policy, not a file inside it
+            raise FileNotFoundError(f"TrainConfig.policy_path: {e}") from e
+        raise
 
 
 def model_fingerprint(model) -> dict:

@@ -16,9 +16,11 @@ import json
 import math
 from pathlib import Path
 
+import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from rollverify_jax.data.datasets import get_dataset, length_summary
+from rollverify_jax.data.prompts import lost_turns
 from rollverify_jax.data.rewards import get_reward_spec
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import Tokenizer, model_config
@@ -32,8 +34,8 @@ from rollverify_jax.scale.fit import format_report, per_device_bytes
 
 def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     """Checks the whole configuration without weights (``RunSpec.from_gin`` built and cross-checked every part).
-    ``num_devices``: the device count the mesh is laid on (None: the mesh shape's own product, 8 when it holds
-    a -1)."""
+    ``num_devices``: the device count the mesh is laid on (None: the mesh shape's own product, or the devices
+    this machine has when the shape holds a -1, as training lays it)."""
     train_cfg, rollout, engine, learner_cfg = spec.train, spec.rollout, spec.engine, spec.learner
     get_reward_spec(spec.reward.get("name", "math"))
     policy, problems = check_policy(spec)
@@ -42,7 +44,7 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     if num_devices is not None and num_devices < 1:
         raise ValueError(f"--dry_run_devices={num_devices} must be >= 1.")
     if num_devices is None:
-        num_devices = 8 if -1 in shape else math.prod(shape)
+        num_devices = jax.device_count() if -1 in shape else math.prod(shape)
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         if num_devices % known:
@@ -163,8 +165,11 @@ def check_dataset(role: str, spec: RunSpec, tokenizer: Tokenizer | None, max_len
     if tokenizer is None:
         note(f"{label}: {len(records)} prompts, schema OK.")
         return part
+    renderer = prompt_renderer(train_cfg, tokenizer)
+    if lost := lost_turns(records, renderer):
+        note(f"warning: {label}: {lost}")
     try:
-        stats = length_summary(prompt_renderer(train_cfg, tokenizer).lengths(records), max_len)
+        stats = length_summary(renderer.lengths(records), max_len)
     except ValueError as e:  # text the tokenizer cannot encode
         problems.append(f"{label}: {message(e)}")
         return part

@@ -49,7 +49,7 @@ class EvalConfig:
     """How held-out evaluation samples, apart from training's sampler. Each None keeps training's value, so the
     defaults reproduce the evaluation of earlier versions exactly (same sampler, same seeds)."""
 
-    temperature: float | None = None  # None: SamplingConfig.temperature; 0: greedy
+    temperature: float | None = None  # None: SamplingConfig.temperature; 0: greedy (one sample per problem)
     top_p: float | None = None  # None: SamplingConfig.top_p
     samples_per_problem: int | None = None  # k of avg@k / pass@k; None: TrainConfig.eval_samples
     max_new_tokens: int | None = None  # None: RolloutConfig.max_new_tokens
@@ -71,6 +71,11 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.num_samples_logged={self.num_samples_logged} must be >= 0.")
         if any(not isinstance(k, int) or k < 1 for k in self.at_k):
             raise ValueError(f"EvalConfig.at_k={self.at_k} must hold integers >= 1.")
+        if self.temperature == 0 and ((self.samples_per_problem or 1) > 1 or any(k > 1 for k in self.at_k)):
+            raise ValueError(f"EvalConfig.temperature=0 is greedy: every sample of a problem is the same response, "
+                             f"so samples_per_problem={self.samples_per_problem} and at_k={self.at_k} would grade it "
+                             "again at their cost; leave them unset (greedy evaluation draws one sample) or set a "
+                             "temperature > 0.")
 
     def sampling(self, train: SamplingConfig) -> SamplingConfig:
         """Training's sampler with this config's temperature / top-p (top-k stays training's)."""
@@ -169,11 +174,15 @@ def evaluate_policy(engine: Engine, records: Sequence[dict], encode: Callable[[d
     texts = [decode(t.tokens) for t in done]
     # The reward sees the whole interaction: num_turns and tool_calls of a multi-turn trajectory, as in training.
     graded = [with_interaction(records[t.group_id], t.env_spans, t.num_tokens, tools is not None) for t in done]
-    rewards, _ = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False, records=graded)
+    rewards, graded_metrics = scorer.score(texts, [r["answer"] for r in graded], overlong_penalty=False,
+                                           records=graded)
     correct = np.asarray(rewards).reshape(len(records), k) > 0.5
     votes = [[vote_key(texts[i * k + j]) for j in range(k)] for i in range(len(records))]
     metrics = {**sample_metrics(correct, votes, at_k, prefix),
                f"{prefix}response_length": float(np.mean([t.num_tokens for t in done])),
+               # an accuracy of 0 with grader errors is a broken reward, not a policy that knows nothing
+               f"{prefix}grader_errors": graded_metrics["reward/grader_errors"],
+               f"{prefix}grader_timeouts": graded_metrics["reward/grader_timeouts"],
                "time/eval": time.perf_counter() - t0}
     if tools is not None:
         metrics[f"{prefix}tool_calls"] = float(np.mean([t.tool_calls for t in done]))
@@ -226,7 +235,10 @@ class Evaluator:
     tools: Environment | None = None
 
     def samples(self, eval_set: EvalSet) -> int:
-        """n of a set: its own ``k``, else ``EvalConfig.samples_per_problem``, else training's."""
+        """n of a set: its own ``k``, else ``EvalConfig.samples_per_problem``, else training's; one under a greedy
+        sampler, which draws the same response every time (as verl's greedy validation draws one)."""
+        if self.config.sampling(self.engine.sampling).greedy:
+            return 1
         return eval_set.k or self.config.samples_per_problem or self.samples_per_problem
 
     def settings(self) -> tuple[int, SamplingConfig]:

@@ -33,7 +33,11 @@ def open_trainer(spec: RunSpec, workdir: storage.PathLike) -> Iterator[Trainer]:
     while building leaves no half-made workdir behind."""
     workdir = storage.as_path(workdir)
     fresh = not workdir.exists()
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a typo in a path, a read-only mount, a bucket without write access
+        raise ValueError(f"cannot create the workdir {storage.absolute(workdir)} ({e.strerror or e}): pass "
+                         "--workdir=<a directory you can write> or set TrainConfig.runs_root.") from e
     # Before anything touches the checkpoints: a second launch would remove this one's in-flight saves.
     lock = WorkdirLock.acquire(workdir)
     try:

@@ -13,6 +13,7 @@ the simulator reads that JSON as plain data, without this module (``rollverify_j
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import json
 import re
@@ -275,7 +276,35 @@ def parse_gin(files: list[str], params: list[str]) -> None:
             raise FileNotFoundError(f"gin file {f} does not exist.")
         for root in (Path(f).resolve().parent, Path(f).resolve().parent.parent):
             gin.add_config_file_search_path(str(root))
-    gin.parse_config_files_and_bindings(files, params)
+    try:
+        gin.parse_config_files_and_bindings(files, params)
+    except ValueError as e:
+        hint = _did_you_mean(str(e))
+        if hint:
+            raise ValueError(f"{e}\n{hint}") from e
+        raise
+
+
+def _settings_of(target: Any) -> list[str]:
+    if dataclasses.is_dataclass(target):
+        return [f.name for f in dataclasses.fields(target) if f.init]
+    return list(inspect.signature(target).parameters)
+
+
+def _did_you_mean(message: str) -> str | None:
+    """A gin error about a misspelt configurable or setting, answered with the closest real names."""
+    names = {name: target for name, target in PARTS.values()}
+    if m := re.match(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", message):
+        part, field = m.groups()
+        if part in names:
+            close = difflib.get_close_matches(field, _settings_of(names[part]), n=3, cutoff=0.6)
+            return (f"did you mean {', '.join(f'{part}.{c}' for c in close)}? " if close else "") + \
+                f"Every setting of {part} is in docs/config_reference.md."
+    if m := re.match(r"No configurable matching '([\w.]+)'", message):
+        close = difflib.get_close_matches(m.group(1), list(names), n=3, cutoff=0.6)
+        return (f"did you mean {', '.join(close)}? " if close else "") + \
+            "The configurables a run reads are listed in docs/config_reference.md."
+    return None
 
 
 def _bindings(name: str) -> dict:

@@ -96,6 +96,24 @@ def _plt():
     return pyplot(cli=True)  # the plot extra, Agg backend: files only, no display needed
 
 
+
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def lines(series: list[tuple[str, np.ndarray, np.ndarray]]) -> list[tuple[int, str, str, str]]:
+    """(color index, run label, line style, legend) of each run's line in a panel, for the runs that have the
+    metric. Each run gets its own dash pattern, and one whose values equal an earlier run's says so in the legend:
+    identical runs would otherwise draw one line over the other and one of them would look missing."""
+    out, drawn = [], []
+    for i, (label, x, y) in enumerate(series):
+        if not x.size:
+            continue
+        same = next((other for other, ox, oy in drawn
+                     if np.array_equal(ox, x) and np.array_equal(oy, y, equal_nan=True)), None)
+        out.append((i, label, LINESTYLES[i % len(LINESTYLES)], f"{label} (= {same})" if same else label))
+        drawn.append((label, x, y))
+    return out
+
 def plot_figure(stem: str, runs: dict[str, list[dict]], out: Path, notes: list[str]) -> Path | None:
     """One PNG of the figure's panels, one line per run that has the panel's metric; None when no run has any."""
     title, panels = FIGURES[stem]
@@ -117,11 +135,10 @@ def plot_figure(stem: str, runs: dict[str, list[dict]], out: Path, notes: list[s
     for ax in axes[n:]:
         ax.set_visible(False)
     for ax, (key, panel_title) in zip(axes, panels, strict=False):
-        for i, label in enumerate(runs):
+        for i, label, style, legend in lines([(label, *found[key, label]) for label in runs]):
             x, y = found[key, label]
-            if x.size:
-                ax.plot(x, y, color=f"C{i}", lw=1.2, marker="o" if key == "eval/accuracy" or x.size < 3 else None,
-                        ms=3, label=label)
+            ax.plot(x, y, color=f"C{i}", lw=1.2, linestyle=style,
+                    marker="o" if key == "eval/accuracy" or x.size < 3 else None, ms=3, label=legend)
         ax.set_title(panel_title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
