@@ -301,7 +301,7 @@ def test_run_complete_only_for_a_whole_last_checkpoint_of_this_run(policy, tmp_p
         out = capsys.readouterr().out
         assert f"run complete: {workdir.absolute()} holds checkpoint step 2" in out
         assert out.count("warning: execution setting ") == 3
-        assert "tool_use.workers changed (checkpoint 4, now 16)" in out
+        assert "tool_use.workers changed (checkpoint None, now 16)" in out
         changed = (*quick, "OptimizerConfig.learning_rate = 1e-3")
         for source in ("spec.json", "checkpoint"):  # the last launch's spec.json first; without it, the checkpoint's
             with pytest.raises(SystemExit) as e:
