@@ -294,7 +294,7 @@ def test_paused_cache_survives_checkpoint_exactly(policy, tmp_path):
     (["--gin_param=TrainConfig.num_steps = (3"], "binding is not closed"),
     (["--gin_param=TrainConfig.num_steps = 'x'"], "value bound to TrainConfig has the wrong type"),
     (["--gin_param=TrainConfig.time_budget_s = None"], r"time_budget_s=None must be a number of seconds >= 0"),
-    (["--gin_param=TrainConfig.policy_path = 'no/such/dir'"], "No config.json in no/such/dir"),
+    (["--gin_param=TrainConfig.policy_path = 'no/such/dir'"], "TrainConfig.policy_path: no/such/dir does not exist"),
 ])
 def test_bad_configuration_exits_with_one_message(policy, tmp_path, capsys, args, match):
     with pytest.raises(SystemExit) as exit_info:
