@@ -111,3 +111,15 @@ def policy(tmp_path_factory):
     vocab = -(-tok.vocab_size // 8) * 8
     save_pretrained(init_model(model_config("tiny", vocab_size=vocab, num_hidden_layers=2), seed=3), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def sandbox_available():
+    """Tests of the python tool's real sandbox skip, saying why, on a machine that cannot run it (e.g. no user
+    namespaces and no fallback allowed); ``test_tools.py`` covers the refusal itself."""
+    from rollverify_jax.tools import SandboxConfig, check_sandbox
+
+    try:
+        check_sandbox(SandboxConfig(timeout_s=5.0, memory_mb=256))
+    except RuntimeError as e:
+        pytest.skip(f"no sandbox on this machine: {str(e)[:80]}")

@@ -14,7 +14,7 @@ import pytest
 from rollverify_jax.rollout import tool_use
 from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig
 from rollverify_jax.rollout.trajectory import Trajectory
-from rollverify_jax.tools import SandboxConfig, ToolRegistry, ToolResult, check_sandbox
+from rollverify_jax.tools import SandboxConfig, ToolRegistry, ToolResult
 from rollverify_jax.tools import sandbox as sandbox_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,14 +54,6 @@ def test_a_tool_call_stuck_at_the_end_is_left_to_a_daemon_thread(monkeypatch, ca
         assert "1 tool call(s) still running 0.1 s after the run's end were left behind" in capsys.readouterr().err
     finally:
         release.set()
-
-
-@pytest.fixture(scope="module")
-def sandbox_available():
-    try:
-        check_sandbox(SandboxConfig(timeout_s=3.0))
-    except RuntimeError as e:
-        pytest.skip(f"no sandbox on this machine: {e}")
 
 
 def test_a_sandbox_running_at_the_end_is_stopped_not_waited_for(sandbox_available):

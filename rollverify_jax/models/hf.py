@@ -268,6 +268,14 @@ def _not_a_checkpoint(path: Path) -> str:
     return f"{path} does not exist (an HF-layout checkpoint directory was expected).{hint}"
 
 
+def read_config(path: str | os.PathLike, dtype: str | None = None, compute_dtype: str | None = None) -> Qwen3Config:
+    """The architecture of the HF checkpoint directory ``path`` (its config.json), without its weights."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(_not_a_checkpoint(Path(path)))
+    return config_from_hf(json.loads(cfg_file.read_text()), dtype=dtype, compute_dtype=compute_dtype)
+
+
 def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_dtype: str | None = None,
                     mesh: Mesh | None = None, axis_rules: tuple = (),
                     expert_parallel_chunk: int = 4096) -> Qwen3ForCausalLM:
@@ -278,11 +286,8 @@ def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_d
     ``logical_axis_rules`` pairs; empty: the defaults). ``expert_parallel_chunk``: ``Qwen3Config``'s.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(_not_a_checkpoint(path))
-    cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=dtype, compute_dtype=compute_dtype).replace(
-        axis_rules=tuple(axis_rules), expert_parallel_chunk=expert_parallel_chunk)
+    cfg = read_config(path, dtype, compute_dtype).replace(axis_rules=tuple(axis_rules),
+                                                          expert_parallel_chunk=expert_parallel_chunk)
     ckpt = _SafetensorsDir(path)
     abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract_model)

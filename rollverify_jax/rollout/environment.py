@@ -30,10 +30,9 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class Request:
     """An environment's work for one parked trajectory: the future of its result (the environment's own to
-    read) and when it started (``time.perf_counter``)."""
+    read; a subclass may carry more, e.g. a tool call's clock)."""
 
     future: concurrent.futures.Future
-    started: float
 
     def done(self) -> bool:
         return self.future.done()

@@ -117,7 +117,7 @@ class _Call:
 class ToolRequest(Request):
     """A tool call's request: the scheduler's ``Request`` and the call's own clock."""
 
-    call: _Call = dataclasses.field(default_factory=lambda: _Call(time.perf_counter()))
+    call: _Call
 
 
 class ToolEnvironment(Environment):
@@ -183,7 +183,7 @@ class ToolEnvironment(Environment):
         """Submits the call that ends ``t``'s current turn (the text since the last reply)."""
         text = self.decode(t.tokens[t.turn_start:])
         call = _Call(time.perf_counter())
-        return ToolRequest(self._pool.submit(self._start, call, text), call.submitted, call)
+        return ToolRequest(self._pool.submit(self._start, call, text), call)
 
     def _start(self, call: _Call, text: str) -> tuple[ToolResult, float]:
         """A worker runs the call: its clock starts here."""

@@ -5,9 +5,7 @@ is one)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 from etils import epath
@@ -17,7 +15,7 @@ from rollverify_jax.data.prompts import PromptRenderer, load_prompts
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.infra import storage
 from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
-from rollverify_jax.models.hf import config_from_hf, config_to_hf
+from rollverify_jax.models.hf import config_to_hf, read_config
 from rollverify_jax.models.qwen3 import Qwen3Config, expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
@@ -87,10 +85,10 @@ def policy_config(spec: RunSpec) -> Qwen3Config:
     train = spec.train
     if train.policy_path is None:
         return execution_config(model_config(**spec.model), spec)
-    path = Path(train.policy_path) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"No config.json in {train.policy_path}; expected an HF-layout checkpoint directory.")
-    return config_from_hf(json.loads(path.read_text()), dtype=train.param_dtype, compute_dtype=train.compute_dtype)
+    try:
+        return read_config(train.policy_path, train.param_dtype, train.compute_dtype)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"TrainConfig.policy_path: {e}") from e
 
 
 def resume_settings(spec: RunSpec) -> tuple[dict, dict]:

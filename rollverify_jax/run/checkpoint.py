@@ -195,6 +195,17 @@ def file_damage(step_dir: epath.Path) -> str | None:
     return None
 
 
+def _missing_file(error: BaseException, step_dir: epath.Path) -> str | None:
+    """A NOT_FOUND error naming a file of ``step_dir`` that is gone from a directory that is there: damage."""
+    if _status_code(error) != "NOT_FOUND":
+        return None
+    for named in _QUOTED.findall(str(error)):
+        path = storage.as_path(named)
+        if named.startswith(str(step_dir)) and not path.exists() and path.parent.is_dir():
+            return f"{named[len(str(step_dir)) + 1:]} is missing"
+    return None
+
+
 def _kvstore_url(path: epath.Path) -> str:
     text = str(path).rstrip("/") + "/"
     return text if "://" in text else f"file://{storage.absolute(path)}/"
@@ -227,11 +238,9 @@ def array_damage(step_dir: epath.Path) -> str | None:
     except ValueError as e:
         if _status_code(e) in _DAMAGE_CODES:
             return f"state's OCDBT tree does not decode ({_first_line(e)})"
-        if _status_code(e) == "NOT_FOUND":
-            for named in _QUOTED.findall(str(e)):
-                path = storage.as_path(named)
-                if not path.exists() and path.parent.is_dir():
-                    return f"{named[len(str(step_dir)) + 1:] if named.startswith(str(step_dir)) else named} is missing"
+        missing = _missing_file(e, step_dir)
+        if missing:
+            return missing
         raise
     for name, end in sorted(ends.items()):
         try:
@@ -473,11 +482,9 @@ class Checkpointer:
             code = _status_code(error)
             if code in _DAMAGE_CODES:
                 return f"tensorstore reports {code}"
-            if code == "NOT_FOUND":  # a chunk file it names is gone, from a directory that is there
-                for named in _QUOTED.findall(str(error)):
-                    path = storage.as_path(named)
-                    if named.startswith(str(step_dir)) and not path.exists() and path.parent.is_dir():
-                        return f"{named[len(str(step_dir)) + 1:]} is missing"
+            missing = _missing_file(error, step_dir)
+            if missing:
+                return missing
             # orbax wraps an array's read error without tensorstore's status code: the tree's references decide.
             return array_damage(step_dir)
         except Exception:  # noqa: BLE001  (the files cannot even be looked at: no evidence of damage)
