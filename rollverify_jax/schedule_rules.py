@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-MODES = ("on_policy", "partial", "rollverify")
+MODES = ("on_policy", "partial", "rollverify")  # the synchronous modes (one device group, phases take turns)
+ASYNC_MODE = "async"  # rollout and training on disjoint device groups (AsyncConfig); the simulator models it apart
+ROLLOUT_MODES = (*MODES, ASYNC_MODE)
 BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch's rows split over (infra.mesh's, defined here)
 
 MIN_LIVE_SLOTS = 8  # a live slot bucket holds at least this many slots

@@ -44,6 +44,12 @@ def train_one_step(trainer: Trainer) -> dict:
     t2 = time.perf_counter()
     cycle_metrics = trainer.end_cycle(phase.metrics)
     lengths = [t.num_tokens for t in scored.trajs]
+    if "async/update_s" in train_metrics:  # the asynchronous mode: how much of the step each device group worked
+        step_s = t2 - t0
+        busy = (phase.metrics["rollout/prefill_time"] + phase.metrics["rollout/decode_time"]
+                + train_metrics["overlap/decode_time"])
+        train_metrics["async/train_busy_fraction"] = min(train_metrics["async/update_s"] / max(step_s, 1e-9), 1.0)
+        train_metrics["async/rollout_busy_fraction"] = min(busy / max(step_s, 1e-9), 1.0)
     return {**phase.metrics, **scored.metrics, **select_metrics, **train_metrics, **cycle_metrics,
             "time/train": t2 - t1, "time/step": t2 - t0,
             "time/verify_fraction": phase.metrics["time/verify"] / max(t2 - t0, 1e-9),
@@ -93,7 +99,7 @@ def _train_loop(trainer: Trainer) -> list[dict]:
         with open_progress(spec.metrics, total_steps=cfg.num_steps, start_step=start,
                            mode=spec.rollout.mode) as bar, StopRequest() as stop:
             if (start == 0 and spec.eval.at_start) or _evaluation_skipped(workdir, start, cfg.eval_every):
-                m = {**trainer.evaluator.run(workdir), "time/wall": time.perf_counter() - t_start}
+                m = {**trainer.evaluate(), "time/wall": time.perf_counter() - t_start}
                 written.append(writer.write(start, m))
                 bar.update(start, m)
             for step in range(start + 1, cfg.num_steps + 1):
@@ -115,7 +121,7 @@ def _train_loop(trainer: Trainer) -> list[dict]:
                 last = step == cfg.num_steps or decision.out_of_time
                 interrupted = decision.stop and not last  # no evaluation: the grace period is short
                 if last or (cfg.eval_every and step % cfg.eval_every == 0 and not interrupted):
-                    metrics.update(trainer.evaluator.run(workdir))
+                    metrics.update(trainer.evaluate())
                 metrics["time/wall"] = time.perf_counter() - t_start
                 written.append(writer.write(step, metrics))
                 bar.update(step, metrics)

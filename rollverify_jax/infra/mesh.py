@@ -43,6 +43,26 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), axis_types: str = "auto",
                          devices=devices)
 
 
+def split_local_devices(rollout_devices: int | float, devices: Sequence[jax.Device] | None = None,
+                        ) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(rollout, train): each process's local devices (by id) split, its first ``rollout_devices`` (a count, or a
+    fraction of its devices) to rollout and the rest to training; both lists process by process, so every process
+    builds the same two meshes and a pod runs one program that drives both."""
+    devices = list(devices if devices is not None else jax.devices())
+    rollout, train = [], []
+    for process in sorted({d.process_index for d in devices}):
+        local = sorted((d for d in devices if d.process_index == process), key=lambda d: d.id)
+        n = rollout_devices if isinstance(rollout_devices, int) else round(rollout_devices * len(local))
+        if not 1 <= n < len(local):
+            raise ValueError(f"AsyncConfig.rollout_devices={rollout_devices!r} gives {n} of a host's {len(local)} "
+                             "devices to rollout: each side needs at least one device of every host. Give the "
+                             "host more devices (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8) or "
+                             "another split.")
+        rollout += local[:n]
+        train += local[n:]
+    return rollout, train
+
+
 def check_shape(shape: Sequence[int]) -> list[int]:
     """``make_mesh.shape`` as a list, checked: one entry per mesh axis, each >= 1 or -1 (at most one -1)."""
     shape = list(shape)

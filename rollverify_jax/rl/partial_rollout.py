@@ -29,13 +29,15 @@ from rollverify_jax.verify import (
     window_mean,
 )
 
-MODES = schedule_rules.MODES
+MODES = schedule_rules.ROLLOUT_MODES
+AT_SWAP = ("verify", "reprefill", "keep_stale_kv")
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """What a rollout phase produces. mode: on_policy | partial | rollverify (verification settings:
-    `VerifyConfig`, switching: `SwitchConfig`, the baselines' filters: `FilterConfig`)."""
+    """What a rollout phase produces. mode: on_policy | partial | rollverify | async (verification settings:
+    `VerifyConfig`, switching: `SwitchConfig`, the baselines' filters: `FilterConfig`, the asynchronous mode's
+    device split and swap: `AsyncConfig`)."""
 
     mode: str = "on_policy"
     batch_groups: int = 8  # B: complete groups per training batch
@@ -57,6 +59,44 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name}={getattr(self, name)} must be >= 1.")
 
 
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """Fully-asynchronous RollVerify (``RolloutConfig.mode = 'async'``): rollout and training on disjoint devices of
+    one program. The rollout decodes without pause; a complete batch goes to the learner on its own devices while
+    decoding goes on; the new weights are published to the rollout at a decode-step boundary (the swap), where the
+    running trajectories are paused and resumed through the fused verify-resume prefill under the new weights.
+
+    rollout_devices: each host's local devices given to rollout: a count (int >= 1) or a fraction (float in
+        (0, 1)); the rest train. The train mesh is ``make_mesh.shape`` over the train devices.
+    rollout_mesh: the rollout mesh's (data, fsdp, tensor) shape over the rollout devices (one entry may be -1).
+    overlap_dispatches: decode dispatches run while an update computes; the swap comes after them or when the
+        update is done, whichever is later (a schedule that never reads the clock: runs and resumes repeat).
+    max_staleness: admission stops while (max_staleness + 1) x batch_groups groups are admitted and not yet
+        trained (AReaL's (eta + v + 1) B cap), so the rollout runs at most that far ahead of the learner.
+    at_swap: 'verify' (the running trajectories re-prefilled under the new weights, verified on that prefill's
+        log-probs and cut at the first violation: RollVerify), 'reprefill' (re-prefilled, nothing cut: the
+        unverified baseline) or 'keep_stale_kv' (no re-prefill: decoding goes on over the older versions' KV).
+    """
+
+    rollout_devices: int | float = 0.5
+    rollout_mesh: tuple = (-1, 1, 1)
+    overlap_dispatches: int = 8
+    max_staleness: int = 1
+    at_swap: str = "verify"
+
+    def __post_init__(self):
+        if self.at_swap not in AT_SWAP:
+            raise ValueError(f"AsyncConfig.at_swap={self.at_swap!r}: use one of {list(AT_SWAP)}.")
+        r = self.rollout_devices
+        if isinstance(r, bool) or not (isinstance(r, int) and r >= 1 or isinstance(r, float) and 0 < r < 1):
+            raise ValueError(f"AsyncConfig.rollout_devices={r!r}: a device count per host (an int >= 1) or a "
+                             "fraction of each host's devices (a float between 0 and 1).")
+        for name in ("overlap_dispatches", "max_staleness"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"AsyncConfig.{name}={getattr(self, name)} must be >= 0.")
+        object.__setattr__(self, "rollout_mesh", tuple(self.rollout_mesh))
+
+
 @dataclasses.dataclass
 class PhaseResult:
     groups: list[Group]
@@ -69,8 +109,11 @@ class RolloutManager:
 
     def __init__(self, config: RolloutConfig, scheduler: Scheduler, next_record: Callable[[], dict],
                  encode_prompt: Callable[[dict], np.ndarray], *, seed: int = 0, switch: SwitchConfig,
-                 verify: VerifyConfig):
+                 verify: VerifyConfig, asynchronous: AsyncConfig | None = None):
         self.config = config
+        self.async_cfg = asynchronous or AsyncConfig()
+        self.asynchronous = config.mode == schedule_rules.ASYNC_MODE
+        self.groups_trained = 0  # groups handed to the learner: the asynchronous mode's staleness cap counts them
         self.verify_cfg = verify
         self.switch_cfg = switch
         self.switch_state: SwitchState = self.switch_cfg.init()
@@ -87,7 +130,15 @@ class RolloutManager:
 
     @property
     def verifying(self) -> bool:
-        return self.config.mode == "rollverify" and not self.on_policy
+        """Paused trajectories are verified at their resume: RollVerify, synchronous or asynchronous."""
+        if self.on_policy:
+            return False
+        return self.config.mode == "rollverify" or (self.asynchronous and self.async_cfg.at_swap == "verify")
+
+    @property
+    def pauses_at_swap(self) -> bool:
+        """The asynchronous mode re-prefills the running trajectories at each swap (not with 'keep_stale_kv')."""
+        return self.async_cfg.at_swap != "keep_stale_kv"
 
     # ------------------------------------------------------------------------------------------------
 
@@ -119,6 +170,7 @@ class RolloutManager:
         """Conditional switching: synchronous rollout for the rest of the run; the cache is dropped. Returns
         how many cached trajectories were dropped."""
         self.on_policy = True
+        self.cache.pause(self.scheduler.pause_all())  # the asynchronous mode's running trajectories are dropped too
         dropped = len(self.cache.paused) + sum(len(g.finished) for g in self.cache.groups.values())
         self.cache = PausedCache()
         return dropped
@@ -145,8 +197,11 @@ class RolloutManager:
         t0 = time.perf_counter()
         if self.on_policy:
             groups = self._on_policy_phase()
+        elif self.asynchronous:
+            groups = self._async_phase()
         else:
             groups = self._partial_phase()
+        self.groups_trained += len(groups)
         wall = time.perf_counter() - t0
         stats = sched.stats
         version = sched.engine.version
@@ -221,12 +276,83 @@ class RolloutManager:
         self.cache.pause(sched.pause_all())
         return groups
 
+    # The asynchronous mode ------------------------------------------------------------------------------
+
+    def _admission_open(self) -> bool:
+        """The staleness cap: at most (max_staleness + 1) x B groups admitted and not yet trained."""
+        cap = (self.async_cfg.max_staleness + 1) * self.config.batch_groups
+        return not self.asynchronous or self.next_group_id - self.groups_trained < cap
+
+    def _top_up(self, target: int) -> None:
+        """New groups queued up to ``target`` queued trajectories, as far as the staleness cap admits."""
+        for _ in range(schedule_decisions.groups_to_queue(self.scheduler.num_new_queued(), target,
+                                                          self.config.group_size)):
+            if not self._admission_open():
+                return
+            self.scheduler.submit(self._new_group())
+
+    def _queue_target(self) -> int:
+        return schedule_decisions.queue_target(self.config.queue_groups, self.scheduler.engine.config.num_slots,
+                                               self.config.group_size)
+
+    def _async_phase(self) -> list[Group]:
+        """Resume what the last swap paused (verified under the new weights with 'verify'), then decode until B
+        groups are complete. Nothing is paused at the phase's end: decoding goes on while the learner trains
+        (``overlap``), and the swap pauses (``at_swap``)."""
+        sched, cfg = self.scheduler, self.config
+        resumed = self.cache.take_for_resume(include_finished=self.verifying and self.verify_cfg.verify_finished)
+        sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
+        self._collect_finished()
+        target = self._queue_target()
+        while not schedule_decisions.phase_done(self.cache.num_complete(), cfg.batch_groups):
+            self._top_up(target)
+            if sched.idle:
+                raise RuntimeError(f"the asynchronous rollout has nothing to decode with {self.cache.num_complete()}"
+                                   f" of {cfg.batch_groups} groups complete: the staleness cap admits too few groups")
+            sched.step()
+            self._collect_finished()
+        return self.cache.pop_complete(cfg.batch_groups if cfg.extra_complete_groups == "carry" else None)
+
+    def overlap(self, dispatches: int) -> dict:
+        """Up to ``dispatches`` decode dispatches with the weights the rollout holds, while the learner computes
+        the next version on its own devices. Returns their metrics (``overlap/*``)."""
+        sched = self.scheduler
+        sched.reset_stats()
+        t0 = time.perf_counter()
+        target = self._queue_target()
+        count = 0
+        for count in range(1, dispatches + 1):  # noqa: B007  (the count is reported)
+            self._top_up(target)
+            if sched.idle:
+                count -= 1
+                break
+            sched.step()
+            self._collect_finished()
+        return {"overlap/dispatches": count, "overlap/tokens": sched.stats.tokens_generated,
+                "overlap/decode_time": sched.stats.decode_time, "time/overlap": time.perf_counter() - t0}
+
+    def at_swap(self) -> None:
+        """After new weights are installed: the running trajectories are paused, to be re-prefilled (and, with
+        'verify', verified) under them at the next phase's start; with 'keep_stale_kv' they decode on."""
+        if self.pauses_at_swap:
+            self.cache.pause(self.scheduler.pause_all())
+
+    def quiesce(self) -> None:
+        """Every running trajectory paused into the cache (the engine's slots freed for an evaluation)."""
+        self.cache.pause(self.scheduler.pause_all())
+
     # ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"cache": self.cache.to_dict(), "on_policy": int(self.on_policy),
+        """The host state a checkpoint holds. The asynchronous mode's trajectories still decoding ('keep_stale_kv')
+        are saved as paused (a resume re-prefills them: their KV is not saved)."""
+        cache = self.cache.to_dict()
+        live = self.scheduler.snapshot() if self.asynchronous else []
+        if live:
+            cache = {**cache, "paused": [t.to_dict() for t in live] + cache["paused"]}
+        return {"cache": cache, "on_policy": int(self.on_policy),
                 "next_group_id": self.next_group_id, "next_uid": self.next_uid,
-                "switch": self.switch_state.to_dict()}
+                "switch": self.switch_state.to_dict(), "groups_trained": self.groups_trained}
 
     def load_state_dict(self, d: dict) -> None:
         self.cache = PausedCache.from_dict(d["cache"])
@@ -235,6 +361,7 @@ class RolloutManager:
         self.switch_state = SwitchState.from_dict(d["switch"])
         self.next_group_id = int(d["next_group_id"])
         self.next_uid = int(d["next_uid"])
+        self.groups_trained = int(d.get("groups_trained", 0))
 
 
 def _verify_summary(verified: list[tuple[int, int]]) -> dict:

@@ -712,12 +712,21 @@ class Engine:
     def _place_params(self, params):
         return jax.device_put(params, self.plan.param_shardings(params))
 
+    def place_params(self, params: nnx.State) -> nnx.State:
+        """A copy of ``params`` (on any mesh) in the engine's serving layout, on its mesh; not waited for (the
+        copy runs while the engine decodes: a staging copy that ``swap_params`` installs)."""
+        return self._place_params(params)
+
+    def swap_params(self, placed: nnx.State, version: int) -> None:
+        """Installs a whole copy made by ``place_params`` as the weights of policy ``version``."""
+        self.params = placed
+        self.set_version(version)
+
     def update_params(self, params: nnx.State, version: int) -> None:
         """New policy weights (e.g. after a train step) and their version number. A serving copy replaces the
         old one, never beside it (the old one is dropped first)."""
         self.params = None
-        self.params = self._place_params(params)
-        self.set_version(version)
+        self.swap_params(self._place_params(params), version)
 
     def set_version(self, version: int) -> None:
         self._version = int(version)

@@ -514,6 +514,12 @@ class Scheduler:
                 t.history.append({"event": "pause", "version": self.engine.version, "tokens": t.num_tokens})
         return paused
 
+    def snapshot(self) -> list[Trajectory]:
+        """What ``pause_all`` would return, as the host last read it, changing nothing (a checkpoint of a
+        rollout that keeps decoding)."""
+        return schedule_decisions.pause_order(list(self.slots.values()), [w.traj for w in self.waits.values()],
+                                              [p.traj for p in self.queue])
+
     def take_finished(self) -> list[Trajectory]:
         out, self.finished = self.finished, []
         return out

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 import jax
 from etils import epath
+from jax.sharding import Mesh
 
+from rollverify_jax import schedule_rules
 from rollverify_jax.data.datasets import PromptIterator, records_fingerprint
 from rollverify_jax.data.prompts import PromptRenderer, load_prompts
 from rollverify_jax.data.rewards import RewardScorer
@@ -20,12 +22,13 @@ from rollverify_jax.models.qwen3 import Qwen3Config, expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.engine import rollout_graphdef
+from rollverify_jax.rollout.publish import WeightPublisher
 from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import EvalSet, Evaluator
 from rollverify_jax.run.fresh_start import check_fresh_start
-from rollverify_jax.run.programs import execution_config, make_engine_plan, make_learner, make_mesh
+from rollverify_jax.run.programs import execution_config, make_engine_plan, make_learner, make_mesh, make_meshes
 from rollverify_jax.run.spec import RunSpec, TrainConfig, check_resume_settings
 from rollverify_jax.run.trainer import Serving, Trainer, run_settings
 
@@ -106,7 +109,8 @@ def resume_settings(spec: RunSpec) -> tuple[dict, dict]:
                                                  spec.engine.compute_dtype or cfg.dtype)
 
 
-def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> tuple[Serving, Evaluator]:
+def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None,
+                 mesh: Mesh | None = None) -> tuple[Serving, Evaluator]:
     """The policy of a spec as it samples and is graded (model, engine, tokenizer, prompt renderer, reward
     scorer, tool runner), and its evaluator (``build_evaluator``).
 
@@ -114,7 +118,7 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None) -> t
     step directories, local or e.g. ``gs://``) or from an HF-layout directory (local: its safetensors are mapped).
     """
     checkpoint = storage.as_path(checkpoint) if checkpoint is not None else None
-    mesh = make_mesh(spec)
+    mesh = mesh if mesh is not None else make_mesh(spec)
     train = spec.train
     hf_checkpoint = checkpoint is not None and (checkpoint / "config.json").exists()
     if hf_checkpoint:
@@ -148,16 +152,17 @@ def build_trainer(spec: RunSpec, workdir: storage.PathLike) -> Trainer:
     manager and the checkpointer; resumed from the newest readable checkpoint when there is one (its settings
     compared with the spec's, ``Trainer.settings``)."""
     workdir = storage.as_path(workdir)
-    serving, evaluator = build_policy(spec)
+    train_mesh, rollout_mesh = make_meshes(spec)  # one mesh twice, or the asynchronous mode's two
+    serving, evaluator = build_policy(spec, mesh=rollout_mesh)
     try:
-        return _training(spec, serving, evaluator, workdir)
+        return _training(spec, serving, evaluator, workdir, train_mesh)
     except BaseException:
         serving.close()
         raise
 
 
-def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: epath.Path) -> Trainer:
-    model, mesh, engine = serving.model, serving.mesh, serving.engine
+def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: epath.Path, mesh: Mesh) -> Trainer:
+    model, engine = serving.model, serving.engine
     spec.check_mesh(dict(mesh.shape))
     learner = make_learner(spec, model, mesh)  # the programs the deviceless compile lowers too
     train_state = learner.init_state(model, seed=spec.train.seed)
@@ -166,12 +171,16 @@ def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: ep
                            spec.max_prompt_len())
     iterator = PromptIterator(records, batch_size=1, seed=spec.train.seed)
     manager = RolloutManager(spec.rollout, Scheduler(engine, serving.tools), iterator.next_record,
-                             serving.prompts.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify)
+                             serving.prompts.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify,
+                             asynchronous=spec.async_rollout)
+    asynchronous = spec.rollout.mode == schedule_rules.ASYNC_MODE
     checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
     trainer = Trainer(spec=spec, serving=serving, evaluator=evaluator, workdir=workdir, graphdef=learner.graphdef,
                       train_state=train_state, train_step=learner.train_step, manager=manager, iterator=iterator,
                       checkpointer=checkpointer, ref_params=ref_params, logprob_fn=learner.logprob_fn,
-                      inputs=input_identity(spec, records, serving.tokenizer))
+                      inputs=input_identity(spec, records, serving.tokenizer),
+                      train_mesh=mesh if asynchronous else None,
+                      publisher=WeightPublisher(engine) if asynchronous else None)
     try:
         _restore(trainer, learner.abstract_state)
     except BaseException:

@@ -55,6 +55,19 @@ def make_mesh(spec: RunSpec, devices: Sequence[jax.Device] | None = None) -> Mes
     return mesh_lib.make_mesh(**spec.mesh, **({"devices": devices} if devices is not None else {}))
 
 
+def make_meshes(spec: RunSpec, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
+    """(train mesh, rollout mesh) over ``devices`` (default: every device JAX sees): the same mesh twice, or in
+    the asynchronous mode (``RolloutConfig.mode = 'async'``) each host's devices split by
+    ``AsyncConfig.rollout_devices``, the train mesh shaped by ``make_mesh.shape`` and the rollout mesh by
+    ``AsyncConfig.rollout_mesh``."""
+    if spec.rollout.mode != schedule_rules.ASYNC_MODE:
+        mesh = make_mesh(spec, devices)
+        return mesh, mesh
+    rollout, train = mesh_lib.split_local_devices(spec.async_rollout.rollout_devices, devices)
+    return (make_mesh(spec, train),
+            mesh_lib.make_mesh(spec.async_rollout.rollout_mesh, spec.mesh.get("axis_types", "auto"), rollout))
+
+
 def abstract_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
     """A model of ``cfg`` whose arrays are ShapeDtypeStructs (``nnx.eval_shape``): nothing is allocated."""
     return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))

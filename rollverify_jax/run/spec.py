@@ -34,7 +34,7 @@ from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.learner import LearnerConfig, OptimizerConfig
 from rollverify_jax.rl.losses import LossConfig
-from rollverify_jax.rl.partial_rollout import RolloutConfig
+from rollverify_jax.rl.partial_rollout import AsyncConfig, RolloutConfig
 from rollverify_jax.rollout.attention import paged_attention
 from rollverify_jax.rollout.engine import EngineConfig
 from rollverify_jax.rollout.sampling import SamplingConfig
@@ -173,6 +173,7 @@ class Bindings(Mapping):
 PARTS: dict[str, tuple[str, Any]] = {
     "train": ("TrainConfig", TrainConfig),
     "rollout": ("RolloutConfig", RolloutConfig),
+    "async_rollout": ("AsyncConfig", AsyncConfig),
     "verify": ("VerifyConfig", VerifyConfig),
     "switch": ("SwitchConfig", SwitchConfig),
     "filter": ("FilterConfig", FilterConfig),
@@ -239,6 +240,8 @@ EXECUTION_SETTINGS = frozenset({
     # prefill padding, the resume prefill's log-prob chunk, where the engine's weights lie, TPU megacore.
     "engine.live_pages", "engine.live_slots", "engine.min_prefill_len", "engine.logits_chunk",
     "engine.serving_layout", "engine.megacore",
+    # The asynchronous mode's device split and its rollout mesh (how many devices decode, and their layout).
+    "async_rollout.rollout_devices", "async_rollout.rollout_mesh",
     # The learner's memory / FLOP trade-offs, each "same result" (exact micro-batch accumulation, packing,
     # rematerialisation, scanned layers).
     "learner.micro_batch_size", "learner.pack_sequences", "learner.tail_row_width", "learner.logits_chunk",
@@ -352,6 +355,7 @@ class RunSpec:
 
     train: TrainConfig
     rollout: RolloutConfig
+    async_rollout: AsyncConfig  # RolloutConfig.mode = 'async': the device split, the overlap and the swap
     verify: VerifyConfig
     switch: SwitchConfig
     filter: FilterConfig

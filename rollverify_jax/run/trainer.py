@@ -6,8 +6,11 @@ checkpoints hold beside the train state."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from typing import Any
 
+import jax
 from etils import epath
 from jax.sharding import Mesh
 
@@ -19,6 +22,7 @@ from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer
 from rollverify_jax.rl import step as step_lib
 from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
 from rollverify_jax.rollout.engine import Engine
+from rollverify_jax.rollout.publish import WeightPublisher
 from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import Evaluator
@@ -64,6 +68,9 @@ class Trainer:
     ref_params: Any = None
     logprob_fn: Any = None  # learner.make_logprob_fn: the packed log-prob pass of select (step start, reference)
     inputs: dict = dataclasses.field(default_factory=dict)  # what the run reads (data, tokenizer): its hashes
+    # The asynchronous mode: the learner's own mesh and the publisher of its weights to the engine's devices.
+    train_mesh: Mesh | None = None
+    publisher: WeightPublisher | None = None
     wall_offset: float = 0.0
     step: int = 0
 
@@ -83,16 +90,47 @@ class Trainer:
         return step_lib.select(
             scored, spec.learner, spec.filter, current_version=self.serving.engine.version,
             rows=spec.rollout.batch_groups * spec.rollout.group_size, width=spec.engine.max_seq_len,
-            mesh=self.serving.mesh, skip_uniform_groups=spec.train.skip_uniform_groups,
+            mesh=self.learner_mesh, skip_uniform_groups=spec.train.skip_uniform_groups,
             policy_logp=step_lib.on_host(self.logprob_fn, self.train_state.params),
             ref_logp=step_lib.on_host(self.logprob_fn, self.ref_params) if self.ref_params is not None else None)
 
+    @property
+    def learner_mesh(self) -> Mesh:
+        return self.train_mesh if self.train_mesh is not None else self.serving.mesh
+
     def learn(self, batch: dict) -> dict:
-        """One jitted, sharded update; the engine samples with the new params as the next policy version."""
+        """One jitted, sharded update; the engine samples with the new params as the next policy version.
+
+        Asynchronous mode: the update is dispatched on the train mesh and not waited for; the new params are
+        staged into the engine's layout while the rollout decodes ``AsyncConfig.overlap_dispatches`` more
+        dispatches with the weights it holds; then (the update done) they are swapped in at that decode-step
+        boundary and the running trajectories are paused, to be verified under them at the next phase."""
+        if self.publisher is None:
+            self.train_state, metrics = self.train_step(self.train_state, batch)
+            self.step += 1
+            self.serving.engine.update_params(self.train_state.params, version=self.step)
+            return {k: float(v) for k, v in distributed.fetch(metrics).items()}
+        t0 = time.perf_counter()
         self.train_state, metrics = self.train_step(self.train_state, batch)
         self.step += 1
-        self.serving.engine.update_params(self.train_state.params, version=self.step)
-        return {k: float(v) for k, v in distributed.fetch(metrics).items()}
+        update = _ReadyClock(metrics, t0)
+        self.publisher.stage(self.train_state.params, self.step)
+        manager = self.manager
+        overlap = manager.overlap(0 if manager.on_policy else self.spec.async_rollout.overlap_dispatches)
+        t1 = time.perf_counter()
+        fetched = {k: float(v) for k, v in distributed.fetch(metrics).items()}
+        waited = time.perf_counter() - t1
+        published = self.publisher.swap()
+        manager.at_swap()
+        return {**fetched, **overlap, **published, "async/update_s": update.seconds(),
+                "async/rollout_wait_s": waited}
+
+    def evaluate(self) -> dict:
+        """Held-out evaluation with the engine's current weights; a rollout still decoding (the asynchronous
+        mode's 'keep_stale_kv') is paused first, since evaluation uses the engine's slots."""
+        if not self.manager.scheduler.idle:
+            self.manager.quiesce()
+        return self.evaluator.run(self.workdir)
 
     def check_agreement(self, batch: dict) -> None:
         """Several hosts: the batch (scheduling, cuts, rewards), the data position and the rollout state (cache,
@@ -112,13 +150,17 @@ class Trainer:
     def state_dict(self, wall: float) -> dict:
         """The host-side state a checkpoint holds beside the train state (params, optimizer, PRNG)."""
         return {"step": self.step, "data": self.iterator.get_state(), "rollout": self.manager.state_dict(),
-                "wall_time": wall, "settings": self.settings()}
+                "wall_time": wall, "settings": self.settings(), "published_version": self.serving.engine.version}
 
     def load_state_dict(self, extra: dict) -> None:
         self.iterator.set_state(extra["data"])
         self.manager.load_state_dict(extra["rollout"])
         self.wall_offset = float(extra["wall_time"])
         self.step = int(extra["step"])
+        published = int(extra.get("published_version", self.step))
+        if published != self.step:  # a publish had failed: the resumed rollout starts on the learner's weights
+            print(f"the checkpoint's rollout was on policy version {published} (a publish had failed); it resumes "
+                  f"on version {self.step}", flush=True)
 
     def close(self) -> None:
         """The last save committed first (a run's end waits for it), then the grader and tool pools stopped, each
@@ -127,6 +169,24 @@ class Trainer:
             self.checkpointer.close()
         finally:
             self.serving.close()
+
+
+class _ReadyClock:
+    """When an update's outputs became ready, seen from a thread that waits on them: the train mesh's busy time,
+    measured without making the host wait."""
+
+    def __init__(self, outputs: Any, started: float):
+        self.started, self.ready = started, None
+        self._thread = threading.Thread(target=self._wait, args=(outputs,), daemon=True)
+        self._thread.start()
+
+    def _wait(self, outputs: Any) -> None:
+        jax.block_until_ready(outputs)
+        self.ready = time.perf_counter()
+
+    def seconds(self) -> float:
+        self._thread.join()
+        return self.ready - self.started
 
 
 def run_settings(spec: RunSpec, inputs: dict, rollout_dtype: str) -> dict:

@@ -1,0 +1,96 @@
+"""Publishing the learner's weights to a rollout engine on other devices (the asynchronous mode).
+
+A publish has two halves. ``stage`` starts copying the new params into the engine's serving layout (a staging
+copy beside the serving one) and returns at once, so decoding goes on while the update computes and the copy
+moves. ``swap`` runs at a decode-step boundary: it waits for the copy, installs it only if it is whole and
+advances the engine's version; a copy that failed or is not whole leaves the engine on the previous version and
+says so in one line. Holding two serving copies for a moment is the price of publishing without a stall.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from rollverify_jax.rollout.engine import Engine
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array in ``tree`` (global sizes: what a publish moves to the rollout devices)."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass
+class _Staged:
+    params: Any
+    version: int
+    started: float
+    error: BaseException | None = None
+
+
+class WeightPublisher:
+    """Stages the learner's params for ``engine`` and swaps them in whole. ``place``: how a copy is made in the
+    engine's layout (default ``engine.place_params``; a multi-process run passes a cross-host reshard)."""
+
+    def __init__(self, engine: Engine, place: Callable[[Any], Any] | None = None):
+        self.engine = engine
+        self.place = place or engine.place_params
+        self._staged: _Staged | None = None
+        self.failures = 0
+
+    @property
+    def pending(self) -> int | None:
+        """The version being staged, or None."""
+        return None if self._staged is None else self._staged.version
+
+    def stage(self, params: Any, version: int) -> None:
+        """Starts the copy of ``params`` (policy ``version``) into the engine's layout; does not wait for it (nor
+        for the update that computes ``params``). A copy already staged and not swapped is dropped."""
+        self._staged = None
+        staged = _Staged(None, int(version), time.perf_counter())
+        try:
+            staged.params = self.place(params)
+        except Exception as e:  # noqa: BLE001  (a failed copy is reported at the swap; rollout keeps its version)
+            staged.error = e
+        self._staged = staged
+
+    def swap(self) -> dict:
+        """At a decode-step boundary: waits for the staged copy and installs it when whole (the engine's version
+        advances); otherwise the engine keeps its weights and version, and one line says why. Returns the
+        publish's metrics (``publish/*``)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return {}
+        t0 = time.perf_counter()
+        error = staged.error
+        if error is None:
+            try:
+                jax.block_until_ready(staged.params)
+                _check_whole(staged.params, self.engine.params)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        wait = time.perf_counter() - t0
+        if error is not None:
+            self.failures += 1
+            print(f"publish of policy version {staged.version} failed ({type(error).__name__}: {error}); rollout "
+                  f"stays on version {self.engine.version} until the next publish", flush=True)
+            return {"publish/failed": 1, "publish/version": self.engine.version, "publish/wait_s": wait}
+        self.engine.swap_params(staged.params, staged.version)
+        return {"publish/failed": 0, "publish/version": staged.version, "publish/bytes": tree_bytes(staged.params),
+                "publish/wait_s": wait, "publish/time_s": time.perf_counter() - staged.started}
+
+
+def _check_whole(staged: Any, serving: Any) -> None:
+    """A staged copy is whole when it has every array of the serving copy, with the same shape, dtype and
+    sharding: a partial copy (an interrupted transfer) is never installed."""
+    want, have = jax.tree.structure(serving), jax.tree.structure(staged)
+    if want != have:
+        raise ValueError(f"the staged copy's tree differs from the serving one ({have} vs {want})")
+    for s, w in zip(jax.tree.leaves(staged), jax.tree.leaves(serving), strict=True):
+        if s is None or s.shape != w.shape or s.dtype != w.dtype or s.sharding != w.sharding:
+            raise ValueError(f"a staged array does not match the serving one: {getattr(s, 'shape', None)} "
+                             f"{getattr(s, 'dtype', None)} vs {w.shape} {w.dtype}")
