@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LABELS = {"onpolicy": "on-policy GRPO", "partial": "naive partial", "staleness": "partial + staleness filter",
           "opsfilter": "partial + OPS filter", "rollverify": "RollVerify", "gspo": "partial + GSPO",
-          "sapo": "partial + SAPO", "vespo": "partial + VESPO"}
+          "sapo": "partial + SAPO", "vespo": "partial + VESPO", "rollverify_async": "async RollVerify",
+          "async_unverified": "async, unverified (re-prefill)", "async_keep_kv": "async, stale KV kept"}
 DEFAULT_MODES = ["onpolicy", "partial", "staleness", "opsfilter", "rollverify"]
 PLOTS = [("eval/accuracy", "held-out accuracy"), ("policy/entropy", "entropy"), ("ops/token_mean", "train-time OPS"),
          ("verify/acceptance", "acceptance (cycle)")]
