@@ -58,7 +58,8 @@ def test_model_weights_reach_the_serving_layout_on_other_devices(model):
 @pytest.mark.parametrize("spec", [PartitionSpec(), PartitionSpec(None, "tensor")])
 def test_reshard_returns_while_the_source_is_still_computing(spec):
     """The train step's output is published before it is computed: ``reshard`` returns at dispatch (a source
-    held back by a callback until after the call), and the copy completes once the source does."""
+    held back by a callback until after the call), and the copy completes once the source does, with the values
+    it had even when the next step donates the source at once."""
     rollout, train = _meshes()
     release = threading.Event()
 
@@ -74,12 +75,17 @@ def test_reshard_returns_while_the_source_is_still_computing(spec):
     result = {}
     caller = threading.Thread(target=lambda: result.update(out=transfer.reshard({"w": pending}, dst)), daemon=True)
     caller.start()
-    caller.join(timeout=20)  # a blocking reshard would wait here for the release below, and time out
+    # A blocking reshard would wait here for the release below. 20 s: far above a dispatch (the staging compile
+    # included), below the point where XLA aborts the held program's stuck all-reduce.
+    caller.join(timeout=20)
     returned = not caller.is_alive()
+    if returned:  # the learner's next step donates the source before the copy has read it
+        overwritten = jax.jit(lambda x: x * 0 - 1, donate_argnums=0, out_shardings=src_sharding)(pending)
     release.set()
     caller.join()
     assert returned, "reshard waited for its source to be computed"
     _assert_placed(jax.block_until_ready(result["out"]), {"w": value + 1}, {"w": dst})
+    assert (np.asarray(overwritten) == -1).all()
 
 
 @needs_8
@@ -109,22 +115,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rollverify_jax.infra import transfer
 local = [jax.local_devices(process_index=p) for p in range(2)]
 axes = ("data", "fsdp", "tensor")
-rollout = Mesh(np.array([d for ds in local for d in ds[:2]]).reshape(1, 2, 2), axes)
-train = Mesh(np.array([d for ds in local for d in ds[2:]]).reshape(1, 4, 1), axes)
 value = {"a": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.arange(24, dtype=np.int32).reshape(4, 6)}
-src = {k: jax.make_array_from_callback(v.shape, NamedSharding(train, P("fsdp")), lambda i, v=v: v[i])
-       for k, v in value.items()}
-assert not src["a"].is_fully_addressable
-pending = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t))(src)  # the train step's output, just dispatched
-for spec in (P(), P(None, "tensor")):
-    dst = NamedSharding(rollout, spec)
-    out = transfer.reshard(pending, dst)
-    for k, v in value.items():
-        y = jax.block_until_ready(out[k])
-        assert y.sharding == dst, y.sharding
-        assert {s.device for s in y.addressable_shards} == set(local[jax.process_index()][:2])
-        for s in y.addressable_shards:
-            np.testing.assert_array_equal(np.asarray(s.data), (v + 1)[s.index])
+for n_rollout in (2, 3):  # 3 + 1: one train device per process, too few to stage the 2 tensor shards it needs
+    rollout = Mesh(np.array([d for ds in local for d in ds[:n_rollout]]).reshape(1, n_rollout, 2), axes)
+    train = Mesh(np.array([d for ds in local for d in ds[n_rollout:]]).reshape(1, -1, 1), axes)
+    src = {k: jax.make_array_from_callback(v.shape, NamedSharding(train, P("fsdp")), lambda i, v=v: v[i])
+           for k, v in value.items()}
+    assert not src["a"].is_fully_addressable
+    pending = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t))(src)  # the train step's output, just dispatched
+    for spec in (P(), P(None, "tensor")):
+        dst = NamedSharding(rollout, spec)
+        out = transfer.reshard(pending, dst)
+        for k, v in value.items():
+            y = jax.block_until_ready(out[k])
+            assert y.sharding == dst, y.sharding
+            assert {s.device for s in y.addressable_shards} == set(local[jax.process_index()][:n_rollout])
+            for s in y.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(s.data), (v + 1)[s.index])
 print("reshard ok on process", jax.process_index(), flush=True)
 """
 
@@ -133,7 +140,8 @@ print("reshard ok on process", jax.process_index(), flush=True)
 def test_two_processes_reshard_from_train_to_rollout_devices(tmp_path):
     """2 processes x 4 CPU devices, each giving its first 2 to rollout and its last 2 to training: an
     fsdp-sharded tree spanning both processes' train devices reaches every process's rollout devices, replicated
-    and split over 'tensor', with each process holding its whole share (a plain ``jax.device_put`` raises here)."""
+    and split over 'tensor', with each process holding its whole share (a plain ``jax.device_put`` raises here);
+    the same with 3 rollout devices and 1 train device per process (the whole-copy staging)."""
     address = f"127.0.0.1:{multihost_local.free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, address, str(i)], env=env,
