@@ -99,27 +99,37 @@ def _bounds(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple[int, 
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _local_copy(staged: jax.Array, dst: Sharding) -> jax.Array:
-    """``staged`` (laid out by ``staging_sharding``) on ``dst``: each of this process's ``dst`` devices gets a
-    device-to-device copy of a local staged shard with its index (or of the part it needs of a larger one)."""
-    have = [(_bounds(s.index, staged.shape), s.data) for s in staged.addressable_shards]
-    sources, devices = [], []
-    for device, index in dst.addressable_devices_indices_map(staged.shape).items():
-        want = _bounds(index, staged.shape)
-        exact = [data for b, data in have if b == want]
+@functools.lru_cache(maxsize=4096)
+def _copy_plan(staged: Sharding, dst: Sharding, shape: tuple[int, ...],
+               ) -> tuple[tuple[jax.Device, tuple[slice, ...] | None, jax.Device], ...]:
+    """For each of this process's ``dst`` devices: the local staging device whose shard has its index (slice
+    None) or holds it within a larger one (the slice of that shard it needs), and the device itself. Cached:
+    every publish copies the same way."""
+    have = [(device, _bounds(index, shape)) for device, index in staged.addressable_devices_indices_map(shape).items()]
+    plan = []
+    for device, index in dst.addressable_devices_indices_map(shape).items():
+        want = _bounds(index, shape)
+        exact = [d for d, b in have if b == want]
+        wider = [(d, b) for d, b in have
+                 if all(lo <= w0 and w1 <= hi for (lo, hi), (w0, w1) in zip(b, want, strict=True))]
         if exact:
-            sources.append(exact[0])
+            plan.append((exact[0], None, device))
+        elif wider:
+            d, b = wider[0]
+            plan.append((d, tuple(slice(w0 - lo, w1 - lo) for (lo, _), (w0, w1) in zip(b, want, strict=True)), device))
         else:
-            wider = [(b, data) for b, data in have if all(lo <= w0 and w1 <= hi for (lo, hi), (w0, w1)
-                                                          in zip(b, want, strict=True))]
-            if not wider:
-                raise RuntimeError(f"process {jax.process_index()}: no local staged shard holds {index} for "
-                                   f"{device} (staged on {staged.sharding}).")
-            b, data = wider[0]
-            sources.append(data[tuple(slice(w0 - lo, w1 - lo) for (lo, _), (w0, w1) in zip(b, want, strict=True))])
-        devices.append(device)
-    shards = jax.device_put(sources, devices)
-    return jax.make_array_from_single_device_arrays(staged.shape, dst, shards, dtype=staged.dtype)
+            raise RuntimeError(f"process {jax.process_index()}: no local staged shard holds {index} for {device} "
+                               f"(staged on {staged}).")
+    return tuple(plan)
+
+
+def _local_sources(staged: jax.Array, dst: Sharding) -> tuple[list[jax.Array], list[jax.Device]]:
+    """What to copy where to lay ``staged`` (placed by ``staging_sharding``) out on this process's ``dst``
+    devices: for each, the local staged shard with its index, or the part it needs of a larger one."""
+    data = {shard.device: shard.data for shard in staged.addressable_shards}
+    plan = _copy_plan(staged.sharding, dst, tuple(staged.shape))
+    return ([data[src] if part is None else data[src][part] for src, part, _ in plan],
+            [device for _, _, device in plan])
 
 
 def reshard(tree, shardings):
@@ -151,10 +161,23 @@ def reshard(tree, shardings):
             groups[src].append((i, s))
         else:  # the same devices in another order: JAX's own reordering reshard
             out[i] = jax.device_put(x, s)
+    copies: list[tuple[int, jax.Array, int]] = []  # (leaf, staged array, number of shards to copy)
+    sources, devices = [], []
     for items in groups.values():  # one program per source device order (a program runs on one)
         staged = _stage_fn(tuple(s for _, s in items))(*[leaves[i] for i, _ in items])
         for (i, _), y in zip(items, staged, strict=True):
-            out[i] = y if y.sharding.device_set == dsts[i].device_set else _local_copy(y, dsts[i])
+            if y.sharding.device_set == dsts[i].device_set:
+                out[i] = y
+                continue
+            src_shards, dst_devices = _local_sources(y, dsts[i])
+            copies.append((i, y, len(src_shards)))
+            sources += src_shards
+            devices += dst_devices
+    copied = jax.device_put(sources, devices)  # every local device-to-device copy of the publish, batched
+    start = 0
+    for i, y, n in copies:
+        out[i] = jax.make_array_from_single_device_arrays(y.shape, dsts[i], copied[start:start + n], dtype=y.dtype)
+        start += n
 
     rebuilt, start = [], 0
     for sub_def, n in defs:
