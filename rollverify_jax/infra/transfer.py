@@ -30,6 +30,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 COPY_AXIS = "_copy"  # the staging mesh's extra axis: copies of the destination's shards over the source devices
 
 
-def tree_bytes(tree) -> int:
+def tree_bytes(tree: Any) -> int:
     """Global bytes of every array leaf of ``tree`` (each array counted once, whatever its replication): what a
     publish moves to the destination layout."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
@@ -132,7 +133,7 @@ def _local_sources(staged: jax.Array, dst: Sharding) -> tuple[list[jax.Array], l
             [device for _, _, device in plan])
 
 
-def reshard(tree, shardings):
+def reshard(tree: Any, shardings: Any) -> Any:
     """``tree`` placed on ``shardings`` (a matching tree of ``Sharding``s, or a prefix of it, e.g. one sharding
     for all), returned at dispatch: the copies run while the caller goes on, and ``jax.block_until_ready`` on
     the result waits for them. Works between disjoint device sets, in one process or several (every process
