@@ -44,12 +44,12 @@ def train_one_step(trainer: Trainer) -> dict:
     t2 = time.perf_counter()
     cycle_metrics = trainer.end_cycle(phase.metrics)
     lengths = [t.num_tokens for t in scored.trajs]
-    if "async/update_s" in train_metrics:  # the asynchronous mode: how much of the step each device group worked
+    if "time/update" in train_metrics:  # the asynchronous mode: how much of the step each device group worked
         step_s = t2 - t0
         busy = (phase.metrics["rollout/prefill_time"] + phase.metrics["rollout/decode_time"]
                 + train_metrics["overlap/decode_time"])
-        train_metrics["async/train_busy_fraction"] = min(train_metrics["async/update_s"] / max(step_s, 1e-9), 1.0)
-        train_metrics["async/rollout_busy_fraction"] = min(busy / max(step_s, 1e-9), 1.0)
+        train_metrics["time/train_mesh_busy_fraction"] = min(train_metrics["time/update"] / max(step_s, 1e-9), 1.0)
+        train_metrics["time/rollout_mesh_busy_fraction"] = min(busy / max(step_s, 1e-9), 1.0)
     return {**phase.metrics, **scored.metrics, **select_metrics, **train_metrics, **cycle_metrics,
             "time/train": t2 - t1, "time/step": t2 - t0,
             "time/verify_fraction": phase.metrics["time/verify"] / max(t2 - t0, 1e-9),

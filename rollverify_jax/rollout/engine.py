@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax import schedule_rules
-from rollverify_jax.infra import distributed
+from rollverify_jax.infra import distributed, transfer
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
@@ -710,7 +710,9 @@ class Engine:
     # Placement
 
     def _place_params(self, params):
-        return jax.device_put(params, self.plan.param_shardings(params))
+        # From the learner's mesh, which may be other devices (the asynchronous mode): a reshard that neither
+        # waits for the params to be computed nor goes through the host (infra/transfer.py).
+        return transfer.reshard(params, self.plan.param_shardings(params))
 
     def place_params(self, params: nnx.State) -> nnx.State:
         """A copy of ``params`` (on any mesh) in the engine's serving layout, on its mesh; not waited for (the

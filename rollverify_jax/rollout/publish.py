@@ -78,10 +78,10 @@ class WeightPublisher:
             self.failures += 1
             print(f"publish of policy version {staged.version} failed ({type(error).__name__}: {error}); rollout "
                   f"stays on version {self.engine.version} until the next publish", flush=True)
-            return {"publish/failed": 1, "publish/version": self.engine.version, "publish/wait_s": wait}
+            return {"publish/failed": 1, "publish/version": self.engine.version, "time/publish_wait": wait}
         self.engine.swap_params(staged.params, staged.version)
         return {"publish/failed": 0, "publish/version": staged.version, "publish/bytes": tree_bytes(staged.params),
-                "publish/wait_s": wait, "publish/time_s": time.perf_counter() - staged.started}
+                "time/publish_wait": wait, "time/publish": time.perf_counter() - staged.started}
 
 
 def _check_whole(staged: Any, serving: Any) -> None:

@@ -109,13 +109,15 @@ def resume_settings(spec: RunSpec) -> tuple[dict, dict]:
                                                  spec.engine.compute_dtype or cfg.dtype)
 
 
-def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None,
-                 mesh: Mesh | None = None) -> tuple[Serving, Evaluator]:
+def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None, mesh: Mesh | None = None,
+                 model_mesh: Mesh | None = None) -> tuple[Serving, Evaluator]:
     """The policy of a spec as it samples and is graded (model, engine, tokenizer, prompt renderer, reward
     scorer, tool runner), and its evaluator (``build_evaluator``).
 
-    With ``checkpoint`` (evaluation, export), the params come from an orbax checkpoint (a workdir or one of its
-    step directories, local or e.g. ``gs://``) or from an HF-layout directory (local: its safetensors are mapped).
+    ``mesh``: the engine's (default: the spec's mesh over every device); ``model_mesh``: where the model's weights
+    are loaded (default: ``mesh``; the asynchronous mode's train mesh). With ``checkpoint`` (evaluation, export),
+    the params come from an orbax checkpoint (a workdir or one of its step directories, local or e.g. ``gs://``) or
+    from an HF-layout directory (local: its safetensors are mapped).
     """
     checkpoint = storage.as_path(checkpoint) if checkpoint is not None else None
     mesh = mesh if mesh is not None else make_mesh(spec)
@@ -124,7 +126,7 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None,
     if hf_checkpoint:
         train = dataclasses.replace(train, policy_path=str(checkpoint),
                                     tokenizer_path=train.tokenizer_path or train.policy_path)
-    model = load_policy(spec, train, mesh)
+    model = load_policy(spec, train, model_mesh or mesh)
     tok_path = train.tokenizer_path or train.policy_path
     if tok_path is None:
         raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
@@ -153,7 +155,8 @@ def build_trainer(spec: RunSpec, workdir: storage.PathLike) -> Trainer:
     compared with the spec's, ``Trainer.settings``)."""
     workdir = storage.as_path(workdir)
     train_mesh, rollout_mesh = make_meshes(spec)  # one mesh twice, or the asynchronous mode's two
-    serving, evaluator = build_policy(spec, mesh=rollout_mesh)
+    # The model's weights are loaded where the learner trains them; the engine copies them to its own devices.
+    serving, evaluator = build_policy(spec, mesh=rollout_mesh, model_mesh=train_mesh)
     try:
         return _training(spec, serving, evaluator, workdir, train_mesh)
     except BaseException:

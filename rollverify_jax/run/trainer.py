@@ -88,7 +88,7 @@ class Trainer:
     def select(self, scored: step_lib.Scored) -> tuple[dict, dict]:
         spec = self.spec
         return step_lib.select(
-            scored, spec.learner, spec.filter, current_version=self.serving.engine.version,
+            scored, spec.learner, spec.filter, current_version=self.step,
             rows=spec.rollout.batch_groups * spec.rollout.group_size, width=spec.engine.max_seq_len,
             mesh=self.learner_mesh, skip_uniform_groups=spec.train.skip_uniform_groups,
             policy_logp=step_lib.on_host(self.logprob_fn, self.train_state.params),
@@ -122,8 +122,8 @@ class Trainer:
         waited = time.perf_counter() - t1
         published = self.publisher.swap()
         manager.at_swap()
-        return {**fetched, **overlap, **published, "async/update_s": update.seconds(),
-                "async/rollout_wait_s": waited}
+        return {**fetched, **overlap, **published, "time/update": update.seconds(),
+                "time/rollout_wait_for_update": waited}
 
     def evaluate(self) -> dict:
         """Held-out evaluation with the engine's current weights; a rollout still decoding (the asynchronous
