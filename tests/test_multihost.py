@@ -174,3 +174,31 @@ def _assert_same_safetensors(want_dir, got_dir):
             assert want.keys() == got.keys()
             for k in want:
                 np.testing.assert_array_equal(got[k], want[k])
+
+
+ASYNC = ["RolloutConfig.mode = 'async'", "AsyncConfig.rollout_devices = 0.5", "AsyncConfig.overlap_dispatches = 2",
+         "make_mesh.shape = (1, -1, 1)"]
+
+
+def test_async_two_processes_match_one(policy, tmp_path):
+    """The asynchronous mode as 2 processes x (2 rollout + 2 train devices) equals 1 process x (4 + 4): both
+    meshes span both processes, so each publish reshards the learner's weights across them (infra/transfer)."""
+    params = [*_params(policy, 2)[:-1], *ASYNC]
+    gin.clear_config()
+    try:
+        train.main([f"--workdir={tmp_path / 'one'}", *[f"--gin_param={p}" for p in params]])
+    finally:
+        gin.clear_config()
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    status = multihost_local.launch(["--traceback", f"--workdir={tmp_path / 'two'}",
+                                     *[f"--gin_param={p}" for p in params]], 2, 4, tmp_path / "logs",
+                                    timeout_s=TIME_LIMIT_S)
+    logs = "".join((tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2))
+    assert status == 0, logs[-4000:]
+    two = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [m["publish/version"] for m in two] == [1, 2] and all(m["publish/failed"] == 0 for m in two)
+    for a, b in zip(one, two, strict=True):
+        a, b = _comparable(a), _comparable(b)
+        assert set(a) == set(b)
+        differ = {k: (a[k], b[k]) for k in a if not _same(a[k], b[k])}
+        assert not differ, differ
