@@ -176,7 +176,7 @@ def test_good_config_boundaries(cls, kw):
 
 
 @pytest.mark.parametrize("cls, kw, match", [
-    (RolloutConfig, dict(mode="async"), r"Unknown rollout mode 'async'.*on_policy"),
+    (RolloutConfig, dict(mode="fully_async"), r"Unknown rollout mode 'fully_async'.*on_policy.*async"),
     (RolloutConfig, dict(batch_groups=0), "batch_groups=0 must be >= 1"),
     (RolloutConfig, dict(group_size=0), "group_size=0 must be >= 1"),
     (RolloutConfig, dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
