@@ -119,6 +119,11 @@ def summarize(rows: list[dict]) -> dict:
         "kept": mean("filter/kept_fraction"),
         "regen_equal": sum(n * x for n, x in regen) / sum(n for n, _ in regen) if regen else float("nan"),
         # Multi-turn tool use (NaN for single-turn runs: those columns are left out of the table).
+        # The asynchronous mode (NaN otherwise: those columns are left out of the table).
+        "staleness": mean("staleness/mean"),
+        "publishes": (float(sum(r.get("publish/failed") == 0 for r in train)) if any("publish/failed" in r
+                                                                                    for r in train) else float("nan")),
+        "overlap_tokens": mean("overlap/tokens"),
         "tool_calls": mean("tools/calls_per_trajectory"), "turns": mean("tools/turns_mean"),
         "tool_share": mean("tools/time_share"), "tool_wait": mean("rollout/tool_wait_fraction"),
         "tool_errors": (sum(r.get("tools/errors", 0) for r in train) / sum(r.get("tools/calls", 0) for r in train)
@@ -141,11 +146,16 @@ TOOL_COLUMNS = [("tool_calls", "tool calls / traj", ".2f"), ("turns", "turns", "
                 ("tool_wait", "slot-steps waiting on tools", ".3f")]
 
 
+ASYNC_COLUMNS = [("staleness", "trained staleness", ".3f"), ("publishes", "publishes", ".1f"),
+                 ("overlap_tokens", "tokens decoded per update", ".0f")]
+
+
 def table(summaries: dict[str, list[dict]], first: str) -> list[str]:
     """Markdown rows, one per label, each cell the mean ± standard error over that label's runs (the tool columns
-    when some run used tools)."""
-    tools = any(not np.isnan(r.get("tool_calls", np.nan)) for runs in summaries.values() for r in runs)
-    columns = COLUMNS + (TOOL_COLUMNS if tools else [])
+    when some run used tools, the asynchronous ones when some run was asynchronous)."""
+    def used(key):
+        return any(not np.isnan(r.get(key, np.nan)) for runs in summaries.values() for r in runs)
+    columns = COLUMNS + (TOOL_COLUMNS if used("tool_calls") else []) + (ASYNC_COLUMNS if used("publishes") else [])
     lines = [f"| {first} | " + " | ".join(h for _, h, _ in columns) + " |", "| --- " * (len(columns) + 1) + "|"]
     for label, runs in summaries.items():
         lines.append(f"| {label} | " + " | ".join(str(len(runs)) if k == "seeds"
