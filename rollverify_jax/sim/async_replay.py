@@ -158,7 +158,7 @@ class AsyncResult:
             "learner_busy_fraction": lr["busy_s"] / max(async_s, 1e-30),
             "rollout_busy_fraction": rollout_busy / max(async_s, 1e-30),
             "staleness_mean": lr["staleness_tokens"] / max(lr["trained_response_tokens"], 1),
-            "staleness_max": lr["staleness_max"],
+            "staleness_max": lr["staleness_max"], "admitted_max": lr["admitted_max"],
             "acceptance": tot["kept_tokens"] / tot["verified_tokens"] if tot["verified_tokens"] else float("nan"),
             "switch_step": self.switch_step,
         }
@@ -188,7 +188,7 @@ class AsyncReplay(Replay):
         self.learner = {"updates": 0, "busy_s": 0.0, "wait_s": 0.0, "train_s": 0.0, "overhead_s": 0.0,
                         "batch_tokens": 0, "train_tokens": 0, "train_positions": 0, "publish_s": 0.0, "swaps": 0,
                         "reprefill_s": 0.0, "rollout_wait_s": 0.0, "rollout_idle_s": 0.0, "staleness_tokens": 0,
-                        "trained_response_tokens": 0, "staleness_max": 0}
+                        "trained_response_tokens": 0, "staleness_max": 0, "admitted_max": 0}
         self.switched = False
 
     # -- the staleness cap ------------------------------------------------------------------------
@@ -202,6 +202,7 @@ class AsyncReplay(Replay):
 
     def _new_group(self) -> list[int]:
         self.outstanding += 1
+        self.learner["admitted_max"] = max(self.learner["admitted_max"], self.outstanding)
         return super()._new_group()
 
     def _top_up(self) -> None:

@@ -33,8 +33,8 @@ class SimConfig:
     lengths: tuple | None = None
     length_median: float = 64.0
     length_sigma: float = 1.0
-    length_group_share: float = 0.0
-    cut_length: str = "redraw"
+    length_group_share: float = 0.0  # share of the log-length variance drawn once per group (the prompt's part)
+    cut_length: str = "redraw"  # what a cut trajectory regenerates to: 'keep' its drawn length, 'redraw' a fresh one
     seed: int = 0
     segment_fail_prob: tuple = (0.0,)
     fail_ramp_start: int = 0

@@ -442,6 +442,8 @@ def plot(out: dict, path: str) -> None:
     styles = [("rollverify", "default", "o-", "RollVerify, paper-shaped acceptance (default)"),
               ("rollverify", "tiny_acceptance", "o--", "RollVerify, tiny-run acceptance"),
               ("partial", "default", "s:", "naive partial"),
+              ("async_rollverify", "default", "D-", "async RollVerify, same chips (default)"),
+              ("async_rollverify", "redraw", "D--", "async RollVerify, redraw end"),
               ("rollverify", "no_cuts", "x-.", "RollVerify, nothing cut (diagnostic)")]
     for sigma in sorted({r["variant"] for r in out["rows"] if r["variant"].startswith("sigma_")}):
         styles.append(("rollverify", sigma, "--", f"RollVerify, length {sigma.replace('_', ' ')}"))
@@ -450,12 +452,14 @@ def plot(out: dict, path: str) -> None:
         ax.plot([c / 1024 for c, _ in pts], [s for _, s in pts], style, alpha=0.8, label=f"simulated {label}")
     ax.plot([c / 1024 for c in PAPER], [a / b for a, b in PAPER.values()], "k^-", label="paper, Table 7 (GPU days)")
     ax.plot([c / 1024 for c in GOAL], list(GOAL.values()), "rv", ls="none", label="issue 25 goal")
+    ax.plot([c / 1024 for c in ASYNC_GOAL], list(ASYNC_GOAL.values()), "m^", ls="none",
+            label="issue 46 goal (async)")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log", base=2)
     ax.set_xticks([c / 1024 for c in sorted(GOAL)], ["8K", "~20K", "64K"])
     ax.set_xlabel("response cap (tokens)")
     ax.set_ylabel("speed-up vs on-policy (device-days ratio)")
-    ax.set_title("Qwen3-8B, 700 steps: predicted vs reported")
+    ax.set_title("Qwen3-8B, 700 steps: predicted vs reported (cut length kept)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
