@@ -56,10 +56,10 @@ def run_module(monkeypatch, module, argv: list[str]) -> None:
 def test_sim_scale_prints_the_published_tables(tmp_path):
     """The documented command (docs/results/simulator.md, "Real scale") at 2 steps a run, in a clone without the
     runs p(c) was fitted on: the published fit (refitted from the counts the published JSON recorded), every
-    setting in every mode in the JSON, and the three tables with the published columns and one row per setting
-    (and mode)."""
+    setting in every mode (synchronous and async) in the JSON, and the five tables (three synchronous, two async)
+    with the published columns and one row per setting (and mode)."""
     doc = (DOCS / "results" / "simulator.md").read_text()
-    published = doc.split("<!-- scale table -->")[1]
+    published = doc.split("<!-- scale table -->")[1] + doc.split("<!-- async table -->")[1]
     out, png = tmp_path / "scale.json", tmp_path / "speedup.png"
     done = subprocess.run([sys.executable, "-m", "rollverify_jax.studies.sim_scale", "--runs", str(tmp_path),
                            "--json", str(out), "--plot", str(png), "--tables", "--steps", "2", "--sigmas", "0.75",
@@ -69,10 +69,14 @@ def test_sim_scale_prints_the_published_tables(tmp_path):
     assert report["tiny_fail_prob"] == json.loads((DOCS / "results" / "simulator_scale.json").read_text())[
         "tiny_fail_prob"]  # the published fit, refitted from its recorded counts
     for setting in report["settings"]:
-        assert set(setting["modes"]) == {"on_policy", "partial", "rollverify", "rollverify_tiny"}
-        assert all(m["device_days"] > 0 for m in setting["modes"].values())
+        assert set(setting["modes"]) == {"on_policy", "partial", "rollverify", "rollverify_tiny", "rollverify_redraw"}
+        assert set(setting["async"]["modes"]) == {"async_rollverify", "async_unverified", "async_keep_kv",
+                                                  "async_rollverify_redraw"}
+        assert all(m["device_days"] > 0 for m in [*setting["modes"].values(), *setting["async"]["modes"].values()])
+    assert {r["mode"] for r in report["rows"] if r["variant"] == "default"} == {
+        "on_policy", "partial", "rollverify", "async_rollverify", "async_unverified", "async_keep_kv"}
     assert headers(done.stdout) == headers(published)
-    for header, n in zip(headers(published), (4, 16, 3), strict=True):
+    for header, n in zip(headers(published), (4, 16, 3, 4, 16), strict=True):
         assert len(table_rows(done.stdout, header)) == len(table_rows(published, header)) == n
     assert png.stat().st_size > 0
 

@@ -275,6 +275,44 @@ def length_stats(runs: list[RunData], skip: int) -> tuple[float, float, float]:
             statistics.fmean(r["response/length_max"] for r in on), sd)
 
 
+def rollout_sample_lengths(workdir) -> list[list[int]]:
+    """Each logged group's response lengths (``num_tokens``) from a run's ``samples/rollout_step_<N>.jsonl``
+    (``MetricsConfig.rollout_samples_every``; log every trajectory with ``rollout_samples_logged = B x G``), one
+    list per (step, group) with at least two members."""
+    groups: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    files = sorted(Path(workdir).glob("samples/rollout_step_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{workdir}/samples holds no rollout_step_*.jsonl: run with "
+                                "MetricsConfig.rollout_samples_every=1 and rollout_samples_logged=B*G.")
+    for f in files:
+        for line in f.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                if "num_tokens" in row:
+                    groups[(int(row.get("step", 0)), int(row["group"]))].append(int(row["num_tokens"]))
+    return [v for v in groups.values() if len(v) >= 2]
+
+
+def fit_group_share(groups: list[list[int]]) -> dict:
+    """The share of the log-length variance between groups (``LengthModel.group_share``) from per-group response
+    lengths: the one-way random-effects (ANOVA) estimate on log lengths, sigma_b^2 = (MSB - MSW) / n0 over
+    sigma_b^2 + MSW (n0 the mean group size, corrected for unequal sizes), floored at 0. Also the total log
+    sigma and median it implies (a tiny run's, not the real task's)."""
+    logs = [np.log(np.asarray(g, float)) for g in groups]
+    if len(logs) < 2:
+        raise ValueError(f"fit_group_share needs at least two groups of two or more; got {len(logs)}.")
+    sizes = np.asarray([len(x) for x in logs], float)
+    n, k = sizes.sum(), len(logs)
+    grand = np.concatenate(logs).mean()
+    msb = float(sum(len(x) * (x.mean() - grand) ** 2 for x in logs) / (k - 1))
+    msw = float(sum(((x - x.mean()) ** 2).sum() for x in logs) / (n - k))
+    n0 = (n - (sizes ** 2).sum() / n) / (k - 1)
+    between = max(0.0, (msb - msw) / n0)
+    share = float(between / (between + msw)) if between + msw > 0 else 0.0
+    return {"group_share": share, "sigma": math.sqrt(between + msw), "median": float(math.exp(grand)),
+            "groups": k, "trajectories": int(n), "max": int(max(max(g) for g in groups))}
+
+
 # -- where verification cuts ------------------------------------------------------------------------------
 
 _CHECKED = re.compile(r"^verify/segments_checked/(\d+)$")

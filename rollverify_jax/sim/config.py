@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollverify_jax.sim.replay import MODES
+from rollverify_jax.sim.replay import CUT_LENGTHS, MODES
 
 COST_SOURCES = ("costs", "roofline")
 
@@ -16,7 +16,11 @@ class SimConfig:
 
     costs: 'costs' (the ``CostModel`` bindings) or 'roofline' (``RooflineCosts`` bindings); ``--calibrate_from``
     replaces either with rates fitted on the runs. Lengths: ``lengths`` (explicit, cycled) or a lognormal
-    (``length_median``, ``length_sigma``) capped at ``RolloutConfig.max_new_tokens``. Where verification cuts
+    (``length_median``, ``length_sigma``) capped at ``RolloutConfig.max_new_tokens``, ``length_group_share`` of
+    its log-variance drawn once per group (the prompt's part; ``calibrate.fit_group_share`` fits it on a run's
+    logged rollout samples); ``cut_length``: what a cut trajectory regenerates to ('keep' its drawn length, the
+    unfavourable end; 'redraw' a fresh one given the kept prefix, the favourable end; ``LengthModel``). Where
+    verification cuts
     (``CutModel``): ``segment_fail_prob = (p1, p2, ...)``, the probability that a cached segment of age 1, 2, ...
     steps fails verification (the last value repeats), and a late ramp of that hazard from step
     ``fail_ramp_start`` on (0: none), doubling every ``fail_ramp_doubling`` steps.
@@ -29,6 +33,8 @@ class SimConfig:
     lengths: tuple | None = None
     length_median: float = 64.0
     length_sigma: float = 1.0
+    length_group_share: float = 0.0  # share of the log-length variance drawn once per group (the prompt's part)
+    cut_length: str = "redraw"  # what a cut trajectory regenerates to: 'keep' its drawn length, 'redraw' a fresh one
     seed: int = 0
     segment_fail_prob: tuple = (0.0,)
     fail_ramp_start: int = 0
@@ -48,6 +54,10 @@ class SimConfig:
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"SimConfig.modes: unknown mode {m!r}; known: {list(MODES)}.")
+        if self.cut_length not in CUT_LENGTHS:
+            raise ValueError(f"SimConfig.cut_length={self.cut_length!r}; choose one of {list(CUT_LENGTHS)}.")
+        if not 0.0 <= self.length_group_share <= 1.0:
+            raise ValueError(f"SimConfig.length_group_share={self.length_group_share} must be in [0, 1].")
         if self.costs not in COST_SOURCES:
             raise ValueError(f"SimConfig.costs={self.costs!r}; choose one of {list(COST_SOURCES)}.")
         p = self.segment_fail_prob if isinstance(self.segment_fail_prob, list | tuple) else (self.segment_fail_prob,)

@@ -231,6 +231,10 @@ class RooflineCosts:
     - ``mfu`` is the prefill's share of peak, stated apart: no published anchor,
       and the calls are forward-only and far smaller than a train micro-batch (a length bucket's rows per
       admission round), so not above training's.
+    - the async mode (``sim/async_replay.py``) splits the chips (``on_devices``): the rollout group keeps the
+      compiled decode program per chip (its slots and slot shards in proportion), prefill and training run on
+      their group's chips at the same efficiencies, and a swap copies ``param_bytes`` at ``publish_bandwidth``
+      (``publish_s``; 0: free).
     """
 
     num_devices: int = 16
@@ -257,6 +261,28 @@ class RooflineCosts:
     train_passes: float = 3.0  # model FLOPs: forward + backward (2x); remat's recompute is not model FLOPs
     decode_host_s: float = 0.0  # per decode step, host and dispatch overhead
     step_overhead_s: float = 0.0
+    param_bytes: float = 0.0  # the model's weights as trained (all of them), what a swap publishes
+    publish_bandwidth: float = 0.0  # bytes/s the publish copies at, train -> rollout chips (0: a free publish)
+
+    def on_devices(self, devices: int, decode: bool = True) -> RooflineCosts:
+        """The same config on ``devices`` of its chips (the async mode's rollout or train group): FLOP-bound
+        work (prefill, training) spreads over fewer chips; the decode program stays the compiled one per chip,
+        with the slots and slot shards in proportion (``devices`` must hold whole slot shards). ``decode``
+        False: no decode program (a train group)."""
+        if not 0 < devices <= self.num_devices:
+            raise ValueError(f"RooflineCosts.on_devices({devices}): 1 to num_devices={self.num_devices} chips.")
+        if not decode or not self.decode_num_slots:
+            return dataclasses.replace(self, num_devices=devices, decode_num_slots=0)
+        per = self.num_devices // self.decode_kv_shards
+        if self.num_devices % self.decode_kv_shards or devices % per:
+            raise ValueError(f"RooflineCosts.on_devices({devices}): a multiple of the {per} chips of a slot shard.")
+        shards = devices // per
+        return dataclasses.replace(self, num_devices=devices, decode_kv_shards=shards,
+                                   decode_num_slots=self.decode_num_slots // self.decode_kv_shards * shards)
+
+    def publish_s(self) -> float:
+        """Seconds one swap copies the weights for (``param_bytes / publish_bandwidth``)."""
+        return self.param_bytes / self.publish_bandwidth if self.publish_bandwidth else 0.0
 
     def decode_kernel(self) -> KernelDecode | None:
         """The decode step as aot prices it (None: no decode program bound)."""

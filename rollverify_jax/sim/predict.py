@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rollverify_jax.sim import async_replay as sim_async
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim.config import SimConfig
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
@@ -34,7 +35,9 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
     costs = costs.cost_model() if isinstance(costs, RooflineCosts) else costs
     prompt = cfg.prompt_len
     lengths = ({"lengths": list(cfg.lengths)} if cfg.lengths else
-               {"median": cfg.length_median, "sigma": cfg.length_sigma, "seed": cfg.seed})
+               {"median": cfg.length_median, "sigma": cfg.length_sigma, "group_share": cfg.length_group_share,
+                "seed": cfg.seed})
+    lengths["cut_length"] = cfg.cut_length
     cut = {"fail_prob": tuple(cfg.segment_fail_prob) if isinstance(cfg.segment_fail_prob, list | tuple)
            else (cfg.segment_fail_prob,), "ramp_start": cfg.fail_ramp_start,
            "ramp_doubling": cfg.fail_ramp_doubling, "seed": cfg.seed}
@@ -47,7 +50,8 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
     mean, mean_max, mean_sd = cal.length_stats(runs, cfg.skip_steps)
     median, sigma, share = cal.fit_group_lognormal(mean, mean_max, mean_sd, shape.batch_groups, shape.group_size,
                                                    shape.max_new_tokens, cfg.seed)
-    inputs.length_kwargs = {"median": median, "sigma": sigma, "group_share": share, "seed": cfg.seed}
+    inputs.length_kwargs = {"median": median, "sigma": sigma, "group_share": share, "seed": cfg.seed,
+                            "cut_length": cfg.cut_length}
     verify_runs = [r for r in runs if r.mode == "rollverify"]
     cut_fit = None
     if verify_runs:
@@ -100,6 +104,38 @@ def run_mode(mode: str, shape: RunShape, inputs: Inputs, num_steps: int):
     w = shape.workload(mode, inputs.prompt_len)
     lengths = LengthModel(shape.max_new_tokens, **inputs.length_kwargs)
     return simulate(w, inputs.costs, lengths, CutModel(**inputs.cut_kwargs), num_steps)
+
+
+def run_async(mode: str, shape: RunShape, inputs: Inputs, num_steps: int, roofline: RooflineCosts,
+              rollout_devices: int, overlap_dispatches: int | None = None,
+              max_staleness: int = 1) -> sim_async.AsyncResult:
+    """The async ``mode`` (``async_replay.ASYNC_MODES``) of ``shape`` with ``rollout_devices`` of the roofline's
+    chips decoding and the rest training (``sim/async_replay.py``); ``overlap_dispatches`` None:
+    ``auto_overlap``'s K."""
+    if roofline.num_devices != inputs.num_devices:
+        raise ValueError(f"RooflineCosts.num_devices={roofline.num_devices} but the run has {inputs.num_devices}.")
+    full = shape.workload("rollverify", inputs.prompt_len)
+    w = sim_async.rollout_workload(full, inputs.num_devices, rollout_devices, sim_async.ASYNC_MODES[mode])
+    costs = sim_async.split_costs(roofline, rollout_devices)
+    lengths = LengthModel(shape.max_new_tokens, **inputs.length_kwargs)
+    k = overlap_dispatches or sim_async.auto_overlap(w, costs, lengths)
+    setup = sim_async.AsyncSetup(inputs.num_devices, rollout_devices, k, max_staleness, sim_async.ASYNC_MODES[mode])
+    return sim_async.simulate_async(w, costs, lengths, setup, CutModel(**inputs.cut_kwargs), num_steps, full, mode)
+
+
+def split_candidates(shape: RunShape, num_devices: int) -> list[int]:
+    """Rollout device counts an async split may take: whole slot shards, at least one left to train."""
+    per = num_devices // shape.pool_shards
+    return list(range(per, num_devices, per))
+
+
+def best_split(mode: str, shape: RunShape, inputs: Inputs, roofline: RooflineCosts, num_steps: int,
+               max_staleness: int = 1) -> tuple[int, dict[int, float]]:
+    """The rollout device count of ``split_candidates`` with the least wall clock over ``num_steps`` updates of
+    ``mode``, and every candidate's wall clock."""
+    walls = {r: run_async(mode, shape, inputs, num_steps, roofline, r, max_staleness=max_staleness).wall_s
+             for r in split_candidates(shape, inputs.num_devices)}
+    return min(walls, key=walls.get), walls
 
 
 def format_table(rows: list[dict]) -> str:

@@ -18,10 +18,14 @@ replay's state; ``tests/test_scheduler_parity.py`` replays recorded scheduler tr
   beyond ``B``). A trajectory's cached tokens are segments, one per step that sampled some of them; at
   verification each segment of age ``c`` (the verifying step minus the segment's) fails with probability
   ``p(c)`` (``CutModel``), oldest first, and the cut falls at the first failing segment's first token (keep =
-  the tokens before it; 0 restarts from the prompt). A cut trajectory regenerates with a fresh length
-  (``LengthModel.redraw``). The cycle's acceptance ``sum keep / sum n`` over the verified paused trajectories
-  enters the switching window; once the full window's mean is below the threshold
-  (``schedule_rules.switch_due``) the run goes on-policy and the cache is dropped.
+  the tokens before it; 0 restarts from the prompt). A cut trajectory regenerates to a length set by
+  ``LengthModel.cut_length``: the one drawn for it at creation ('keep', the unfavourable end of the bracket) or a
+  fresh draw given the kept prefix ('redraw', ``LengthModel.redraw``: shorter on average, the favourable end).
+  The cycle's acceptance ``sum keep / sum n`` over the verified paused trajectories enters the switching
+  window; once the full window's mean is below the threshold (``schedule_rules.switch_due``) the run goes
+  on-policy and the cache is dropped.
+- async (``sim/async_replay.py``): rollout and training on disjoint devices, overlapped, with a swap of weights
+  (and a re-prefill, verified or not) per update; it reuses this replay's admission, dispatch and cuts.
 
 A sequence's response length is drawn when its group is created (``LengthModel``). As in the engine, an
 admitted sequence's first token is sampled by ``insert`` (counted apart from decode's tokens), a decode dispatch
@@ -58,6 +62,9 @@ from rollverify_jax.schedule_rules import MODES
 from rollverify_jax.sim.costs import CostModel
 
 RESERVATIONS = ("incremental", "full")
+# What a cut trajectory regenerates to (``LengthModel.regenerated``): the two ends of the bracket the true
+# length of a regeneration lies in
+CUT_LENGTHS = ("keep", "redraw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,10 +248,16 @@ class LengthModel:
     a lognormal with the given median and (total) sigma, rounded and clipped to [1, max_new_tokens]. A group's
     members answer the same prompt, so their lengths are alike: ``group_share`` of the log-variance is drawn
     once per group (sigma_between = sigma sqrt(share)), the rest per member. Regenerated lengths (``redraw``)
-    come from a generator of their own, so the new groups' lengths are the same in every mode."""
+    come from a generator of their own, so the new groups' lengths are the same in every mode.
+
+    ``cut_length``: what a trajectory that verification cut regenerates to (``regenerated``). 'keep': the length
+    drawn for it at creation (the cut changes which tokens it holds, not how long the policy writes: the
+    unfavourable end, since the long trajectories are the ones cut and they stay long); 'redraw': a fresh draw
+    ``L | L > keep`` (what an independent resample from the prefix would give if its length did not depend on the
+    tokens cut: the favourable end, shorter on average). The truth lies between; report both."""
 
     def __init__(self, max_new_tokens: int, lengths=None, median: float = 0.0, sigma: float = 0.0,
-                 seed: int = 0, group_share: float = 0.0, redraw_lengths=None):
+                 seed: int = 0, group_share: float = 0.0, redraw_lengths=None, cut_length: str = "redraw"):
         self.max_new_tokens = int(max_new_tokens)
         self.lengths = None if lengths is None else [int(x) for x in lengths]
         self.redraw_lengths = self.lengths if redraw_lengths is None else [int(x) for x in redraw_lengths]
@@ -254,6 +267,9 @@ class LengthModel:
             raise ValueError(f"lognormal lengths need median > 0 and sigma >= 0 (got {median}, {sigma}).")
         if not 0.0 <= group_share <= 1.0:
             raise ValueError(f"group_share={group_share} must be in [0, 1].")
+        if cut_length not in CUT_LENGTHS:
+            raise ValueError(f"cut_length={cut_length!r}; choose one of {list(CUT_LENGTHS)}.")
+        self.cut_length = cut_length
         self.median, self.sigma, self.group_share = float(median), float(sigma), float(group_share)
         self._rng = np.random.default_rng(seed)
         self._redraw_rng = np.random.default_rng([seed, 1])
@@ -282,12 +298,20 @@ class LengthModel:
     def _clip(self, v) -> int:
         return min(max(1, int(v)), self.max_new_tokens)
 
+    def regenerated(self, mu: float, keep: int, drawn: int) -> int:
+        """The length a member of a group of log-median ``mu`` drawn ``drawn`` tokens long regenerates to after a
+        cut at ``keep`` (``cut_length``)."""
+        if self.cut_length == "keep":
+            return max(drawn, min(keep + 1, self.max_new_tokens))
+        return self.redraw(mu, keep)
+
     def redraw(self, mu: float, keep: int) -> int:
         """The new length of a member that regenerates from its first ``keep`` tokens (0: a restart from the
         prompt, a fresh draw), for a group of log-median ``mu``: the member distribution conditioned on not having
-        ended within the kept prefix, ``L | L > keep``. That is what a fresh sample of the same policy from that
-        prefix does (the engine samples the regenerated tokens with a new seed). The original length is not kept:
-        it was conditioned on surviving past every token the cut removed. Explicit lists give the next value of
+        ended within the kept prefix, ``L | L > keep``: a fresh sample of the same policy from that prefix (the
+        engine samples the regenerated tokens with a new seed) if its length did not depend on the prompt beyond
+        the group's part. It does at real scale (a hard prompt's cut trajectory stays long), so this is the
+        favourable end of the bracket (``cut_length='keep'`` the other). Explicit lists give the next value of
         ``redraw_lengths`` (default: the lengths; a cycle of its own), at least ``keep + 1``."""
         if self.lengths is not None:
             v = self.redraw_lengths[self._next_redraw % len(self.redraw_lengths)]
@@ -678,7 +702,8 @@ class Replay:
             t.tokens = tokens
 
     def _cut(self, t: _Traj, keep: int) -> None:
-        """Truncates ``t`` to its first ``keep`` tokens and draws the length it regenerates to."""
+        """Truncates ``t`` to its first ``keep`` tokens and sets the length it regenerates to
+        (``LengthModel.regenerated``)."""
         left, segs = keep, []
         for step, count in t.segments:
             if left <= 0:
@@ -686,7 +711,7 @@ class Replay:
             segs.append([step, min(count, left)])
             left -= count
         t.segments, t.tokens, t.finished = segs, keep, False
-        t.target = self.lengths.redraw(t.mu, keep)
+        t.target = self.lengths.regenerated(t.mu, keep, t.target)
 
     def _group_gains(self, gid: int) -> None:
         self.group_done[gid] += 1
@@ -855,15 +880,20 @@ class Replay:
         rec.preemptions += len(uids)
         return slots.by_shard(slots.pages(w, 1))
 
-    def _dispatch(self, rec: StepRecord, one: bool) -> None:
-        """Dispatches up to the first end of a sequence (exactly one if ``one``), each over the live slot
-        bucket of the running sequences, after granting their pages."""
+    def _tops_up(self) -> bool:
+        """Whether new requests may join the queue before the next dispatch (a partial phase always may)."""
+        return not self.on_policy
+
+    def _dispatch(self, rec: StepRecord, one: bool, limit: int | None = None, budget_s: float | None = None) -> int:
+        """Dispatches up to the first end of a sequence (exactly one if ``one``; at most ``limit``; no more than
+        the first that reaches ``budget_s`` seconds), each over the live slot bucket of the running sequences,
+        after granting their pages. Returns the dispatches run."""
         k, slots = self.w.steps_per_dispatch, self.slots
         preempted = rec.preemptions
         held = self._grow_or_preempt(rec)
         m = slots.active
         if not m:
-            return
+            return 0
         # some running slot above the live bucket: pack them below it (one pool shard: a sharded pool's engine
         # decodes over all slots and never moves one)
         if slots.shards == 1 and slots.live_np[self.w.slot_bucket(m):].any():
@@ -873,7 +903,7 @@ class Replay:
         # be admitted (partial phases top the queue up before every dispatch); a queue head waiting for pages
         # waits until a sequence ends or is preempted (running sequences only ever take pages)
         waits = self.page_blocked and rec.preemptions == preempted
-        refill = m < self.w.num_slots and not waits and (bool(self.queue) or not self.on_policy)
+        refill = m < self.w.num_slots and not waits and (bool(self.queue) or self._tops_up())
         n = 1 if one or refill else slots.to_next_end()
         if held is not None and n > 1:
             n = min(n, self._pages_safe(held) + 1)
@@ -882,10 +912,23 @@ class Replay:
         widens = self.w.widens_after(longest)
         if widens is not None:
             n = min(n, widens)
+        if limit is not None:
+            n = max(1, min(n, limit))
         attended = m * self.w.prompt_len + slots.tokens_sum()
         bucket = self.w.slot_bucket(m)
-        running = slots.reads(self.w.prompt_len, n * k) if self.costs.reads_slot_lengths else None
-        rec.decode_s += self.costs.decode(n, k, m, attended, bucket, width, running)
+
+        def seconds(d: int) -> float:
+            running = slots.reads(self.w.prompt_len, d * k) if self.costs.reads_slot_lengths else None
+            return self.costs.decode(d, k, m, attended, bucket, width, running)
+
+        cost = seconds(n)
+        if budget_s is not None and n > 1 and cost > budget_s:  # the fewest dispatches that reach the budget
+            lo, hi = 1, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if seconds(mid) >= budget_s else (mid + 1, hi)
+            n, cost = lo, seconds(lo)
+        rec.decode_s += cost
         ended = slots.advance(n)
         total = m * n * k - sum(n * k - rem for _, rem in ended)
         rec.dispatches += n
@@ -898,6 +941,7 @@ class Replay:
             t = self.trajs[uid]
             self._grow_tokens(t, t.target)
             self._finish(t)
+        return n
 
     def _pages_safe(self, held: np.ndarray) -> int:
         """Dispatches after the next one that surely need no preemption: a running slot gains at most

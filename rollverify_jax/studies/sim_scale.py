@@ -1,10 +1,17 @@
 """The simulator at real scale beside the paper's Table 7: predicted device-days of on-policy, naive partial and
-RollVerify for Qwen3-8B at 8K, ~20K (the main setting) and 64K contexts (and Qwen3-30B-A3B at ~20K), and a PNG
-of the speed-up against context.
+RollVerify for Qwen3-8B at 8K, ~20K (the main setting) and 64K contexts (and Qwen3-30B-A3B at ~20K), the
+fully-asynchronous modes on the same devices beside verl's and AReaL's published speed-ups, and a PNG of the
+speed-up against context.
 
     python -m rollverify_jax.studies.sim_scale --json docs/results/simulator_scale.json \
         --plot docs/results/simulator_speedup.png \
-        [--tables]
+        [--tables] [--jobs 2]
+
+Every setting's shipped defaults (``default`` rows) are the unfavourable end of the cut-length bracket
+(``SimConfig.cut_length = 'keep'``: a cut trajectory keeps its drawn length); ``redraw`` rows are the other end (a
+fresh length given the kept prefix). The async rows (``ASYNC_MODES``: ``sim/async_replay.py``) split the same
+chips into a rollout and a train group: the split is searched (``predict.best_split``, async RollVerify over the
+first ``--search_steps`` steps, every whole slot shard) and all three async modes run at it for the full run.
 
 Each setting is the real config plus its cost file (configs/sim/*.gin: the compiled programs' aot reports, a
 decode step priced as their decode estimate prices it, and the stated assumptions; the train step's packed rows
@@ -25,7 +32,9 @@ in device-days.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 from pathlib import Path
 
 from rollverify_jax import simulate as sim
@@ -54,16 +63,54 @@ DIAGNOSTICS = [
 ]
 PAPER = {8192: (16.6, 15.1), 20480: (98.1, 57.5), 61440: (261.0, 137.0)}  # Table 7 (GPU days): on-policy, RV
 GOAL = {8192: 1.1, 20480: 1.5, 61440: 1.8}  # issue 25: RollVerify speed-up wanted for Qwen3-8B
+ASYNC_MODES = ("async_rollverify", "async_unverified", "async_keep_kv")
+ASYNC_GOAL = {20480: 2.4, 61440: 2.8}  # issue 46: async RollVerify wanted for Qwen3-8B (unfavourable end)
+# published async speed-ups against each system's synchronous baseline (their hardware and baselines, not ours)
+PUBLISHED_ASYNC = {"Qwen3-8B": "verl 2.35-2.67x (Qwen2.5-Math-7B, DAPO, 28K, 128 GPUs); AReaL 2.27-2.77x",
+                   "Qwen3-30B-A3B": "verl 1.72x (Qwen3-30B-A3B, 8K)"}
+SEARCH_STEPS = 100
+REDRAW = "SimConfig.cut_length = 'redraw'"  # the favourable end of the cut-length bracket
 TERMS = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "overhead_s")
 
 
-def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
+def _setup(files: list[str], params: list[str], steps: int | None):
     spec = sim.spec_from_gin(files, params)
-    cfg, shape = sim_config(spec), sim.shape_of(spec)
-    inputs = sim_predict.build_inputs(cfg, shape, [], costs=sim_costs(spec))
-    n = steps or cfg.num_steps or shape.num_steps
+    cfg, shape, roofline = sim_config(spec), sim.shape_of(spec), sim_costs(spec)
+    inputs = sim_predict.build_inputs(cfg, shape, [], costs=roofline)
+    return shape, inputs, roofline, steps or cfg.num_steps or shape.num_steps
+
+
+def predict(files: list[str], params: list[str], modes, steps: int | None) -> list[dict]:
+    shape, inputs, _, n = _setup(files, params, steps)
     return [with_terms(sim_predict.run_mode(m, shape, inputs, n).summary(inputs.num_devices),
                        inputs.costs.decode_per_step_s()) for m in modes]
+
+
+def predict_async(files: list[str], params: list[str], modes, steps: int | None, rollout_devices: int | None = None,
+                  search_steps: int = SEARCH_STEPS) -> tuple[list[dict], dict]:
+    """The async ``modes`` at ``rollout_devices`` (None: the best split for async RollVerify over ``search_steps``
+    steps), and the search (every candidate's wall clock)."""
+    shape, inputs, roofline, n = _setup(files, params, steps)
+    search = {}
+    if rollout_devices is None:
+        rollout_devices, walls = sim_predict.best_split("async_rollverify", shape, inputs, roofline,
+                                                        min(search_steps, n))
+        search = {"steps": min(search_steps, n), "wall_s": walls}
+    return [async_terms(sim_predict.run_async(m, shape, inputs, n, roofline, rollout_devices).summary())
+            for m in modes], {"rollout_devices": rollout_devices, **search}
+
+
+def async_terms(summary: dict) -> dict:
+    """An async summary plus its device time by use: each group's busy chip-days (rollout: prefill, decode,
+    verification, publish; learner: train step and overhead), and ``busy_days`` (their sum: what a perfectly
+    balanced split of the same work would cost; the rest of the device-days is a group waiting on the other)."""
+    r, t = summary["rollout_devices"], summary["train_devices"]
+    day = 86400.0
+    sync_days = summary["sync_wall_s"] * summary["num_devices"] / day
+    rollout = summary["rollout_busy_s"] * r / day
+    learner = summary["learner_busy_s"] * t / day
+    return {**summary, "busy_days": {"rollout": rollout, "learner": learner, "synchronous": sync_days,
+                                     "total": rollout + learner + sync_days}}
 
 
 def with_terms(summary: dict, decode_per_step: dict | None = None) -> dict:
@@ -153,6 +200,10 @@ def main() -> None:
     ap.add_argument("--plot_only", action="store_true", help="redraw --plot (and --tables) from the --json of an "
                     "earlier run")
     ap.add_argument("--tables", action="store_true", help="print the markdown tables of docs/results/simulator.md")
+    ap.add_argument("--search_steps", type=int, default=SEARCH_STEPS, help="steps each candidate split of the async "
+                    "search runs")
+    ap.add_argument("--jobs", type=int, default=1, help="settings run in parallel processes (the results are the "
+                    "same)")
     args = ap.parse_args()
     if args.plot_only:
         out = json.loads(Path(args.json).read_text())
@@ -160,6 +211,7 @@ def main() -> None:
             plot(out, args.plot)
         if args.tables:
             print(tables(out))
+            print("\n" + async_tables(out))
         return
     if args.fit_json:
         tiny_p, tiny_source = fail_prob_from_json(Path(args.fit_json))
@@ -173,34 +225,65 @@ def main() -> None:
     out = {"rows": [], "settings": [], "tiny_fail_prob": list(tiny_p), "tiny_source": tiny_source}
     print(f"tiny acceptance: p(c) = {tuple(round(x, 3) for x in tiny_p)} ({tiny_source.get('runs', tiny_source)})",
           flush=True)
-    for model, ctx, files, params in SETTINGS:
-        on, partial, rv = predict(files, params, MODES, args.steps)
-        (rv_tiny,) = predict(files, [*params, *tiny], ("rollverify",), args.steps)
-        days = on["device_days"]
-        for variant, rv_row in (("default", rv), ("tiny_acceptance", rv_tiny)):
-            out["rows"] += [row(model, ctx, variant, r, days) for r in (on, partial, rv_row)]
-        setting = {"model": model, "context": ctx, "files": files, "params": params,
-                   "modes": {"on_policy": on, "partial": partial, "rollverify": rv, "rollverify_tiny": rv_tiny},
-                   "paper": PAPER.get(ctx) if model == "Qwen3-8B" else None,
-                   "shortfall": shortfall(on, rv, ctx) if model == "Qwen3-8B" else None}
-        print(f"{model} {ctx}: on-policy {days:.2f}, partial {partial['device_days']:.2f} "
-              f"({days / partial['device_days']:.2f}x), "
-              f"RollVerify {rv['device_days']:.2f} ({days / rv['device_days']:.2f}x, switch {rv['switch_step']}, "
-              f"acceptance {rv['acceptance']:.3f}), tiny acceptance {rv_tiny['device_days']:.2f} "
-              f"({days / rv_tiny['device_days']:.2f}x, switch {rv_tiny['switch_step']}, acceptance "
-              f"{rv_tiny['acceptance']:.3f})", flush=True)
-        if model == "Qwen3-8B":
-            setting["diagnostics"] = diagnostics(model, ctx, files, params, days, args, out["rows"])
+    jobs = [(model, ctx, files, params, tiny, args) for model, ctx, files, params in SETTINGS]
+    if args.jobs > 1:  # settings are independent: one process each (spawned: gin and JAX state are per process)
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            done = list(pool.map(run_setting, *zip(*jobs, strict=True)))
+    else:
+        done = [run_setting(*job) for job in jobs]
+    for setting, rows in done:
         out["settings"].append(setting)
+        out["rows"] += rows
     if args.json:
         Path(args.json).write_text(json.dumps(_finite(out), indent=1) + "\n")
     if args.plot:
         plot(out, args.plot)
     if args.tables:
         print(tables(out))
+        print("\n" + async_tables(out))
 
 
-def diagnostics(model: str, ctx: int, files: list[str], params: list[str], on_days: float, args, rows: list) -> dict:
+def run_setting(model: str, ctx: int, files: list[str], params: list[str], tiny: list[str], args) -> tuple[dict, list]:
+    """One setting: the synchronous modes (both ends of the cut-length bracket, the tiny-run acceptance), the async
+    modes at the best split, and (Qwen3-8B) the diagnostics. Returns its JSON entry and its rows."""
+    rows: list[dict] = []
+    on, partial, rv = predict(files, params, MODES, args.steps)
+    (rv_tiny,) = predict(files, [*params, *tiny], ("rollverify",), args.steps)
+    (rv_redraw,) = predict(files, [*params, REDRAW], ("rollverify",), args.steps)
+    days = on["device_days"]
+    for variant, rv_row in (("default", rv), ("tiny_acceptance", rv_tiny)):
+        rows += [row(model, ctx, variant, r, days) for r in (on, partial, rv_row)]
+    rows.append(row(model, ctx, "redraw", rv_redraw, days))
+    asyncs, split = predict_async(files, params, ASYNC_MODES, args.steps, search_steps=args.search_steps)
+    (arv_redraw,) = predict_async(files, [*params, REDRAW], ("async_rollverify",), args.steps,
+                                  split["rollout_devices"])[0]
+    rows += [row(model, ctx, "default", r, days) for r in asyncs]
+    rows.append(row(model, ctx, "redraw", arv_redraw, days))
+    setting = {"model": model, "context": ctx, "files": files, "params": params,
+               "modes": {"on_policy": on, "partial": partial, "rollverify": rv, "rollverify_tiny": rv_tiny,
+                         "rollverify_redraw": rv_redraw},
+               "async": {"split": split, "modes": {**{r["mode"]: r for r in asyncs},
+                                                   "async_rollverify_redraw": arv_redraw}},
+               "paper": PAPER.get(ctx) if model == "Qwen3-8B" else None,
+               "shortfall": shortfall(on, rv, ctx) if model == "Qwen3-8B" else None}
+    arv = asyncs[0]
+    print(f"{model} {ctx}: on-policy {days:.2f}, partial {partial['device_days']:.2f} "
+          f"({days / partial['device_days']:.2f}x), "
+          f"RollVerify {rv['device_days']:.2f} ({days / rv['device_days']:.2f}x, switch {rv['switch_step']}, "
+          f"acceptance {rv['acceptance']:.3f}; redraw end {days / rv_redraw['device_days']:.2f}x), tiny acceptance "
+          f"{rv_tiny['device_days']:.2f} ({days / rv_tiny['device_days']:.2f}x, switch {rv_tiny['switch_step']}, "
+          f"acceptance {rv_tiny['acceptance']:.3f}); async split {split}: "
+          + ", ".join(f"{r['mode']} {r['device_days']:.2f} ({days / r['device_days']:.2f}x)" for r in asyncs)
+          + f", async RollVerify redraw end {days / arv_redraw['device_days']:.2f}x (switch {arv['switch_step']}, "
+          f"acceptance {arv['acceptance']:.3f})", flush=True)
+    if model == "Qwen3-8B":
+        setting["diagnostics"] = diagnostics(model, ctx, files, params, days, args, rows, split["rollout_devices"])
+    return setting, rows
+
+
+def diagnostics(model: str, ctx: int, files: list[str], params: list[str], on_days: float, args, rows: list,
+                rollout_devices: int) -> dict:
     """RollVerify under each of ``DIAGNOSTICS``, and on-policy and RollVerify at each of ``--sigmas``."""
     found = {}
     for variant, bindings in DIAGNOSTICS:
@@ -215,6 +298,18 @@ def diagnostics(model: str, ctx: int, files: list[str], params: list[str], on_da
         found[f"sigma_{sigma}"] = {"on_policy": on, "rollverify": rv}
         print(f"  sigma {sigma}: {on['device_days']:.2f} -> {rv['device_days']:.2f} "
               f"({on['device_days'] / rv['device_days']:.2f}x)", flush=True)
+    # on-policy, RollVerify and async RollVerify (at the split) with independent members (no prompt part of the
+    # length), and with 3 ms of host and dispatch time per decode step (a dearer on-policy tail)
+    for variant, binding in (("group_share_0", "SimConfig.length_group_share = 0.0"),
+                             ("host_3ms", "RooflineCosts.decode_host_s = 0.003")):
+        changed = [*params, binding]
+        on, rv = predict(files, changed, ("on_policy", "rollverify"), args.steps)
+        (arv,) = predict_async(files, changed, ("async_rollverify",), args.steps, rollout_devices)[0]
+        rows += [row(model, ctx, variant, r, on["device_days"]) for r in (on, rv, arv)]
+        found[variant] = {"on_policy": on, "rollverify": rv, "async_rollverify": arv}
+        print(f"  {variant}: {on['device_days']:.2f} -> {rv['device_days']:.2f} "
+              f"({on['device_days'] / rv['device_days']:.2f}x), async {arv['device_days']:.2f} "
+              f"({on['device_days'] / arv['device_days']:.2f}x)", flush=True)
     return found
 
 
@@ -226,17 +321,20 @@ def _label(setting: dict) -> str:
 def tables(out: dict) -> str:
     """The markdown tables of docs/results/simulator.md's real-scale section from a run's output."""
     lines = ["| setting | chips | on-policy | naive partial | RollVerify | naive partial speed-up | RollVerify "
-             "speed-up | goal | RollVerify, tiny-run p(c) | paper: on-policy -> RollVerify (speed-up) |",
-             "| --- " * 10 + "|"]
+             "speed-up | RollVerify, redraw end | goal | RollVerify, tiny-run p(c) | paper: on-policy -> RollVerify "
+             "(speed-up) |",
+             "| --- " * 11 + "|"]
     for st in out["settings"]:
         m = st["modes"]
-        on, pa, rv, tiny = (m[k]["device_days"] for k in ("on_policy", "partial", "rollverify", "rollverify_tiny"))
+        on, pa, rv, tiny, rd = (m[k]["device_days"] for k in ("on_policy", "partial", "rollverify", "rollverify_tiny",
+                                                               "rollverify_redraw"))
         paper = st.get("paper")
         ptxt = (f"{paper[0]:g} -> {paper[1]:g} ({paper[0] / paper[1]:.2f}x)" if paper
                 else "(1.7x reported for the MoE model)")
         goal = f"{GOAL[st['context']]}x" if st["model"] == "Qwen3-8B" else "-"
         lines.append(f"| {_label(st)} | {m['on_policy']['num_devices']} | {on:.2f} | {pa:.2f} | {rv:.2f} | "
-                     f"{on / pa:.2f}x | {on / rv:.2f}x | {goal} | {tiny:.2f} ({on / tiny:.2f}x) | {ptxt} |")
+                     f"{on / pa:.2f}x | {on / rv:.2f}x | {rd:.2f} ({on / rd:.2f}x) | {goal} | {tiny:.2f} "
+                     f"({on / tiny:.2f}x) | {ptxt} |")
     lines += ["", "| setting | mode | prefill (of which attention) | decode (weights + collectives + KV reads) | "
               "verify | train | overhead | total | prefill tokens: padded / computed / copied | prefill calls | "
               "decoded tokens | trained response tokens | train positions (useful share) | cut tokens | acceptance | "
@@ -263,7 +361,8 @@ def tables(out: dict) -> str:
                 f"{r['tokens_generated'] / 1e6:,.0f}M | {r['batch_tokens'] / 1e6:,.0f}M | {positions} | "
                 f"{r['removed_tokens'] / 1e6:,.0f}M | {acc} | {sw} |")
     lines += ["", "| setting | sigma 0.75 | sigma 1.0 (table) | sigma 1.25 | nothing cut (p = 0, no switch) | "
-              "p(c) = 0.1, no ramp (no switch) | verify finished members too |", "| --- " * 7 + "|"]
+              "p(c) = 0.1, no ramp (no switch) | verify finished members too | group share 0: RollVerify, async "
+              "RollVerify | 3 ms host time per decode step: RollVerify, async RollVerify |", "| --- " * 9 + "|"]
     for st in out["settings"]:
         d = st.get("diagnostics")
         if not d:
@@ -274,9 +373,53 @@ def tables(out: dict) -> str:
             return f"{v['on_policy']['device_days'] / v['rollverify']['device_days']:.2f}x" if v else "-"
         vf = d["verify_finished"]
         rv = st["modes"]["rollverify"]["device_days"]
+        def pair(v):
+            return (f"{v['on_policy']['device_days'] / v['rollverify']['device_days']:.2f}x, "
+                    f"{v['on_policy']['device_days'] / v['async_rollverify']['device_days']:.2f}x")
         lines.append(f"| {_label(st)} | {cell(d.get('sigma_0.75'))} | {on / rv:.2f}x | {cell(d.get('sigma_1.25'))} | "
                      f"{on / d['no_cuts']['device_days']:.2f}x | {on / d['p_0.1']['device_days']:.2f}x | "
-                     f"{on / vf['device_days']:.2f}x (switch {vf['switch_step']}) |")
+                     f"{on / vf['device_days']:.2f}x (switch {vf['switch_step']}) | {pair(d['group_share_0'])} | "
+                     f"{pair(d['host_3ms'])} |")
+    return "\n".join(lines)
+
+
+def async_tables(out: dict) -> str:
+    """The async tables of docs/results/simulator.md: device-days and speed-ups on the same chips, then where each
+    async mode's device time goes."""
+    lines = ["| setting | chips: rollout + train (K) | on-policy | RollVerify (synchronous) | async RollVerify | "
+             "async unverified | async keep-KV | async RollVerify, redraw end | balanced-split bound | goal | "
+             "published (against their own baselines) |", "| --- " * 11 + "|"]
+    for st in out["settings"]:
+        m, a = st["modes"], st["async"]["modes"]
+        on = m["on_policy"]["device_days"]
+        arv = a["async_rollverify"]
+
+        def cell(r, on=on):
+            return f"{r['device_days']:.2f} ({on / r['device_days']:.2f}x)"
+        goal = f"{ASYNC_GOAL[st['context']]}x" if st["model"] == "Qwen3-8B" and st["context"] in ASYNC_GOAL else "-"
+        lines.append(f"| {_label(st)} | {arv['rollout_devices']} + {arv['train_devices']} "
+                     f"({arv['overlap_dispatches']:,}) | {on:.2f} | {cell(m['rollverify'])} | {cell(arv)} | "
+                     f"{cell(a['async_unverified'])} | {cell(a['async_keep_kv'])} | "
+                     f"{cell(a['async_rollverify_redraw'])} | {on / arv['busy_days']['total']:.2f}x | {goal} | "
+                     f"{PUBLISHED_ASYNC[st['model']]} |")
+    lines += ["", "| setting | mode | device-days | rollout group busy | learner busy | busy chip-days: rollout + "
+              "learner + synchronous | re-prefill at swaps (chip-days) | publish (chip-days) | rollout waits for the "
+              "update / idle (h) | learner waits (h) | trained response tokens | acceptance | staleness: mean / max "
+              "| switch |", "| --- " * 14 + "|"]
+    for st in out["settings"]:
+        for key in (*ASYNC_MODES, "async_rollverify_redraw"):
+            r = st["async"]["modes"][key]
+            b = r["busy_days"]
+            chip = r["rollout_devices"] / 86400.0
+            acc = "-" if r["acceptance"] is None or r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.3f}"
+            sw = r["switch_step"] if r["switch_step"] >= 0 else "-"
+            name = key.replace("_redraw", ", redraw end").replace("_", " ")
+            lines.append(
+                f"| {_label(st)} | {name} | {r['device_days']:.2f} | {r['rollout_busy_fraction']:.2f} | "
+                f"{r['learner_busy_fraction']:.2f} | {b['rollout']:.2f} + {b['learner']:.2f} + {b['synchronous']:.2f} "
+                f"| {r['reprefill_s'] * chip:.2f} | {r['publish_s'] * chip:.3f} | {r['rollout_wait_s'] / 3600:.1f} / "
+                f"{r['rollout_idle_s'] / 3600:.1f} | {r['learner_wait_s'] / 3600:.1f} | "
+                f"{r['batch_tokens'] / 1e6:,.0f}M | {acc} | {r['staleness_mean']:.2f} / {r['staleness_max']} | {sw} |")
     return "\n".join(lines)
 
 
@@ -302,6 +445,8 @@ def plot(out: dict, path: str) -> None:
     styles = [("rollverify", "default", "o-", "RollVerify, paper-shaped acceptance (default)"),
               ("rollverify", "tiny_acceptance", "o--", "RollVerify, tiny-run acceptance"),
               ("partial", "default", "s:", "naive partial"),
+              ("async_rollverify", "default", "D-", "async RollVerify, same chips (default)"),
+              ("async_rollverify", "redraw", "D--", "async RollVerify, redraw end"),
               ("rollverify", "no_cuts", "x-.", "RollVerify, nothing cut (diagnostic)")]
     for sigma in sorted({r["variant"] for r in out["rows"] if r["variant"].startswith("sigma_")}):
         styles.append(("rollverify", sigma, "--", f"RollVerify, length {sigma.replace('_', ' ')}"))
@@ -310,12 +455,14 @@ def plot(out: dict, path: str) -> None:
         ax.plot([c / 1024 for c, _ in pts], [s for _, s in pts], style, alpha=0.8, label=f"simulated {label}")
     ax.plot([c / 1024 for c in PAPER], [a / b for a, b in PAPER.values()], "k^-", label="paper, Table 7 (GPU days)")
     ax.plot([c / 1024 for c in GOAL], list(GOAL.values()), "rv", ls="none", label="issue 25 goal")
+    ax.plot([c / 1024 for c in ASYNC_GOAL], list(ASYNC_GOAL.values()), "m^", ls="none",
+            label="issue 46 goal (async)")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log", base=2)
     ax.set_xticks([c / 1024 for c in sorted(GOAL)], ["8K", "~20K", "64K"])
     ax.set_xlabel("response cap (tokens)")
     ax.set_ylabel("speed-up vs on-policy (device-days ratio)")
-    ax.set_title("Qwen3-8B, 700 steps: predicted vs reported")
+    ax.set_title("Qwen3-8B, 700 steps: predicted vs reported (cut length kept)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
