@@ -262,19 +262,26 @@ class RolloutManager:
         return self.cache.pop_complete(self.config.batch_groups)
 
     def _partial_phase(self) -> list[Group]:
+        groups = self._decode_until_batch()
+        self.cache.pause(self.scheduler.pause_all())
+        return groups
+
+    def _decode_until_batch(self) -> list[Group]:
+        """The cache resumed (verified under the newest policy when verifying), then every slot kept busy with new
+        groups until B groups are complete; returns them (all complete ones with 'train')."""
         sched, cfg = self.scheduler, self.config
         resumed = self.cache.take_for_resume(include_finished=self.verifying and self.verify_cfg.verify_finished)
         sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
         self._collect_finished()  # finished members resumed unverified are back in their groups at once
-        target = schedule_decisions.queue_target(cfg.queue_groups, sched.engine.config.num_slots, cfg.group_size)
+        target = self._queue_target()
         while not schedule_decisions.phase_done(self.cache.num_complete(), cfg.batch_groups):
-            for _ in range(schedule_decisions.groups_to_queue(sched.num_new_queued(), target, cfg.group_size)):
-                sched.submit(self._new_group())
+            self._top_up(target)
+            if sched.idle:
+                raise RuntimeError(f"the rollout has nothing to decode with {self.cache.num_complete()} of "
+                                   f"{cfg.batch_groups} groups complete: the staleness cap admits too few groups")
             sched.step()
             self._collect_finished()
-        groups = self.cache.pop_complete(cfg.batch_groups if cfg.extra_complete_groups == "carry" else None)
-        self.cache.pause(sched.pause_all())
-        return groups
+        return self.cache.pop_complete(cfg.batch_groups if cfg.extra_complete_groups == "carry" else None)
 
     # The asynchronous mode ------------------------------------------------------------------------------
 
@@ -296,22 +303,9 @@ class RolloutManager:
                                                self.config.group_size)
 
     def _async_phase(self) -> list[Group]:
-        """Resume what the last swap paused (verified under the new weights with 'verify'), then decode until B
-        groups are complete. Nothing is paused at the phase's end: decoding goes on while the learner trains
+        """A partial phase that pauses nothing at its end: decoding goes on while the learner trains
         (``overlap``), and the swap pauses (``at_swap``)."""
-        sched, cfg = self.scheduler, self.config
-        resumed = self.cache.take_for_resume(include_finished=self.verifying and self.verify_cfg.verify_finished)
-        sched.resume(resumed, keep=self._keep_fn if self.verifying else None)
-        self._collect_finished()
-        target = self._queue_target()
-        while not schedule_decisions.phase_done(self.cache.num_complete(), cfg.batch_groups):
-            self._top_up(target)
-            if sched.idle:
-                raise RuntimeError(f"the asynchronous rollout has nothing to decode with {self.cache.num_complete()}"
-                                   f" of {cfg.batch_groups} groups complete: the staleness cap admits too few groups")
-            sched.step()
-            self._collect_finished()
-        return self.cache.pop_complete(cfg.batch_groups if cfg.extra_complete_groups == "carry" else None)
+        return self._decode_until_batch()
 
     def overlap(self, dispatches: int) -> dict:
         """Up to ``dispatches`` decode dispatches with the weights the rollout holds, while the learner computes
