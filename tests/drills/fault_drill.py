@@ -47,9 +47,11 @@ GIN = "configs/tiny_rollverify.gin"
 TOOL_GIN = "configs/tiny_tool_rollverify.gin"  # the tiny tool-use default: the calculator, in RollVerify mode
 POLICY, TOOL_POLICY = ROOT / "assets" / "tiny_policy", ROOT / "assets" / "tiny_tool_policy"
 TOOL_STEPS = 3  # the tool-use runs (a reference and a killed one): their steps are the drill's longest
+ASYNC_GIN = "configs/tiny_rollverify_async.gin"  # the asynchronous mode: 4 rollout + 4 train CPU host devices
+ASYNC_ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 CASES = ("kill9", "sigterm", "damage", "restore_error", "all_damaged", "nan", "nan_sigterm", "disk_full",
          "second_launch", "export", "changed_data", "hosts", "grader", "tool_load", "tool_tokens", "lock_race",
-         "tool_kill9")
+         "tool_kill9", "async_kill9")
 SETTINGS: list[str] = []  # --param: bindings on top of PARAMS for the tiny RollVerify runs (the suite's settings)
 DEVICES_PER_HOST = 2  # the two-host runs: 2 processes x 2 CPU devices, the tiny config's mesh (1, -1, 1)
 
@@ -123,18 +125,19 @@ def train_cmd(workdir: Path, steps: int, extra=(), gin: str | None = None) -> li
 
 
 def run(args: list[str], inject: tuple[str, int] | None = None, module: str = "rollverify_jax.train",
-        timeout: float = 1800) -> subprocess.CompletedProcess:
+        timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", INJECT, *map(str, inject), *args] if inject else \
         [sys.executable, "-m", module, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def start(args: list[str], log: Path, inject: tuple[str, int] | None = None) -> subprocess.Popen:
+def start(args: list[str], log: Path, inject: tuple[str, int] | None = None,
+          env: dict | None = None) -> subprocess.Popen:
     """A training launch in the background; its stderr goes to ``log`` (a pipe nobody reads could fill)."""
     cmd = [sys.executable, "-c", INJECT, *map(str, inject), *args] if inject else \
         [sys.executable, "-m", "rollverify_jax.train", *args]
     with open(log, "w") as err:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
 
 
 def start_hosts(per_host: list[list[str]], log_dir: Path) -> list[subprocess.Popen]:
@@ -245,14 +248,15 @@ class Reference:
     """An uninterrupted run, made the first time a case needs it (``--only`` runs no reference it does not need):
     its workdir and its final state."""
 
-    def __init__(self, workdir: Path, steps: int, gin: str | None = None, policy: Path | None = None):
-        self.dir, self.steps, self.gin, self.policy = workdir, steps, gin, policy
+    def __init__(self, workdir: Path, steps: int, gin: str | None = None, policy: Path | None = None,
+                 env: dict | None = None):
+        self.dir, self.steps, self.gin, self.policy, self.env = workdir, steps, gin, policy, env
         self._state = None
 
     @property
     def state(self):
         if self._state is None:
-            done = run(train_cmd(self.dir, self.steps, gin=self.gin))
+            done = run(train_cmd(self.dir, self.steps, gin=self.gin), env=self.env)
             if done.returncode:
                 raise RuntimeError(f"the reference run {self.dir.name} failed: {done.stderr[-3000:]}")
             self._state = final_state(self.dir, self.policy)
@@ -277,6 +281,7 @@ def drill(args) -> list[tuple[str, bool, str]]:
 
     ref = Reference(root / "reference", steps)
     tool_ref = Reference(root / "tool_reference", TOOL_STEPS, TOOL_GIN, TOOL_POLICY)
+    async_ref = Reference(root / "async_reference", TOOL_STEPS, ASYNC_GIN, POLICY, env=ASYNC_ENV)
     rng = random.Random(args.seed)
     cases = {"kill9": lambda: kill9(root, ref, record, rng, args.kills),
              "sigterm": lambda: sigterm(root, ref, record),
@@ -294,7 +299,8 @@ def drill(args) -> list[tuple[str, bool, str]]:
              "tool_load": lambda: record(*tool_load(args.tool_calls)),
              "tool_tokens": lambda: record(*tool_tokens()),
              "lock_race": lambda: record(*lock_race(root, args.lock_trials)),
-             "tool_kill9": lambda: tool_kill9(root, tool_ref, record, rng)}
+             "tool_kill9": lambda: tool_kill9(root, tool_ref, record, rng),
+             "async_kill9": lambda: async_kill9(root, async_ref, record, rng)}
     for name in CASES:
         if args.only and name not in args.only:
             continue
@@ -808,6 +814,36 @@ def tool_kill9(root, ref, record, rng):
     calls = [r.get("tools/calls") for r in rows(work) if r["step"] > 0] if (work / "metrics.jsonl").exists() else []
     record(f"kill -9 in a tool-use rollout ({delay:.1f} s after step 1's commit, last row: step {killed_at}), resume",
            ok and running, f"{detail}; tool calls per step {calls}")
+
+
+def async_kill9(root, ref, record, rng):
+    """kill -9 during an asynchronous run (``configs/tiny_rollverify_async.gin`` on 4 + 4 CPU host devices) a
+    moment after step 1's checkpoint commits (step 2's rollout, its update or the overlap decoding beside it),
+    then the same command: bit-identical to an uninterrupted run (paused trajectories, groups in flight and the
+    published version all come back from the checkpoint)."""
+    steps = ref.steps
+    ref.state  # noqa: B018
+    work = root / "async_kill9"
+    cmd = train_cmd(work, steps, gin=ASYNC_GIN)
+    proc = start(cmd, root / "async_kill9.log", env=ASYNC_ENV)
+    delay = rng.uniform(0.0, 3.0)
+    wait_for_step(proc, work, 1)
+    while 1 not in committed(work) and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(delay)
+    running = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(steps_logged(work), default=-1)
+    resumed = run(cmd, env=ASYNC_ENV)
+    ok, detail = ref.equal(work) if resumed.returncode == 0 else \
+        (False, f"resume failed: {resumed.stderr[-500:]}")
+    if not running:
+        ok, detail = False, "the run had ended before the kill"
+    published = [r.get("publish/version") for r in rows(work) if r["step"] > 0] if (work / "metrics.jsonl").exists() \
+        else []
+    record(f"kill -9 in an asynchronous run ({delay:.1f} s after step 1's commit, last row: step {killed_at}), "
+           "resume", ok and running, f"{detail}; published versions {published}")
 
 
 def git(*args: str) -> str:
