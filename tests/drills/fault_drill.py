@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -225,14 +227,31 @@ def final_state(workdir: Path, policy: Path | None = None):
     return step, [jax.device_get(x) for x in leaves], extra
 
 
-def equal_to_reference(workdir: Path, reference, steps: int, policy: Path | None = None) -> tuple[bool, str]:
+def final_state_with(env: dict | None, workdir: Path, policy: Path | None = None):
+    """``final_state`` read by a process that sees ``env``'s devices (None: this one): a checkpoint saved over
+    several devices (the asynchronous runs' train mesh) restores onto as many."""
+    if env is None:
+        return final_state(workdir, policy)
+    code = ("import pickle, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import fault_drill; "
+            "pickle.dump(fault_drill.final_state(Path(sys.argv[2]), Path(sys.argv[3])), open(sys.argv[4], 'wb'))")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "state.pkl"
+        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(workdir),
+                               str(policy or POLICY), str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise ValueError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output")
+        return pickle.loads(out.read_bytes())
+
+
+def equal_to_reference(workdir: Path, reference, steps: int, policy: Path | None = None,
+                       env: dict | None = None) -> tuple[bool, str]:
     import numpy as np
 
     logged = steps_logged(workdir)
     if logged != list(range(steps + 1)):
         return False, f"metric rows {logged}"
     try:
-        step, leaves, extra = final_state(workdir, policy)
+        step, leaves, extra = final_state_with(env, workdir, policy)
     except (ValueError, OSError) as e:
         return False, f"the final checkpoint cannot be read: {str(e)[:200]}"
     ref_step, ref_leaves, ref_extra = reference
@@ -259,12 +278,12 @@ class Reference:
             done = run(train_cmd(self.dir, self.steps, gin=self.gin), env=self.env)
             if done.returncode:
                 raise RuntimeError(f"the reference run {self.dir.name} failed: {done.stderr[-3000:]}")
-            self._state = final_state(self.dir, self.policy)
+            self._state = final_state_with(self.env, self.dir, self.policy)
             print(f"reference {self.dir.name}: {self.steps} steps", flush=True)
         return self._state
 
     def equal(self, workdir: Path) -> tuple[bool, str]:
-        return equal_to_reference(workdir, self.state, self.steps, self.policy)
+        return equal_to_reference(workdir, self.state, self.steps, self.policy, self.env)
 
 
 def drill(args) -> list[tuple[str, bool, str]]:
