@@ -170,3 +170,41 @@ def test_scale_reads_no_spec_and_imports_nothing_from_run():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("rollverify_jax.run") for n in names), (path.name, names)
+
+
+@pytest.fixture(scope="module")
+def async_report(tmp_path_factory):
+    """The tiny run in the asynchronous mode on a v5p slice of 2 hosts x 4 chips, 2 + 2 a host: the learner's
+    programs on the train mesh's 4 chips, the engine's on the rollout mesh's 4. A batch of 8 rows keeps the train
+    step's compile to seconds."""
+    out = tmp_path_factory.mktemp("aot") / "async.json"
+    aot.main(["--gin_file=configs/tiny_rollverify_async.gin", *(f"--gin_param={p}" for p in PARAMS),
+              "--gin_param=RolloutConfig.batch_groups = 4", "--gin_param=RolloutConfig.group_size = 2",
+              "--gin_param=AsyncConfig.rollout_devices = 2", "--gin_param=AsyncConfig.rollout_mesh = (1, -1, 1)",
+              "--topology=v5p:2x2x2", f"--json={out}"])
+    return json.loads(out.read_text())
+
+
+def test_async_compiles_each_side_on_its_own_mesh_and_reports_both(async_report):
+    """Each host's first two chips (by id) decode, its last two train; the train chips hold the train state and
+    run the train step, the rollout chips hold the serving weights, their staging copy and the KV pool and run
+    prefill and decode; each side's peak is against the chip's HBM, and both fit."""
+    r = async_report
+    train, rollout = r["meshes"]["train"], r["meshes"]["rollout"]
+    assert r["num_devices"] == 8 and train["num_devices"] == rollout["num_devices"] == 4
+    assert rollout["devices"] == [0, 1, 4, 5] and train["devices"] == [2, 3, 6, 7]  # host 0: ids 0-3, host 1: 4-7
+    assert r["mesh"] == train["mesh"] == r["rollout_mesh"] == rollout["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert set(train["peak_bytes_by_program"]) == {"train_step"}
+    assert set(rollout["peak_bytes_by_program"]) == {"prefill", "decode"}
+    res = r["resident"]
+    assert res["serving_params"] == res["staging_params"] == r["decode"]["weights_bytes_per_chip"] > 0
+    assert train["resident_bytes_per_device"] == res["train_state"]  # no KV, no serving copy on the train chips
+    assert rollout["resident_bytes_per_device"] == 2 * res["serving_params"] + res["kv_pool"]
+    decode = r["programs"]["decode"]  # its arguments are the serving weights and the pool; the staging copy waits
+    assert rollout["peak_bytes_by_program"]["decode"] == (decode["argument_bytes"] + decode["output_bytes"]
+                                                          - decode["alias_bytes"] + decode["temp_bytes"]
+                                                          + res["staging_params"])
+    assert train["fits"] and rollout["fits"] and r["fits"]
+    assert r["peak_bytes_per_device"] == max(train["peak_bytes_per_device"], rollout["peak_bytes_per_device"])
+    text = fit.format_report(r)
+    assert "rollout mesh" in text and "train mesh" in text and "staging copy" in text

@@ -184,3 +184,14 @@ def test_a_mesh_with_minus_one_is_laid_on_the_devices_this_machine_has(capsys, m
     assert report["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
     report, _ = dry_run(capsys, ["make_mesh.shape = (1, 2, 2)"])  # a fixed shape: its own count
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+
+
+def test_the_async_dry_run_lays_out_the_rollout_and_train_meshes(capsys):
+    """configs/tiny_rollverify_async.gin on 8 devices: half of them decode on the rollout mesh (-1, 1, 1), the
+    other half train on make_mesh.shape (1, -1, 1); the report states both, as training splits them."""
+    train.main(["--dry_run", "--dry_run_devices=8", "--gin_file=configs/tiny_rollverify_async.gin"])
+    report = json.loads(capsys.readouterr().out.split("dry run OK: ", 1)[1])
+    assert report["mode"] == "async" and report["hosts"] == 1
+    assert report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert report["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    assert report["rollout_devices_per_host"] == report["train_devices_per_host"] == 4

@@ -11,6 +11,7 @@ or an incomplete checkpoint fail the dry run with one message listing them all.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -19,6 +20,7 @@ from pathlib import Path
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
+from rollverify_jax import schedule_rules
 from rollverify_jax.data.datasets import get_dataset, length_summary
 from rollverify_jax.data.prompts import lost_turns
 from rollverify_jax.data.rewards import get_reward_spec
@@ -40,20 +42,11 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     get_reward_spec(spec.reward.get("name", "math"))
     policy, problems = check_policy(spec)
     cfg = architecture(spec)
-    shape = mesh_lib.check_shape(mesh_shape(spec))  # a 0 or a negative entry used to divide by zero below
     if num_devices is not None and num_devices < 1:
         raise ValueError(f"--dry_run_devices={num_devices} must be >= 1.")
-    if num_devices is None:
-        num_devices = jax.device_count() if -1 in shape else math.prod(shape)
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        if num_devices % known:
-            raise ValueError(f"{num_devices} devices do not divide over make_mesh.shape={shape}.")
-        shape[shape.index(-1)] = num_devices // known
-    if math.prod(shape) != num_devices:
-        raise ValueError(f"make_mesh.shape={shape} does not cover {num_devices} devices.")
-    mesh = AbstractMesh(tuple(shape), mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    run = programs.programs(spec, programs.abstract_model(cfg), mesh)  # what training builds, laid out abstractly
+    mesh, engine_mesh, hosts = abstract_meshes(spec, num_devices)
+    # what training builds, laid out abstractly: the engine on the rollout mesh in the asynchronous mode
+    run = programs.programs(spec, programs.abstract_model(cfg), mesh, engine_mesh)
     per_device = per_device_bytes(run.learner.abstract_state.params)
     spec.check_mesh(dict(mesh.shape))
     rows = rollout.batch_groups * rollout.group_size
@@ -72,12 +65,64 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     if problems:
         raise ValueError(f"dry run found {len(problems)} problem(s): "
                          + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, start=1)))
-    return {"params": cfg.num_params(), "param_bytes_per_device": per_device, "mesh": dict(mesh.shape),
+    meshes = ({"rollout_mesh": dict(engine_mesh.shape), "hosts": hosts,
+               "rollout_devices_per_host": engine_mesh.size // hosts, "train_devices_per_host": mesh.size // hosts}
+              if rollout.mode == schedule_rules.ASYNC_MODE else {})
+    return {"params": cfg.num_params(), "param_bytes_per_device": per_device, "mesh": dict(mesh.shape), **meshes,
             "rows_per_step": rows, "kv_bytes_per_sequence": kv_per_seq,
             "kv_bytes_all_slots": kv_per_seq * engine.num_slots,
             "full_length_sequences_in_kv_budget":
                 (engine.kv_memory_bytes or kv_per_seq * engine.num_slots) // kv_per_seq,
             "mode": rollout.mode, "loss": learner_cfg.loss_name, **policy, "data": data}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    """A stand-in for a device of the dry run's hosts: what ``split_local_devices`` reads of one."""
+
+    id: int
+    process_index: int
+
+
+def abstract_meshes(spec: RunSpec, num_devices: int | None) -> tuple[AbstractMesh, AbstractMesh, int]:
+    """(train mesh, rollout mesh, hosts) as training lays them (``programs.make_meshes``), abstract: one mesh twice
+    over ``num_devices`` (None: the mesh shape's own product, or the devices this machine has when the shape holds
+    a -1), or in the asynchronous mode the devices of ``hosts`` equal hosts split host by host
+    (``mesh_lib.split_local_devices``). The hosts: the rollout mesh's devices over ``AsyncConfig.rollout_devices``
+    when both are counts (the v5p config's 8 over 2 a host: 4 hosts), else one."""
+    shape = mesh_lib.check_shape(mesh_shape(spec))  # a 0 or a negative entry used to divide by zero below
+    if spec.rollout.mode != schedule_rules.ASYNC_MODE:
+        if num_devices is None:
+            num_devices = jax.device_count() if -1 in shape else math.prod(shape)
+        mesh = _abstract(shape, num_devices, "make_mesh.shape")
+        return mesh, mesh, 1
+    per_host, rollout_shape = spec.async_rollout.rollout_devices, mesh_lib.check_shape(spec.async_rollout.rollout_mesh)
+    if num_devices is None:
+        num_devices = (jax.device_count() if -1 in shape or -1 in rollout_shape
+                       else math.prod(shape) + math.prod(rollout_shape))
+    hosts = 1
+    if isinstance(per_host, int) and -1 not in rollout_shape:
+        hosts, rest = divmod(math.prod(rollout_shape), per_host)
+        if rest or not hosts or num_devices % hosts:
+            raise ValueError(f"AsyncConfig.rollout_mesh={tuple(rollout_shape)} does not split into hosts of "
+                             f"AsyncConfig.rollout_devices={per_host} rollout devices over {num_devices} devices.")
+    local = num_devices // hosts
+    rollout, train = mesh_lib.split_local_devices(
+        per_host, [_Device(h * local + i, h) for h in range(hosts) for i in range(local)])
+    return (_abstract(shape, len(train), "make_mesh.shape"),
+            _abstract(rollout_shape, len(rollout), "AsyncConfig.rollout_mesh"), hosts)
+
+
+def _abstract(shape: list[int], num_devices: int, binding: str) -> AbstractMesh:
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if num_devices % known:
+            raise ValueError(f"{num_devices} devices do not divide over {binding}={shape}.")
+        shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise ValueError(f"{binding}={shape} does not cover {num_devices} devices.")
+    return AbstractMesh(tuple(shape), mesh_lib.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")

@@ -75,7 +75,8 @@ def abstract_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The run's two halves: the learner on its mesh and the engine's plan on its own (the same mesh today)."""
+    """The run's two halves: the learner on its mesh and the engine's plan on its own (the same mesh, or in the
+    asynchronous mode the rollout mesh)."""
 
     learner: Learner
     engine: EnginePlan
@@ -100,7 +101,8 @@ def programs(spec: RunSpec, model: nnx.Module, mesh: Mesh, engine_mesh: Mesh | N
     """The learner and the engine plan of ``model`` (concrete or abstract); the engine on ``engine_mesh``
     (default: the learner's ``mesh``). ``flash``: the attention kernel (default: the spec's)."""
     return Programs(learner=make_learner(spec, model, mesh, flash),
-                    engine=make_engine_plan(spec, model.cfg, engine_mesh or mesh, flash=flash))
+                    engine=make_engine_plan(spec, model.cfg, mesh if engine_mesh is None else engine_mesh,
+                                           flash=flash))
 
 
 def logprob_pass_users(spec: RunSpec) -> list[str]:
@@ -115,17 +117,23 @@ def logprob_pass_users(spec: RunSpec) -> list[str]:
 def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
     """Compiles the run's programs for ``topology`` (default: AotConfig.topology) deviceless -> the fit report
     (``scale.fit.compile_programs``): the train step, prefill, decode, the extend of a tool-use run and, when
-    ``logprob_pass_users`` names a user, the log-prob pass."""
+    ``logprob_pass_users`` names a user, the log-prob pass. In the asynchronous mode the topology's chips are split
+    host by host as training splits them (``make_meshes``: a topology's devices carry their process index), the
+    learner's programs compiled on the train mesh and the engine's on the rollout mesh, and the report states both."""
     topology = topology or spec.aot.topology
     devices = fit.get_topology_devices(topology)
     fit.chip_for(devices[0].device_kind)  # an unknown chip fails before anything is built
-    mesh = make_mesh(spec, devices=devices)
+    mesh, engine_mesh = make_meshes(spec, devices=devices)
     cfg = architecture(spec)
-    print(f"{topology}: {len(devices)} x {devices[0].device_kind}, mesh {dict(mesh.shape)}, "
+    hosts = len({d.process_index for d in devices})
+    split = (f" (train, {mesh.devices.size} chips), rollout mesh {dict(engine_mesh.shape)} ({engine_mesh.devices.size}"
+             f" chips, {engine_mesh.devices.size // hosts} of each host's {len(devices) // hosts})"
+             if spec.rollout.mode == schedule_rules.ASYNC_MODE else "")
+    print(f"{topology}: {len(devices)} x {devices[0].device_kind} on {hosts} host(s), mesh {dict(mesh.shape)}{split}, "
           f"{cfg.num_params() / 1e9:.2f}B parameters", flush=True)
     model = abstract_model(cfg)
     flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
-    run = programs(spec, model, mesh, flash=flash)
+    run = programs(spec, model, mesh, engine_mesh, flash=flash)
     max_len = spec.engine.max_seq_len
     # A tool-use run extends every slot's reply at once: the reply cap plus 16 tokens of frame and closing tag.
     extend = (schedule_rules.pow2_bucket(spec.tool_use.max_reply_tokens + 16, 1, max_len)

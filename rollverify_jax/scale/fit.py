@@ -10,6 +10,12 @@ packed batch as the train step); with ``kl_coef > 0`` the reference params are r
 It reports per device what XLA allocates,
 the run's resident bytes and the peak against the chip's HBM (FITS or DOES NOT FIT), and roofline estimates of the
 step times (analytic FLOPs at the chip's peak, not measurements).
+
+When the engine's mesh shares no device with the learner's (the asynchronous mode: each host's chips split into a
+rollout and a train group) each side is its own budget: the train chips hold the train state (and the reference
+params) and run the train step and the log-prob pass; the rollout chips hold the serving weights, a second copy of
+them while a publish is staged (``rollout.publish``), and the KV pool, and run prefill, decode and extend. The
+report then states both meshes (``meshes``), each program's peak against the chip's HBM on its own mesh.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from rollverify_jax.rl import packing
 from rollverify_jax.scale import aot_decode
 from rollverify_jax.scale.aot_config import CHIPS, AotConfig, Chip, GiB
 from rollverify_jax.schedule_rules import batch_devices
+
+LEARNER_PROGRAMS = ("train_step", "logprobs")  # the learner's mesh; the rest run on the engine's
 
 
 def get_topology_devices(name: str) -> list:
@@ -156,34 +164,57 @@ def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology:
     # Resident and peak bytes per device
     state_bytes, kv_bytes = per_device_bytes(state), per_device_bytes(decode_state.pages)
     param_bytes = per_device_bytes(state.params)
-    # A serving layout other than the train state's is a copy the engine holds through the train step too.
-    copy_bytes = per_device_bytes(params) if copied else 0
+    serving_bytes = per_device_bytes(params)
     # kl_coef > 0: the reference params (a copy of the initial params, the train state's layout) stay resident.
     ref_bytes = param_bytes if learner_cfg.loss.kl_coef > 0 else 0
-    resident = state_bytes + kv_bytes + copy_bytes + ref_bytes
-    engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
-    outside = {"train_step": kv_bytes + copy_bytes + ref_bytes, "prefill": engine_outside + ref_bytes,
-               "decode": engine_outside + ref_bytes, "extend": engine_outside + ref_bytes,
-               # its params argument is one of the resident sets (the reference's or the train state's)
-               "logprobs": resident - param_bytes}
+    split = set(mesh.devices.flat).isdisjoint(plan.mesh.devices.flat)  # the asynchronous mode's two meshes
+    if split:
+        # The train chips hold the train state (and the reference); the rollout chips the serving weights, the
+        # publish's staging copy (both at once while a publish is staged) and the KV pool.
+        copy_bytes, staging_bytes = serving_bytes, serving_bytes
+        sides = {"train": state_bytes + ref_bytes, "rollout": copy_bytes + staging_bytes + kv_bytes}
+        outside = {"train_step": ref_bytes, "logprobs": sides["train"] - param_bytes,
+                   **dict.fromkeys(("prefill", "decode", "extend"), staging_bytes)}
+    else:
+        # A serving layout other than the train state's is a copy the engine holds through the train step too.
+        copy_bytes, staging_bytes = (serving_bytes if copied else 0), 0
+        resident = state_bytes + kv_bytes + copy_bytes + ref_bytes
+        engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
+        outside = {"train_step": kv_bytes + copy_bytes + ref_bytes, "prefill": engine_outside + ref_bytes,
+                   "decode": engine_outside + ref_bytes, "extend": engine_outside + ref_bytes,
+                   # its params argument is one of the resident sets (the reference's or the train state's)
+                   "logprobs": resident - param_bytes}
     peaks = {k: p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"] + outside[k]
              for k, p in programs.items()}
     peak = max(peaks.values())
     budget = int(chip.hbm_bytes * aot.hbm_fraction)
+    meshes = {}
+    if split:
+        resident = max(sides.values())
+        for side, m in (("train", mesh), ("rollout", plan.mesh)):
+            own = {k: v for k, v in peaks.items() if k in LEARNER_PROGRAMS} if side == "train" else {
+                k: v for k, v in peaks.items() if k not in LEARNER_PROGRAMS}
+            meshes[side] = {"mesh": dict(m.shape), "num_devices": int(m.devices.size),
+                            "devices": sorted(int(d.id) for d in m.devices.flat),
+                            "resident_bytes_per_device": sides[side], "peak_bytes_by_program": own,
+                            "peak_bytes_per_device": max(own.values()), "peak_program": max(own, key=own.get),
+                            "fits": max(own.values()) <= budget}
+    train_devices = int(mesh.devices.size)
     train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot,
                                   batch_devices(mesh.shape))
     decode = aot_decode.decode_report(
         decode_compiled, programs["decode"], cfg=cfg, engine_cfg=engine_cfg, rollout=rollout, aot=aot, chip=chip,
         layout=plan.layout, mesh=plan.mesh, attention=dict(plan.attention), device_kind=devices[0].device_kind,
         engine_param_bytes=per_device_bytes(params),
-        model_param_bytes=model_param_bytes, num_devices=len(devices))
+        model_param_bytes=model_param_bytes, num_devices=int(plan.mesh.devices.size))
     return {
         "topology": topology, "device_kind": devices[0].device_kind, "num_devices": len(devices),
         "mesh": dict(mesh.shape), "params": cfg.num_params(), "context": engine_cfg.max_seq_len,
         "rows_per_step": rows, "hbm_bytes_per_device": chip.hbm_bytes,
         "budget_bytes_per_device": budget, "resident_bytes_per_device": resident,
         "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes,
-                     "serving_params": copy_bytes, "ref_params": ref_bytes},
+                     "serving_params": copy_bytes, "staging_params": staging_bytes, "ref_params": ref_bytes},
+        **({"rollout_mesh": dict(plan.mesh.shape), "meshes": meshes} if split else {}),
         "logprobs_for": logprob_users,
         "peak_bytes_per_device": peak, "peak_program": max(peaks, key=peaks.get), "fits": peak <= budget,
         "peak_bytes_by_program": peaks,
@@ -194,26 +225,42 @@ def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology:
         "train": train,
         "estimate": {  # from the chips' public peaks at stated efficiencies, not a measurement
             "train_mfu": aot.train_mfu,
-            "train_step_s": train["train_model_flops_per_step"] / (len(devices) * chip.peak_flops * aot.train_mfu),
+            "train_step_s": train["train_model_flops_per_step"] / (train_devices * chip.peak_flops * aot.train_mfu),
             # a forward is a third of a forward + backward; one pass per user, on the train step's rows
             "logprob_passes_s": len(logprob_users) * train["train_model_flops_per_step"] / 3
-            / (len(devices) * chip.peak_flops * aot.train_mfu),
+            / (train_devices * chip.peak_flops * aot.train_mfu),
         },
     }
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['topology']} ({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}:"]
+    meshes = r.get("meshes")
+    lines = [f"{r['topology']} ({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}"
+             + (f" (train), rollout mesh {r['rollout_mesh']}:" if meshes else ":")]
     for name, p in r["programs"].items():
         lines.append(f"  {name:<10} temporaries {p['temp_bytes'] / GiB:7.2f} GiB  arguments "
                      f"{p['argument_bytes'] / GiB:7.2f} GiB  outputs {p['output_bytes'] / GiB:7.2f} GiB  "
                      f"aliased {p['alias_bytes'] / GiB:7.2f} GiB  compile {p['compile_s']} s")
     res = r["resident"]
-    lines.append(f"  resident per device: {r['resident_bytes_per_device'] / GiB:.2f} GiB (train state "
-                 f"{res['train_state'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f}"
-                 + (f", serving copy of the weights {res['serving_params'] / GiB:.2f}" if res.get("serving_params")
-                    else "")
-                 + (f", reference params {res['ref_params'] / GiB:.2f}" if res.get("ref_params") else "") + ")")
+    if meshes:
+        train, rollout = meshes["train"], meshes["rollout"]
+        lines.append(f"  train chips: resident {train['resident_bytes_per_device'] / GiB:.2f} GiB (train state "
+                     f"{res['train_state'] / GiB:.2f}"
+                     + (f", reference params {res['ref_params'] / GiB:.2f}" if res.get("ref_params") else "") + ")")
+        lines.append(f"  rollout chips: resident {rollout['resident_bytes_per_device'] / GiB:.2f} GiB (serving weights "
+                     f"{res['serving_params'] / GiB:.2f}, their staging copy while a publish is staged "
+                     f"{res['staging_params'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f})")
+        for side, m in meshes.items():
+            per = ", ".join(f"{k} {v / GiB:.2f}" for k, v in m["peak_bytes_by_program"].items())
+            lines.append(f"  {side} mesh {m['mesh']} on {m['num_devices']} chips: peak per chip {per} GiB of "
+                         f"{r['hbm_bytes_per_device'] / GiB:.0f} GiB HBM (plan: "
+                         f"{r['budget_bytes_per_device'] / GiB:.1f}): {'fits' if m['fits'] else 'DOES NOT FIT'}")
+    else:
+        lines.append(f"  resident per device: {r['resident_bytes_per_device'] / GiB:.2f} GiB (train state "
+                     f"{res['train_state'] / GiB:.2f}, KV pool {res['kv_pool'] / GiB:.2f}"
+                     + (f", serving copy of the weights {res['serving_params'] / GiB:.2f}"
+                        if res.get("serving_params") else "")
+                     + (f", reference params {res['ref_params'] / GiB:.2f}" if res.get("ref_params") else "") + ")")
     if r.get("logprobs_for"):
         lines.append(f"  logprobs: select's packed log-prob pass, for {' and '.join(r['logprobs_for'])}")
     lines.append(f"  peak per device: {r['peak_bytes_per_device'] / GiB:.2f} GiB ({r['peak_program']}) of "
