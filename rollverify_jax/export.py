@@ -32,7 +32,8 @@ from rollverify_jax.models import model_config, save_pretrained
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.qwen3 import Qwen3ForCausalLM
 from rollverify_jax.models.tokenizer import TOKENIZER_FILE
-from rollverify_jax.run.builder import execution_config, make_mesh, resolve_checkpoint, restore_params
+from rollverify_jax.run.builder import execution_config, resolve_checkpoint, restore_params
+from rollverify_jax.run.programs import make_meshes
 from rollverify_jax.run.run_dir import run_spec
 from rollverify_jax.run.spec import RunSpec, TrainConfig
 
@@ -172,7 +173,7 @@ def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, o
                         root / "checkpoints")
     check_out_empty(out, overwrite)
     model = abstract_policy(policy_path, spec)
-    step, params = restore_params(model, make_mesh(spec), checkpoint, spec)
+    step, params = restore_params(model, make_meshes(spec)[0], checkpoint, spec)  # the learner's mesh (async: its own)
     graphdef, _ = nnx.split(model)
     trained = nnx.merge(graphdef, params)
 

@@ -38,7 +38,10 @@ def _workload(cfg: EngineConfig, live_slots: bool) -> Workload:
 
 
 def test_modes_are_one_tuple():
-    assert partial_rollout.MODES is schedule_rules.MODES and sim_config.MODES is schedule_rules.MODES
+    """The synchronous modes are one tuple the engine's manager and the simulator's replay share; the manager's
+    rollout modes are those plus the asynchronous one (which the simulator replays apart, sim/async_replay.py)."""
+    assert sim_config.MODES is schedule_rules.MODES
+    assert partial_rollout.MODES is schedule_rules.ROLLOUT_MODES == (*schedule_rules.MODES, schedule_rules.ASYNC_MODE)
 
 
 def test_pow2_bucket_is_the_engine_bucket():

@@ -28,7 +28,7 @@ from rollverify_jax.rollout.tool_use import ToolEnvironment
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import EvalSet, Evaluator
 from rollverify_jax.run.fresh_start import check_fresh_start
-from rollverify_jax.run.programs import execution_config, make_engine_plan, make_learner, make_mesh, make_meshes
+from rollverify_jax.run.programs import execution_config, make_engine_plan, make_learner, make_meshes
 from rollverify_jax.run.spec import RunSpec, TrainConfig, check_resume_settings
 from rollverify_jax.run.trainer import Serving, Trainer, run_settings
 
@@ -114,13 +114,15 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None, mesh
     """The policy of a spec as it samples and is graded (model, engine, tokenizer, prompt renderer, reward
     scorer, tool runner), and its evaluator (``build_evaluator``).
 
-    ``mesh``: the engine's (default: the spec's mesh over every device); ``model_mesh``: where the model's weights
-    are loaded (default: ``mesh``; the asynchronous mode's train mesh). With ``checkpoint`` (evaluation, export),
+    ``mesh``: the engine's, ``model_mesh``: where the model's weights are loaded (default: the run's meshes,
+    ``programs.make_meshes``: the spec's mesh over every device twice, or the asynchronous mode's rollout and train
+    meshes). With ``checkpoint`` (evaluation, export),
     the params come from an orbax checkpoint (a workdir or one of its step directories, local or e.g. ``gs://``) or
     from an HF-layout directory (local: its safetensors are mapped).
     """
     checkpoint = storage.as_path(checkpoint) if checkpoint is not None else None
-    mesh = mesh if mesh is not None else make_mesh(spec)
+    if mesh is None:  # the run's own meshes: evaluating or exporting an asynchronous run splits its devices as it did
+        model_mesh, mesh = make_meshes(spec)
     train = spec.train
     hf_checkpoint = checkpoint is not None and (checkpoint / "config.json").exists()
     if hf_checkpoint:
