@@ -84,7 +84,8 @@ def test_a_failed_or_partial_publish_leaves_the_previous_version(capsys):
 
 
 ASYNC = ("AsyncConfig.rollout_devices = 4", "AsyncConfig.overlap_dispatches = 2", "AsyncConfig.max_staleness = 1",
-         "RewardScorer.overlong_buffer = 20", "RewardScorer.max_response_length = 24", "EvalConfig.at_start = False")
+         "RewardScorer.overlong_buffer = 20", "RewardScorer.max_response_length = 24", "EvalConfig.at_start = False",
+         "TrainConfig.eval_every = 0")  # an evaluation at the last step only (the resumed launch's is compared)
 
 
 def test_an_async_run_publishes_verifies_and_resumes_exactly(policy, tmp_path, monkeypatch, capsys):
