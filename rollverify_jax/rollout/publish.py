@@ -16,12 +16,8 @@ from typing import Any
 
 import jax
 
+from rollverify_jax.infra.transfer import tree_bytes
 from rollverify_jax.rollout.engine import Engine
-
-
-def tree_bytes(tree: Any) -> int:
-    """Bytes of every array in ``tree`` (global sizes: what a publish moves to the rollout devices)."""
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass
@@ -33,19 +29,12 @@ class _Staged:
 
 
 class WeightPublisher:
-    """Stages the learner's params for ``engine`` and swaps them in whole. ``place``: how a copy is made in the
-    engine's layout (default ``engine.place_params``; a multi-process run passes a cross-host reshard)."""
+    """Stages the learner's params for ``engine`` and swaps them in whole."""
 
-    def __init__(self, engine: Engine, place: Callable[[Any], Any] | None = None):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.place = place or engine.place_params
+        self.place: Callable[[Any], Any] = engine.place_params  # the copy into the engine's layout (a reshard)
         self._staged: _Staged | None = None
-        self.failures = 0
-
-    @property
-    def pending(self) -> int | None:
-        """The version being staged, or None."""
-        return None if self._staged is None else self._staged.version
 
     def stage(self, params: Any, version: int) -> None:
         """Starts the copy of ``params`` (policy ``version``) into the engine's layout; does not wait for it (nor
@@ -75,7 +64,6 @@ class WeightPublisher:
                 error = e
         wait = time.perf_counter() - t0
         if error is not None:
-            self.failures += 1
             print(f"publish of policy version {staged.version} failed ({type(error).__name__}: {error}); rollout "
                   f"stays on version {self.engine.version} until the next publish", flush=True)
             return {"publish/failed": 1, "publish/version": self.engine.version, "time/publish_wait": wait}

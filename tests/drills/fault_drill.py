@@ -807,45 +807,14 @@ def lock_race(root, trials: int, racers: int = 4) -> tuple[str, bool, str]:
             f"the one holder, {time.monotonic() - t0:.0f} s" + (f"; {'; '.join(examples)}" if examples else ""))
 
 
-def tool_kill9(root, ref, record, rng):
-    """kill -9 during a tool-use run (``configs/tiny_tool_rollverify.gin``: calculator calls in the rollout), a
-    moment after step 1's checkpoint commits (mid-rollout of step 2: the rollout is most of a step), then the same
-    command: bit-identical to an uninterrupted tool-use run (which needs tool-use batches that do not depend on
-    thread timing)."""
-    steps = ref.steps
+def kill9_after_first_commit(root, ref, name: str, delay: float) -> tuple[bool, str, int, Path]:
+    """Launches ``ref``'s config in ``root/name``, kill -9s it ``delay`` s after step 1's checkpoint commits (the
+    resume starts from it), reruns the same command and compares with ``ref``: (ok, detail, last row before the
+    kill, workdir)."""
     ref.state  # noqa: B018
-    work = root / "tool_kill9"
-    proc = start(train_cmd(work, steps, gin=TOOL_GIN), root / "tool_kill9.log")
-    delay = rng.uniform(0.0, 1.5)
-    wait_for_step(proc, work, 1)
-    while 1 not in committed(work) and proc.poll() is None:  # step 1's checkpoint: the resume starts from it
-        time.sleep(0.05)
-    time.sleep(delay)
-    running = proc.poll() is None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max(steps_logged(work), default=-1)
-    resumed = run(train_cmd(work, steps, gin=TOOL_GIN))
-    ok, detail = ref.equal(work) if resumed.returncode == 0 else \
-        (False, f"resume failed: {resumed.stderr[-500:]}")
-    if not running:
-        ok, detail = False, "the run had ended before the kill"
-    calls = [r.get("tools/calls") for r in rows(work) if r["step"] > 0] if (work / "metrics.jsonl").exists() else []
-    record(f"kill -9 in a tool-use rollout ({delay:.1f} s after step 1's commit, last row: step {killed_at}), resume",
-           ok and running, f"{detail}; tool calls per step {calls}")
-
-
-def async_kill9(root, ref, record, rng):
-    """kill -9 during an asynchronous run (``configs/tiny_rollverify_async.gin`` on 4 + 4 CPU host devices) a
-    moment after step 1's checkpoint commits (step 2's rollout, its update or the overlap decoding beside it),
-    then the same command: bit-identical to an uninterrupted run (paused trajectories, groups in flight and the
-    published version all come back from the checkpoint)."""
-    steps = ref.steps
-    ref.state  # noqa: B018
-    work = root / "async_kill9"
-    cmd = train_cmd(work, steps, gin=ASYNC_GIN)
-    proc = start(cmd, root / "async_kill9.log", env=ASYNC_ENV)
-    delay = rng.uniform(0.0, 3.0)
+    work = root / name
+    cmd = train_cmd(work, ref.steps, gin=ref.gin)
+    proc = start(cmd, root / f"{name}.log", env=ref.env)
     wait_for_step(proc, work, 1)
     while 1 not in committed(work) and proc.poll() is None:
         time.sleep(0.05)
@@ -854,15 +823,39 @@ def async_kill9(root, ref, record, rng):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = max(steps_logged(work), default=-1)
-    resumed = run(cmd, env=ASYNC_ENV)
+    resumed = run(cmd, env=ref.env)
     ok, detail = ref.equal(work) if resumed.returncode == 0 else \
         (False, f"resume failed: {resumed.stderr[-500:]}")
     if not running:
         ok, detail = False, "the run had ended before the kill"
-    published = [r.get("publish/version") for r in rows(work) if r["step"] > 0] if (work / "metrics.jsonl").exists() \
-        else []
+    return ok, detail, killed_at, work
+
+
+def logged(work: Path, key: str) -> list:
+    """``key`` of every training step's metrics row (none when the run wrote none)."""
+    return [r.get(key) for r in rows(work) if r["step"] > 0] if (work / "metrics.jsonl").exists() else []
+
+
+def tool_kill9(root, ref, record, rng):
+    """kill -9 during a tool-use run (``configs/tiny_tool_rollverify.gin``: calculator calls in the rollout), a
+    moment after step 1's checkpoint commits (mid-rollout of step 2: the rollout is most of a step), then the same
+    command: bit-identical to an uninterrupted tool-use run (which needs tool-use batches that do not depend on
+    thread timing)."""
+    delay = rng.uniform(0.0, 1.5)
+    ok, detail, killed_at, work = kill9_after_first_commit(root, ref, "tool_kill9", delay)
+    record(f"kill -9 in a tool-use rollout ({delay:.1f} s after step 1's commit, last row: step {killed_at}), resume",
+           ok, f"{detail}; tool calls per step {logged(work, 'tools/calls')}")
+
+
+def async_kill9(root, ref, record, rng):
+    """kill -9 during an asynchronous run (``configs/tiny_rollverify_async.gin`` on 4 + 4 CPU host devices) a
+    moment after step 1's checkpoint commits (step 2's rollout, its update or the overlap decoding beside it),
+    then the same command: bit-identical to an uninterrupted run (paused trajectories, groups in flight and the
+    published version all come back from the checkpoint)."""
+    delay = rng.uniform(0.0, 3.0)
+    ok, detail, killed_at, work = kill9_after_first_commit(root, ref, "async_kill9", delay)
     record(f"kill -9 in an asynchronous run ({delay:.1f} s after step 1's commit, last row: step {killed_at}), "
-           "resume", ok and running, f"{detail}; published versions {published}")
+           "resume", ok, f"{detail}; published versions {logged(work, 'publish/version')}")
 
 
 def git(*args: str) -> str:
