@@ -73,23 +73,46 @@ def first_fit(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-def live_slot_buckets(num_slots: int, live: bool = True) -> list[int]:
-    """The slot counts decode compiles for, ascending: all slots halved while at least ``MIN_LIVE_SLOTS`` remain
-    (256: 8, 16, ..., 256); all slots only when ``live`` is off (live slots disabled, or a pool sharded over
-    devices, where every device decodes its own slots)."""
+def ladder(lo: int, hi: int, ratio: int = 2) -> list[int]:
+    """``lo, lo * ratio, lo * ratio^2, ...`` below ``hi``, then ``hi``: the buckets of one compiled dimension
+    (a finite list, so a run's programs are known before it starts)."""
+    if not 1 <= lo <= hi or ratio < 2:
+        raise ValueError(f"ladder({lo}, {hi}, ratio={ratio}): need 1 <= lo <= hi and ratio >= 2.")
+    out = [lo]
+    while out[-1] * ratio < hi:
+        out.append(out[-1] * ratio)
+    return out if out[-1] == hi else [*out, hi]
+
+
+def prefill_widths(min_len: int, max_len: int, ratio: int = 2) -> list[int]:
+    """The row widths a packed prefill compiles for (``EngineConfig.min_prefill_len`` up to ``max_seq_len``)."""
+    return ladder(min(min_len, max_len), max_len, ratio)
+
+
+def prefill_rows(width: int, num_slots: int, token_budget: int | None = None, ratio: int = 2) -> list[int]:
+    """The row counts a packed prefill of ``width`` compiles for: 1 up to the slots (a call prefills at most
+    one sequence per slot), or fewer where ``token_budget`` caps rows x width."""
+    most = num_slots if token_budget is None else max(1, min(num_slots, token_budget // width))
+    return ladder(1, most, ratio)
+
+
+def live_slot_buckets(num_slots: int, live: bool = True, ratio: int = 2) -> list[int]:
+    """The slot counts decode compiles for, ascending: all slots divided by ``ratio`` while at least
+    ``MIN_LIVE_SLOTS`` remain (256, ratio 2: 8, 16, ..., 256); all slots only when ``live`` is off (live slots
+    disabled, or a pool sharded over devices, where every device decodes its own slots)."""
     out = [num_slots]
-    while live and out[-1] // 2 >= MIN_LIVE_SLOTS:
-        out.append(out[-1] // 2)
+    while live and out[-1] // ratio >= MIN_LIVE_SLOTS:
+        out.append(out[-1] // ratio)
     return out[::-1]
 
 
-def live_page_buckets(pages_per_seq: int, live: bool = True) -> list[int]:
-    """The page-table widths (pages) decode compiles for, ascending: the whole table halved (rounded up) while
-    the half keeps at least ``MIN_LIVE_PAGES`` pages, for tables of at least ``LIVE_PAGES_FROM`` pages (20
-    pages: 5, 10, 20); the whole table only when ``live`` is off or the table is small."""
+def live_page_buckets(pages_per_seq: int, live: bool = True, ratio: int = 2) -> list[int]:
+    """The page-table widths (pages) decode compiles for, ascending: the whole table divided by ``ratio``
+    (rounded up) while at least ``MIN_LIVE_PAGES`` pages remain, for tables of at least ``LIVE_PAGES_FROM``
+    pages (20 pages, ratio 2: 5, 10, 20); the whole table only when ``live`` is off or the table is small."""
     out = [pages_per_seq]
-    while live and pages_per_seq >= LIVE_PAGES_FROM and out[-1] // 2 >= MIN_LIVE_PAGES:
-        out.append(-(-out[-1] // 2))
+    while live and pages_per_seq >= LIVE_PAGES_FROM and out[-1] // ratio >= MIN_LIVE_PAGES:
+        out.append(-(-out[-1] // ratio))
     return out[::-1]
 
 

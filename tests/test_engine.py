@@ -87,11 +87,11 @@ def test_chunked_resume_prefill_gives_the_verification_logprobs(model, sampling_
     for engine in (sampling_engine, chunked):
         for slot in range(len(trajs)):
             engine.allocator.allocate(slot, len(seqs[slot]))
-        prefix = engine.prefill(seqs, list(range(len(trajs))), [len(t.prompt) for t in trajs])
+        response_logp = engine.prefill(seqs, list(range(len(trajs))), [len(t.prompt) for t in trajs])
         for slot in range(len(trajs)):
             engine.allocator.release(slot)
         for i, t in enumerate(trajs):
-            np.testing.assert_allclose(np.asarray(prefix.response_logp[i, : t.num_tokens]),
+            np.testing.assert_allclose(np.asarray(response_logp[i, : t.num_tokens]),
                                        _teacher_forced_logp(logits, t, 0.8), atol=1e-4)
 
 
@@ -153,34 +153,26 @@ def test_decode_over_live_pages_equals_decode_over_the_whole_table(model, sampli
         np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)
 
 
-def test_fused_prefill_and_sample_equals_prefill_then_insert(model, sampling_engine):
-    """Admissions that verify nothing prefill and sample in one call: the same first tokens and log mu as a
-    prefill followed by insert, and the same K/V in the sequences' pages."""
-    reqs = _requests(3, seed=21)
-    seqs = [t.prompt for t in reqs]
+def test_shared_prompt_pages_are_copies_of_the_prefilled_ones(model, sampling_engine):
+    """A group's members are prefilled once: the others' pages get a copy of its K/V (every cached position, the
+    pending last token excluded), equal to prefilling each member itself."""
+    prompt = np.arange(4, 4 + 13, dtype=np.int32)  # 12 prefilled tokens over 2 pages of 8
+    seqs = [prompt] * 3
     out = []
-    for fused in (True, False):
+    for source in ([0, 0, 0], [0, 1, 2]):
         engine = Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,))
-        for slot, s in enumerate(seqs):
-            engine.allocator.allocate(slot, len(s) + 4)
-        args = ([0] * 3, [t.seed for t in reqs], [t.max_new_tokens for t in reqs])
-        if fused:
-            tok, logp = engine.prefill_and_sample(seqs, [0, 1, 2], [len(s) for s in seqs], *args)
-        else:
-            prefix = engine.prefill(seqs, [0, 1, 2], [len(s) for s in seqs], with_logp=False)
-            tok, logp = engine.insert(prefix, [0, 1, 2], [0, 1, 2], [len(s) - 1 for s in seqs], *args)
-        pages = [np.asarray(engine.state.pages.k[0])[:, engine.allocator.owned[s]] for s in range(3)]
-        out.append((tok, logp, pages))
-    (tok_a, logp_a, pages_a), (tok_b, logp_b, pages_b) = out
-    assert tok_a.tolist() == tok_b.tolist()
-    np.testing.assert_allclose(logp_a, logp_b, atol=1e-6)
-    for a, b, s in zip(pages_a, pages_b, seqs, strict=True):
-        np.testing.assert_allclose(a.reshape(a.shape[0], -1, a.shape[-1])[:, : len(s)],
-                                   b.reshape(b.shape[0], -1, b.shape[-1])[:, : len(s)], atol=1e-6)
+        for slot in range(3):
+            engine.allocator.allocate(slot, len(prompt) + 4)
+        engine.prefill(seqs, [0, 1, 2], [len(prompt)] * 3, with_logp=False, source=source)
+        kv = np.asarray(engine.state.pages.k[0])
+        out.append([kv[:, engine.allocator.owned[s]].reshape(kv.shape[0], -1, kv.shape[-1])[:, :12] for s in range(3)])
+    for shared, own in zip(*out, strict=True):
+        np.testing.assert_allclose(shared, own, atol=1e-6)
+    assert np.abs(out[0][1]).sum() > 0
 
 
 def test_warmup_runs_a_first_admission_and_activates_nothing(model, sampling_engine):
-    """Warmup runs the fused prefill-and-sample of a full batch of new prompts and a decode dispatch, and leaves
+    """Warmup runs the prefill of a full batch of new prompts, an activation and a decode dispatch, and leaves
     every slot inactive and every page free: a run afterwards samples as on a fresh engine."""
     engine = Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,))
     engine.warmup(prompt_len=5)
@@ -191,17 +183,22 @@ def test_warmup_runs_a_first_admission_and_activates_nothing(model, sampling_eng
     assert [t.tokens for t in _run(engine, reqs)] == [t.tokens for t in fresh]
 
 
-def test_shared_prompt_copies_are_bucketed_so_group_sizes_share_a_program(model, sampling_engine):
-    """The K/V page copies of a shared prompt are padded to a power of two: 3 members of a 10-token prompt
-    (4 page copies) and 4 members of a 5-token prompt (3 copies) run one compiled program."""
+def test_prefill_program_depends_on_rows_and_width_only(model, sampling_engine):
+    """Group sizes, page-copy counts, sequence counts and log-prob or not all run one prefill program per
+    (rows, width) bucket: 3 members of a 10-token prompt, 4 members of a 5-token prompt and a resume."""
     engine = Engine(model, CFG, sampling_engine.sampling, eos_ids=(3,))
-    sizes = []
-    for members, length in ((3, 10), (3, 10), (4, 5)):  # the first twice: a fresh engine's second call recompiles
+    _run(engine, _requests(1, seed=0, max_new=(2, 3)))
+    before = engine_lib._prefill_jit._cache_size()
+    for members, length in ((3, 10), (4, 5)):
         prompt = np.arange(4, 4 + length, dtype=np.int32)
         _run(engine, [Trajectory(uid=u, group_id=members, prompt=prompt, seed=u, max_new_tokens=2)
                       for u in range(members)])
-        sizes.append(engine_lib._prefill_insert_jit._cache_size())
-    assert sizes[2] == sizes[1]
+    for slot in range(2):
+        engine.allocator.allocate(slot, 12)
+    engine.prefill([np.arange(4, 14, dtype=np.int32)] * 2, [0, 1], [5, 5], with_logp=True)
+    for slot in range(2):
+        engine.allocator.release(slot)
+    assert engine_lib._prefill_jit._cache_size() == before
 
 
 def test_engine_plan_is_the_engines_layout_on_its_own_mesh(model):

@@ -56,7 +56,9 @@ class EngineConfig:
     steps_per_dispatch: int = 8  # decode steps per generate dispatch (the host reads tokens between dispatches)
     kv_memory_bytes: int | None = None
     kv_dtype: str = "float32"
-    min_prefill_len: int = 32  # the smallest prefill length bucket (buckets double up to max_seq_len)
+    min_prefill_len: int = 32  # the narrowest prefill row (widths grow by bucket_ratio up to max_seq_len)
+    bucket_ratio: int = 2  # step of every shape ladder: prefill widths and rows, live slots and pages (shape_plan)
+    prefill_token_budget: int | None = None  # most tokens (rows x width) in one prefill call (None: no cap)
     page_reservation: str = "incremental"  # 'incremental': pages as sequences grow; 'full': prompt + max new
     logits_chunk: int | None = None  # resume prefill scores log-probs this many positions at a time (None: all)
     live_pages: bool = True  # decode attends over the page-table columns some slot holds (a bucket), not all
@@ -75,7 +77,13 @@ class EngineConfig:
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"EngineConfig.compute_dtype={self.compute_dtype!r}: use None (the model's own "
                              f"Qwen3Config.dtype) or one of {', '.join(map(repr, COMPUTE_DTYPES))}.")
-        for name in ("num_slots", "page_size", "max_seq_len", "steps_per_dispatch"):
+        if self.bucket_ratio < 2:
+            raise ValueError(f"EngineConfig.bucket_ratio={self.bucket_ratio} must be >= 2 (each bucket this many "
+                             "times the one below it).")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < self.max_seq_len:
+            raise ValueError(f"EngineConfig.prefill_token_budget={self.prefill_token_budget} must hold one row of "
+                             f"max_seq_len={self.max_seq_len} tokens (or be None).")
+        for name in ("num_slots", "page_size", "max_seq_len", "steps_per_dispatch", "min_prefill_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1.")
 
@@ -98,31 +106,27 @@ class DecodeState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Prefix:
-    """What ``prefill`` hands to ``insert``: final hidden states of the packed rows (on device), where each
-    sequence sits in them, and per-token log-probs."""
-
-    hidden: jax.Array  # [R, W, H]  packed rows
-    response_logp: jax.Array  # float32[n, W]: log pi of sequence i's response token j (at the sampling temperature)
-    row: jax.Array  # int32[n]  packed row of sequence i
-    start: jax.Array  # int32[n]  position of sequence i's first token in its row
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class PackedPrefill:
     """One prefill call's input: several sequences laid end to end in rows of width W (first-fit), each token
-    with its position in its own sequence, its segment (1, 2, ... per row; 0 on padding) and the KV page slot
-    it is written to. Packing computes real tokens, not a power-of-two rectangle per length bucket."""
+    with its position in its own sequence, its segment (1, 2, ... per row; 0 on padding), the KV page slot it is
+    written to and the token after it (what log pi scores). A sequence's last token is not prefilled: it is the
+    slot's pending token, which the first decode step writes and samples after, so admitting samples nothing and
+    every program's shape is fixed by (R, W). Sequences that repeat another's prompt (a group's members) are not
+    prefilled: their pages get a copy of its pages (``copy_src`` -> ``copy_dst``, ``num_copies`` of the
+    capacity C in use). Per-sequence arrays have one entry per slot (n = S)."""
 
     tokens: jax.Array  # int32[R, W]
     positions: jax.Array  # int32[R, W]
     segments: jax.Array  # int32[R, W]
     pages: jax.Array  # int32[R, W]  global pool page of each token
     page_slots: jax.Array  # int32[R, W]  position inside that page
+    targets: jax.Array  # int32[R, W]  the next token of each position's sequence
     row: jax.Array  # int32[n]
     start: jax.Array  # int32[n]
     prompt_lens: jax.Array  # int32[n]
+    copy_src: jax.Array  # int32[C]  C = S x pages of a row
+    copy_dst: jax.Array  # int32[C]
+    num_copies: jax.Array  # int32[]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,42 +269,63 @@ class EngineStatic:
         return {"impl": self.flash.resolved_impl(self.layout.platform), "flash": self.flash, "mesh": self.layout.mesh}
 
 
-def _bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two (times lo) >= n, capped at hi (bounded recompiles; the simulator's rule too)."""
-    return schedule_rules.pow2_bucket(n, lo, hi)
+def _copy_pages(pages: jax.Array, src: jax.Array, dst: jax.Array, count: jax.Array, block: int) -> jax.Array:
+    """Copies pool pages ``src[:count]`` to ``dst[:count]`` (``block`` at a time; the loop runs as many blocks as
+    ``count`` needs, so a call that copies nothing costs nothing whatever its capacity)."""
+    blocks = src.shape[0] // block
+
+    def body(i, pages):
+        s_ = jax.lax.dynamic_slice_in_dim(src, i * block, block)
+        d_ = jax.lax.dynamic_slice_in_dim(dst, i * block, block)
+        d_ = jnp.where(i * block + jnp.arange(block) < count, d_, pages.shape[1])  # past count: dropped
+        return pages.at[:, d_].set(pages[:, s_], mode="drop")
+    return jax.lax.fori_loop(0, jnp.minimum(-(-count // block), blocks), body, pages)
 
 
-def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: bool):
+def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: jax.Array):
+    """Writes the packed sequences' K/V into their pages (and copies shared prompts' pages), and with
+    ``with_logp`` (a runtime flag: one program serves new prompts and resumes) returns each sequence's
+    response log pi at the sampling temperature: float32[n, W], entry j = response token j (else zeros)."""
     model = nnx.merge(static.graphdef, params)
     tokens = packed.tokens
     attn = _PrefillAttention(state.pages, packed, static.kernel(), static.layout)
     hidden, _ = model.hidden_states(tokens, positions=packed.positions, attention=attn, mesh=static.layout.mesh)
-    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=attn.k, v=attn.v))
+    block = packed.row.shape[0]
+
+    def copy(pages):
+        return _copy_pages(pages, packed.copy_src, packed.copy_dst, packed.num_copies, block)
+    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=[copy(k) for k in attn.k],
+                                                                 v=[copy(v) for v in attn.v]))
     n, width = packed.row.shape[0], tokens.shape[1]
-    if not with_logp:  # new prompts: only the last position's logits are needed, and insert computes them
-        return state, Prefix(hidden, jnp.zeros((n, width), jnp.float32), packed.row, packed.start)
     temperature = static.sampling.logp_temperature
-    if static.logits_chunk is None:
-        logits = model.logits_from_hidden(hidden[:, :-1])  # predicts tokens[:, 1:]
-        logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
-        token_logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]  # [R, W-1]
-    else:  # never the whole [R, W, V] logits: at a real vocabulary and length they do not fit
-        token_logp = chunked_scores(hidden[:, :-1], model.output_weights(), tokens[:, 1:], temperature,
-                                    static.logits_chunk)[0]
-    token_logp = jnp.pad(token_logp, ((0, 0), (1, 0)))  # index = position of the scored token in its row
-    idx = jnp.clip((packed.start + packed.prompt_lens)[:, None] + jnp.arange(width)[None], 0, width - 1)
-    response_logp = token_logp[packed.row[:, None], idx]  # [n, W]; past a sequence's end: ignored
-    return state, Prefix(hidden, response_logp, packed.row, packed.start)
+
+    def scores(hidden):
+        if static.logits_chunk is None:
+            logp_all = jax.nn.log_softmax(model.logits_from_hidden(hidden) / temperature, axis=-1)
+            token_logp = jnp.take_along_axis(logp_all, packed.targets[..., None], axis=-1)[..., 0]  # [R, W]
+        else:  # never the whole [R, W, V] logits: at a real vocabulary and length they do not fit
+            token_logp = chunked_scores(hidden, model.output_weights(), packed.targets, temperature,
+                                        static.logits_chunk)[0]
+        # Response token j of sequence i is predicted at its position prompt_len + j - 1.
+        idx = jnp.clip((packed.start + packed.prompt_lens - 1)[:, None] + jnp.arange(width)[None], 0, width - 1)
+        return token_logp[packed.row[:, None], idx]  # past a sequence's end: ignored
+    response_logp = jax.lax.cond(with_logp, scores, lambda h: jnp.zeros((n, width), jnp.float32), hidden)
+    return state, response_logp
 
 
-def _insert_fn(static: EngineStatic, params, state: DecodeState, prefix: Prefix, rows, slots, sample_pos, gen_index,
-               seeds, max_new, page_rows, row_valid):
-    model = nnx.merge(static.graphdef, params)
-    h = prefix.hidden[prefix.row[rows], prefix.start[rows] + sample_pos]  # [n, H]
-    tok, logp = sample_tokens(model.logits_from_hidden(h), seeds, gen_index, static.sampling)
-    state = _activate_slots(static, state, tok, slots, sample_pos + 1, gen_index, seeds, max_new, page_rows,
-                            row_valid)
-    return state, (tok, logp)
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _activate_fn(state: DecodeState, slots, pending, lengths, generated, max_new, seeds, page_rows,
+                 valid) -> DecodeState:
+    """Slots ``slots`` [n] decode on from their pending token ``pending`` with ``lengths`` tokens cached and
+    ``generated`` response tokens so far (rows not ``valid`` are padding, dropped)."""
+    slot = jnp.where(valid, slots, state.tokens.shape[0])
+
+    def put(arr, val):
+        return arr.at[slot].set(val.astype(arr.dtype), mode="drop")
+    return dataclasses.replace(
+        state, page_table=put(state.page_table, page_rows), tokens=put(state.tokens, pending),
+        lengths=put(state.lengths, lengths), generated=put(state.generated, generated),
+        max_new=put(state.max_new, max_new), seeds=put(state.seeds, seeds), active=put(state.active, valid))
 
 
 def _activate_slots(static: EngineStatic, state: DecodeState, tok, slots, lengths, gen_index, seeds, max_new,
@@ -415,22 +440,6 @@ def _extend_fn(static: EngineStatic, params, state: DecodeState, tokens, positio
     return state, (tok, logp)
 
 
-def _prefill_insert_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, copy_src, copy_dst,
-                       rows, sample_pos, slots, gen_index, seeds, max_new, page_rows, row_valid):
-    """Prefill and insert in one call, for admissions that verify nothing (one dispatch and one host sync per
-    admission instead of two). A sequence whose prompt another one of the call carries (a group's members) is
-    not prefilled again: the K/V pages of that prompt are copied to its own pages (``copy_src`` -> ``copy_dst``,
-    out-of-range destinations are padding), and it samples from the same hidden state with its own seed."""
-    state, prefix = _prefill_fn(static, params, state, packed, False)
-
-    def copy(pages):
-        return pages.at[:, copy_dst].set(pages[:, copy_src], mode="drop")
-    state = dataclasses.replace(state, pages=paged_cache.KVPages(k=[copy(k) for k in state.pages.k],
-                                                                 v=[copy(v) for v in state.pages.v]))
-    return _insert_fn(static, params, state, prefix, rows, slots, sample_pos, gen_index, seeds, max_new, page_rows,
-                      row_valid)
-
-
 _SLOT_FIELDS = ("page_table", "tokens", "lengths", "generated", "max_new", "seeds", "active")
 
 
@@ -472,9 +481,11 @@ def _generate_fn(static: EngineStatic, params, state: DecodeState, num_steps: in
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _move_slots_fn(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
     """Moves running slots ``src`` to free slots ``dst``: their metadata and page-table rows (the pages stay
-    where they are); the sources are left inactive."""
-    moved = {f: getattr(state, f).at[dst].set(getattr(state, f)[src]) for f in _SLOT_FIELDS}
-    moved["active"] = moved["active"].at[src].set(False)
+    where they are); the sources are left inactive. Both padded to the slot count with an out-of-range slot
+    (dropped), so one program serves every move."""
+    moved = {f: getattr(state, f).at[dst].set(getattr(state, f)[jnp.minimum(src, state.tokens.shape[0] - 1)],
+                                              mode="drop") for f in _SLOT_FIELDS}
+    moved["active"] = moved["active"].at[src].set(False, mode="drop")
     return dataclasses.replace(state, **moved)
 
 
@@ -482,9 +493,7 @@ def _move_slots_fn(state: DecodeState, src: jax.Array, dst: jax.Array) -> Decode
 # prefill ([n, T]) and decode ([S, 1]) of the same tokens then round differently and a resume's log pi misses
 # the recorded log mu (bench_ops_floor.py). Every rounding as written keeps the two paths in step.
 _EXACT = {"xla_allow_excess_precision": False}
-_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0, 4), donate_argnums=(2,), compiler_options=_EXACT)
-_insert_jit = jax.jit(_insert_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
-_prefill_insert_jit = jax.jit(_prefill_insert_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
+_prefill_jit = jax.jit(_prefill_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 _generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,), compiler_options=_EXACT)
 _extend_jit = jax.jit(_extend_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 
@@ -492,7 +501,14 @@ _extend_jit = jax.jit(_extend_fn, static_argnums=(0,), donate_argnums=(2,), comp
 def compiled_programs() -> int:
     """How many programs the engine's prefill, insert and decode functions hold compiled, over every engine in
     the process: benchmarks read it before and after a run to count recompiles."""
-    return sum(f._cache_size() for f in (_prefill_jit, _insert_jit, _prefill_insert_jit, _generate_jit))
+    return sum(f._cache_size() for f in (_prefill_jit, _activate_fn, _generate_jit, _extend_jit))
+
+
+def _zeros_like(abstract: DecodeState) -> DecodeState:
+    """The decode state, zeroed, in one program (array by array it would be one program per dtype and shape)."""
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+                   out_shardings=shardings)()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -639,21 +655,68 @@ class EnginePlan:
         return jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
                             self.param_shardings(params), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-    def lower_prefill(self, params, rows: int, width: int | None = None) -> jax.stages.Lowered:
-        """The resume prefill (with verification log-probs) of ``rows`` packed rows of ``width`` tokens (default
-        ``max_seq_len``) for (abstract) ``params``."""
-        width = width or self.config.max_seq_len
+    # The shape ladders: every compiled engine program is one of these buckets (run/shape_plan.py lists them).
 
-        def sds(shape):
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.config.max_seq_len // self.config.page_size)
+
+    def prefill_widths(self) -> list[int]:
+        """The packed prefill's row widths, ascending (``schedule_rules.prefill_widths``)."""
+        c = self.config
+        return schedule_rules.prefill_widths(c.min_prefill_len, c.max_seq_len, c.bucket_ratio)
+
+    def prefill_rows(self, width: int) -> list[int]:
+        """The packed prefill's row counts at ``width``, ascending (``schedule_rules.prefill_rows``)."""
+        c = self.config
+        return schedule_rules.prefill_rows(width, c.num_slots, c.prefill_token_budget, c.bucket_ratio)
+
+    def live_slot_buckets(self) -> list[int]:
+        """The slot counts decode compiles for, ascending: all slots divided by ``bucket_ratio`` while at least 8
+        remain. One bucket (all slots) when ``live_slots`` is off or the slots are split over devices."""
+        live = self.config.live_slots and self.layout.num_shards == 1
+        return schedule_rules.live_slot_buckets(self.config.num_slots, live, self.config.bucket_ratio)
+
+    def live_page_buckets(self) -> list[int]:
+        """The page-table widths decode compiles for, ascending (the whole table only with ``live_pages`` off)."""
+        return schedule_rules.live_page_buckets(self.pages_per_seq, self.config.live_pages, self.config.bucket_ratio)
+
+    def extend_widths(self) -> list[int]:
+        """The widths of ``Engine.extend`` (a tool reply's new tokens), ascending."""
+        return schedule_rules.ladder(1, self.config.max_seq_len, self.config.bucket_ratio)
+
+    def copy_capacity(self, width: int) -> int:
+        """Page copies a prefill of ``width`` can carry: every slot's pages of a row (a multiple of the slots)."""
+        return self.config.num_slots * -(-width // self.config.page_size)
+
+    def abstract_packed(self, rows: int, width: int) -> PackedPrefill:
+        """A prefill call's input of ``rows`` x ``width`` as ShapeDtypeStructs (replicated)."""
+        def sds(*shape):
             return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=mesh_lib.replicated(self.mesh))
-        packed = PackedPrefill(*[sds((rows, width))] * 5, *[sds((rows,))] * 3)
-        return _prefill_jit.lower(self.static(), params, self.abstract_state(), packed, True)
+        n, c = self.config.num_slots, self.copy_capacity(width)
+        return PackedPrefill(*[sds(rows, width)] * 6, *[sds(n)] * 3, sds(c), sds(c), sds())
 
-    def lower_decode(self, params, live_pages: int | None = None) -> jax.stages.Lowered:
-        """One decode dispatch (``steps_per_dispatch`` tokens over every slot) for (abstract) ``params``;
-        ``live_pages``: the page-table bucket the dispatch reads (None: the whole table)."""
+    def lower_prefill(self, params, rows: int, width: int | None = None) -> jax.stages.Lowered:
+        """The prefill (one program for new prompts and resumes: its log-prob pass is a runtime branch) of ``rows``
+        packed rows of ``width`` tokens (default ``max_seq_len``) for (abstract) ``params``."""
+        flag = jax.ShapeDtypeStruct((), bool, sharding=mesh_lib.replicated(self.mesh))
+        return _prefill_jit.lower(self.static(), params, self.abstract_state(),
+                                  self.abstract_packed(rows, width or self.config.max_seq_len), flag)
+
+    def lower_decode(self, params, live_pages: int | None = None, live_slots: int | None = None
+                     ) -> jax.stages.Lowered:
+        """One decode dispatch (``steps_per_dispatch`` tokens) for (abstract) ``params``; ``live_pages``: the
+        page-table bucket it reads, ``live_slots``: the slot bucket it runs over (None: all)."""
         return _generate_jit.lower(self.static(), params, self.abstract_state(), self.config.steps_per_dispatch,
-                                   live_pages)
+                                   live_pages, live_slots)
+
+    def lower_activate(self) -> jax.stages.Lowered:
+        """The slot activation after a prefill (one program: its arrays have one row per slot)."""
+        def arg(shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.replicated(self.mesh))
+        n = self.config.num_slots
+        return _activate_fn.lower(self.abstract_state(), *[arg((n,))] * 5, arg((n,), jnp.uint32),
+                                  arg((n, self.pages_per_seq)), arg((n,), bool))
 
     def lower_extend(self, params, width: int) -> jax.stages.Lowered:
         """``Engine.extend`` of every slot at once, ``width`` new tokens each (tool replies)."""
@@ -701,10 +764,10 @@ class Engine:
         self.params = self._place_params(nnx.state(model))
         self.allocator = paged_cache.PageAllocator(self.plan.num_pages, config.page_size, config.num_slots,
                                                    config.max_seq_len, self.layout.num_shards)
-        self.state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
-                                  abstract_decode_state(model.cfg, config, self.layout, self.allocator.num_pages))
+        self.state = _zeros_like(abstract_decode_state(model.cfg, config, self.layout, self.allocator.num_pages))
         self.sync_page_table()  # every slot starts on its own shard's scratch page
         self._version = 0  # the host's copy of state.version: reading the device's would wait for every dispatch
+        self.dispatched: set[tuple[str, tuple]] = set()  # (family, bucket) of every program run (shape_plan)
 
     # ------------------------------------------------------------------------------------------------
     # Placement
@@ -758,93 +821,120 @@ class Engine:
     # JetStream-shaped API (host side)
 
     def warmup(self, prompt_len: int | None = None) -> None:
-        """Compiles the programs a first admission uses: the fused prefill-and-sample of a full batch of new
-        prompts of ``prompt_len`` tokens (default 1), and decode over the smallest live-page bucket. Every other
-        shape (fewer rows, longer resumed sequences, the log-prob prefill of a resume, wider live pages) compiles
-        the first time it is used, so a run compiles only the shapes it needs; with the persistent compilation
-        cache a restart compiles none. The dummy prompts sit in free slots, whose pages are the scratch page, and
-        end at their first token (``max_new`` 1): no slot is activated."""
+        """Compiles the programs a first admission uses: the prefill of a full batch of new prompts of
+        ``prompt_len`` tokens (default 1), the activation, and decode over the smallest live buckets. The rest of
+        the shape plan compiles when first used, or ahead with ``run/shape_plan.compile_ahead``. The dummy
+        prompts sit in free slots, whose pages are the scratch page, and no slot is activated."""
         n = self.config.num_slots
         seqs = [np.zeros((prompt_len or 1,), np.int32)] * n
-        self.prefill_and_sample(seqs, list(range(n)), [len(s) for s in seqs], [0] * n, [0] * n, [1] * n)
+        self.prefill(seqs, list(range(n)), [len(s) for s in seqs], with_logp=False)
+        self.state = _activate_fn(self.state, *self._activation_args([], [], [], [], []))
         self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
-                                      self.live_page_buckets()[0] if self.config.live_pages else None)
+                                      self.live_page_buckets()[0] if self.config.live_pages else None,
+                                      self._slot_bucket(self.live_slot_buckets()[0]))
         self.state = _deactivate_fn(self.state, np.zeros((n,), bool))
         self.sync_page_table()
 
-    def prefill_bucket(self, num_tokens: int) -> int:
-        """The packed row width of a prefill whose longest sequence has ``num_tokens`` tokens."""
-        return _bucket(num_tokens, self.config.min_prefill_len, self.config.max_seq_len)
+    def prefill_widths(self) -> list[int]:
+        return self.plan.prefill_widths()
 
-    def pack(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int]) -> PackedPrefill:
-        """The packed layout of one prefill call (host arrays): rows of the longest sequence's length bucket,
-        filled first-fit, their number a power of two; sequence i's tokens go to the pages of ``slots[i]``."""
-        n, lengths = len(sequences), [len(s) for s in sequences]
-        width = self.prefill_bucket(max(lengths))
-        layout = schedule_rules.first_fit(lengths, width)
-        rows = schedule_rules.row_bucket(len(layout))
-        nb = _bucket(n, 1, max(self.config.num_slots, n))
-        tokens, positions, segments, pages, page_slots = (np.zeros((rows, width), np.int32) for _ in range(5))
-        row, start, plens = (np.zeros((nb,), np.int32) for _ in range(3))
+    def prefill_rows(self, width: int) -> list[int]:
+        return self.plan.prefill_rows(width)
+
+    def prefill_bucket(self, seq_len: int) -> int:
+        """The packed row width of a prefill whose longest sequence has ``seq_len`` tokens (its last token is the
+        slot's pending token, not prefilled)."""
+        return schedule_rules.smallest_holding(self.prefill_widths(), max(1, seq_len - 1))
+
+    def pack(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
+             source: list[int] | None = None) -> PackedPrefill:
+        """The packed layout of one prefill call (host arrays): each sequence but its last token, in rows of the
+        longest one's width bucket, filled first-fit, their number a bucket (``prefill_rows``); sequence i's tokens
+        go to the pages of ``slots[i]``. ``source[i] = j != i``: sequence i repeats sequence j's tokens (a group's
+        members), so i gets a copy of j's pages instead of its own rows."""
+        n, c = len(sequences), self.config
+        if n > c.num_slots:
+            raise ValueError(f"Engine.pack: {n} sequences, more than the {c.num_slots} slots.")
+        source = list(range(n)) if source is None else source
+        own = [i for i in range(n) if source[i] == i]
+        lengths = {i: len(sequences[i]) - 1 for i in own}
+        width = self.prefill_bucket(max(len(s) for s in sequences))
+        layout = [[own[k] for k in row] for row in schedule_rules.first_fit([lengths[i] for i in own], width)]
+        buckets = self.prefill_rows(width)
+        if len(layout) > buckets[-1]:
+            raise ValueError(f"Engine.pack: {len(layout)} rows of {width} tokens, more than the "
+                             f"{buckets[-1]} of EngineConfig.prefill_token_budget: split the call "
+                             "(Scheduler does, by Engine.split_for_prefill).")
+        rows = schedule_rules.smallest_holding(buckets, len(layout))
+        tokens, positions, segments, pages, page_slots, targets = (np.zeros((rows, width), np.int32)
+                                                                   for _ in range(6))
+        row, start, plens = (np.zeros((c.num_slots,), np.int32) for _ in range(3))
         size, table = self.allocator.page_size, self.allocator.table
         for r, members in enumerate(layout):
             offset = 0
             for segment, i in enumerate(members, start=1):
-                m, cols = lengths[i], slice(offset, offset + lengths[i])
+                m, cols, seq = lengths[i], slice(offset, offset + lengths[i]), sequences[i]
                 pos = np.arange(m)
-                tokens[r, cols], positions[r, cols], segments[r, cols] = sequences[i], pos, segment
+                tokens[r, cols], positions[r, cols], segments[r, cols] = seq[:-1], pos, segment
+                targets[r, cols] = seq[1:]
                 pages[r, cols], page_slots[r, cols] = table[slots[i], pos // size], pos % size
-                row[i], start[i], plens[i] = r, offset, prompt_lens[i]
                 offset += m
-        return PackedPrefill(tokens, positions, segments, pages, page_slots, row, start, plens)
+        for i in range(n):
+            j = source[i]
+            r = next(k for k, members in enumerate(layout) if j in members)
+            row[i], plens[i] = r, prompt_lens[i]
+            start[i] = sum(lengths[k] for k in layout[r][: layout[r].index(j)])
+        pairs = [(table[slots[source[i]], p], table[slots[i], p]) for i in range(n) if source[i] != i
+                 for p in range(-(-(len(sequences[i]) - 1) // size))]
+        cap = self.plan.copy_capacity(width)
+        copy_src, copy_dst = np.zeros((cap,), np.int32), np.zeros((cap,), np.int32)
+        if pairs:
+            copy_src[: len(pairs)], copy_dst[: len(pairs)] = zip(*pairs, strict=True)
+        return PackedPrefill(tokens, positions, segments, pages, page_slots, targets, row, start, plens,
+                             copy_src, copy_dst, np.asarray(len(pairs), np.int32))
+
+    def split_for_prefill(self, lengths: list[int]) -> list[list[int]]:
+        """Indices of sequences of ``lengths`` tokens (one width bucket) in groups that each pack into at most
+        the largest row bucket: the calls ``EngineConfig.prefill_token_budget`` allows (one when it is None)."""
+        width = self.prefill_bucket(max(lengths))
+        most = self.prefill_rows(width)[-1]
+        layout = schedule_rules.first_fit([max(0, n - 1) for n in lengths], width)
+        return [sorted(i for row in layout[k: k + most] for i in row) for k in range(0, len(layout), most)]
 
     def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
-                with_logp: bool = True) -> Prefix:
-        """Runs prompt (+ cached response prefix) of every sequence through the current params in one call,
-        packed (``pack``), writing K/V into the pages already allocated to ``slots``. Returns the hidden states
-        and (``with_logp``) the response tokens' log pi, which verification needs; new prompts skip that
-        full-vocabulary pass."""
-        self.state, prefix = _prefill_jit(self._static(), self.params, self.state,
-                                          self.pack(sequences, slots, prompt_lens), with_logp)
-        return prefix
+                with_logp: bool = True, source: list[int] | None = None) -> jax.Array:
+        """Runs every sequence but its last token through the current params in one call, packed (``pack``),
+        writing K/V into the pages already allocated to ``slots`` (a ``source`` member gets a copy of its
+        source's pages). Returns (on device) each sequence's response log pi, float32[S, W] (entry j: response
+        token j), which verification needs; ``with_logp`` False skips that full-vocabulary pass (zeros)."""
+        packed = self.pack(sequences, slots, prompt_lens, source)
+        self.dispatched.add(("prefill", packed.tokens.shape))
+        self.state, response_logp = _prefill_jit(self._static(), self.params, self.state, packed,
+                                                 np.asarray(with_logp))
+        return response_logp
 
-    def insert(self, prefix: Prefix, rows: list[int], slots: list[int], sample_pos: list[int],
-               gen_index: list[int], seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Activates ``slots``: each samples its next token from the prefill's sequence ``rows[i]`` at its
-        position ``sample_pos[i]`` (token index ``gen_index[i]`` for the randomness). Returns (tokens, log mu)."""
-        nb = prefix.row.shape[0]
-        args = self._slot_args(nb, slots, gen_index, seeds, max_new)
-        self.state, out = _insert_jit(self._static(), self.params, self.state, prefix, _pad(rows, nb, np.int32),
-                                      args[0], _pad(sample_pos, nb, np.int32), *args[1:])
-        tok, logp = distributed.fetch(out)
-        return tok[: len(slots)], logp[: len(slots)]
+    def activate(self, slots: list[int], sequences: list[np.ndarray], gen_index: list[int], seeds: list[int],
+                 max_new: list[int]) -> None:
+        """Slots ``slots`` decode on after ``prefill``: each from its sequence's last token (pending: the next
+        decode step writes its K/V and samples token ``gen_index[i]`` after it). Nothing is sampled here, so
+        nothing is read back."""
+        self.state = _activate_fn(self.state, *self._activation_args(slots, sequences, gen_index, seeds, max_new))
 
-    def prefill_and_sample(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
-                           gen_index: list[int], seeds: list[int], max_new: list[int],
-                           source: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``prefill`` then ``insert`` at each sequence's last position, in one call (nothing to verify).
-        ``source[i] = j < i``: sequence i equals sequence j (a group's members, one prompt), so it is prefilled
-        once: i's pages get a copy of j's K/V and i samples from j's last hidden state with its own seed
-        (``source[i] = i``: prefilled). Returns (tokens, log mu) of each sequence's next token."""
-        n = len(sequences)
-        source = list(range(n)) if source is None else source
-        own = [i for i in range(n) if source[i] == i]
-        index = {i: k for k, i in enumerate(own)}
-        packed = self.pack([sequences[i] for i in own], [slots[i] for i in own], [prompt_lens[i] for i in own])
-        nb = _bucket(n, 1, max(self.config.num_slots, n))
-        table, size = self.allocator.table, self.allocator.page_size
-        pairs = [(table[slots[source[i]], p], table[slots[i], p]) for i in range(n) if source[i] != i
-                 for p in range(-(-len(sequences[i]) // size))]
-        nc = _bucket(len(pairs), 1, max(len(pairs), self.config.num_slots * self.allocator.pages_per_seq))
-        copy_src = _pad([a for a, _ in pairs], nc, np.int32)
-        copy_dst = _pad([b for _, b in pairs], nc, np.int32)
-        copy_dst[len(pairs):] = self.allocator.num_pages  # padding: dropped
-        rows = _pad([index[source[i]] for i in range(n)], nb, np.int32)
-        self.state, out = _prefill_insert_jit(
-            self._static(), self.params, self.state, packed, copy_src, copy_dst, rows,
-            _pad([len(s) - 1 for s in sequences], nb, np.int32), *self._slot_args(nb, slots, gen_index, seeds, max_new))
-        tok, logp = distributed.fetch(out)
-        return tok[:n], logp[:n]
+    def _activation_args(self, slots, sequences, gen_index, seeds, max_new) -> tuple:
+        n = self.config.num_slots
+        page_rows = np.zeros((n, self.allocator.pages_per_seq), np.int32)
+        page_rows[: len(slots)] = self.allocator.table[slots]
+        return (_pad(slots, n, np.int32), _pad([s[-1] for s in sequences], n, np.int32),
+                _pad([len(s) - 1 for s in sequences], n, np.int32), _pad(gen_index, n, np.int32),
+                _pad(max_new, n, np.int32), _pad(seeds, n, np.uint32), page_rows, _pad([True] * len(slots), n, bool))
+
+    def admit(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int], gen_index: list[int],
+              seeds: list[int], max_new: list[int], source: list[int] | None = None) -> None:
+        """``prefill`` (no log-probs) then ``activate``: admissions that verify nothing. ``source[i] = j < i``:
+        sequence i equals sequence j (a group's members, one prompt), so it is prefilled once and i's pages get
+        a copy of j's K/V; each samples its first token in decode with its own seed. Two dispatches, no read."""
+        self.prefill(sequences, slots, prompt_lens, with_logp=False, source=source)
+        self.activate(slots, sequences, gen_index, seeds, max_new)
 
     def extend(self, slots: list[int], sequences: list[np.ndarray], cached: list[int], gen_index: list[int],
                seeds: list[int], max_new: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -857,14 +947,15 @@ class Engine:
         news = [np.asarray(seq[c:], np.int32) for seq, c in zip(sequences, cached, strict=True)]
         if any(len(x) == 0 for x in news):
             raise ValueError("Engine.extend: every sequence needs at least one token past its cached prefix.")
-        width = _bucket(max(len(x) for x in news), 1, self.config.max_seq_len)
-        nb = _bucket(n, 1, max(self.config.num_slots, n))
+        width = schedule_rules.smallest_holding(self.plan.extend_widths(), max(len(x) for x in news))
+        nb = self.config.num_slots
         tokens, positions = np.zeros((nb, width), np.int32), np.zeros((nb, width), np.int32)
         valid, sample_at = np.zeros((nb, width), bool), np.zeros((nb,), np.int32)
         for i, (x, c) in enumerate(zip(news, cached, strict=True)):
             tokens[i, : len(x)], valid[i, : len(x)] = x, True
             positions[i] = c + np.minimum(np.arange(width), len(x) - 1)  # padding repeats the last position
             sample_at[i] = len(x) - 1
+        self.dispatched.add(("extend", (width,)))
         self.state, out = _extend_jit(self._static(), self.params, self.state, tokens, positions, valid, sample_at,
                                       *self._slot_args(nb, slots, gen_index, seeds, max_new))
         tok, logp = distributed.fetch(out)
@@ -887,15 +978,17 @@ class Engine:
         host can plan (and dispatch) the next one while the device decodes this one."""
         live = self.live_pages() if self.config.live_pages else None
         slots = self.live_slots()
+        self.dispatched.add(("decode", (slots, live)))
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
-                                        live, None if slots == self.config.num_slots else slots)
+                                        live, self._slot_bucket(slots))
         return PendingDecode(out, self.config.num_slots, self._version)
 
     def live_slot_buckets(self) -> list[int]:
-        """The slot counts decode compiles for, ascending: all slots halved while at least 8 remain (256: 8, 16,
-        ..., 256). One bucket (all slots) when ``live_slots`` is off or the slots are split over devices."""
-        live = self.config.live_slots and self.layout.num_shards == 1
-        return schedule_rules.live_slot_buckets(self.config.num_slots, live)
+        return self.plan.live_slot_buckets()
+
+    def _slot_bucket(self, slots: int) -> int | None:
+        """``_generate_fn``'s ``live_slots`` key of a bucket (None: all slots)."""
+        return None if slots == self.config.num_slots else slots
 
     def live_slots(self) -> int:
         """The smallest slot bucket above every slot that holds pages (a running sequence)."""
@@ -907,12 +1000,14 @@ class Engine:
         page-table rows and the slot metadata move), so running slots can be packed to the front."""
         for a, b in zip(src, dst, strict=True):
             self.allocator.move(a, b)
-        self.state = _move_slots_fn(self.state, np.asarray(src, np.int32), np.asarray(dst, np.int32))
+        n = self.config.num_slots
+        pad = np.full((n,), n, np.int32)  # out of range: dropped
+        src_, dst_ = pad.copy(), pad.copy()
+        src_[: len(src)], dst_[: len(dst)] = src, dst
+        self.state = _move_slots_fn(self.state, src_, dst_)
 
     def live_page_buckets(self) -> list[int]:
-        """The page-table widths decode compiles for, ascending: the full table halved while at least 4 pages
-        remain (20 pages: 5, 10, 20). Tables under 16 pages are read whole (one compile; little to save)."""
-        return schedule_rules.live_page_buckets(self.allocator.pages_per_seq)
+        return self.plan.live_page_buckets()
 
     def live_pages(self) -> int:
         """The smallest bucket that holds every slot's pages: decode attends over live pages only, not over the

@@ -172,11 +172,14 @@ class Scheduler:
             t = item[1].traj
             groups[self.engine.prefill_bucket(len(t.prompt) + t.num_tokens)].append(item)
         for _, group in sorted(groups.items()):
-            t0 = time.perf_counter()
-            self._prefill_and_insert(group)
-            self.stats.prefill_time += time.perf_counter() - t0
+            for part in self.engine.split_for_prefill([len(p.traj.prompt) + p.traj.num_tokens for _, p in group]):
+                t0 = time.perf_counter()
+                self._prefill_and_activate([group[i] for i in part])
+                self.stats.prefill_time += time.perf_counter() - t0
 
-    def _prefill_and_insert(self, batch: list[tuple[int, _Pending]]) -> None:
+    def _prefill_and_activate(self, batch: list[tuple[int, _Pending]]) -> None:
+        """One prefill of ``batch`` (each sequence but its last token, which its slot decodes from); resumed
+        trajectories are verified on its log-probs and cut first."""
         engine = self.engine
         slots = [s for s, _ in batch]
         trajs = [p.traj for _, p in batch]
@@ -185,19 +188,18 @@ class Scheduler:
         plens = [len(t.prompt) for t in trajs]
         verify = any(p.keep_fn is not None and p.traj.num_tokens for _, p in batch)
         awaiting = self.env is not None and any(self.env.awaits_reply(t) for t in trajs)
-        if not verify and not awaiting:  # nothing to verify, every one samples next: one dispatch
+        if not verify and not awaiting:  # nothing to verify, every one decodes next: no read back
             source = _shared_prompts(trajs)
-            shared = sum(len(s) for i, s in enumerate(seqs) if source[i] != i)
-            self.stats.prefill_tokens += sum(len(s) for s in seqs) - shared
+            shared = sum(len(s) - 1 for i, s in enumerate(seqs) if source[i] != i)
+            self.stats.prefill_tokens += sum(len(s) - 1 for s in seqs) - shared
             self.stats.shared_prompt_tokens += shared
-            tok, logp = engine.prefill_and_sample(seqs, slots, plens, [t.num_tokens for t in trajs],
-                                                  [t.sample_seed for t in trajs], [t.max_new_tokens for t in trajs],
-                                                  source)
-            self._activate(list(zip(slots, trajs, strict=True)), tok, logp)
+            engine.admit(seqs, slots, plens, [t.num_tokens for t in trajs], [t.sample_seed for t in trajs],
+                         [t.max_new_tokens for t in trajs], source)
+            self.slots.update(zip(slots, trajs, strict=True))
             return
-        self.stats.prefill_tokens += sum(len(s) for s in seqs)
-        prefix = engine.prefill(seqs, slots, plens, with_logp=verify)
-        keeps = self._verify(batch, prefix.response_logp) if verify else [t.num_tokens for t in trajs]
+        self.stats.prefill_tokens += sum(len(s) - 1 for s in seqs)
+        response_logp = engine.prefill(seqs, slots, plens, with_logp=verify)
+        keeps = self._verify(batch, response_logp) if verify else [t.num_tokens for t in trajs]
         go, done = [], []
         for (slot, _), t, k in zip(batch, trajs, keeps, strict=True):
             if t.finished and k >= t.num_tokens:
@@ -207,7 +209,7 @@ class Scheduler:
                 self._cut_suffix[t.uid] = (int(k), t.tokens[int(k):])
             t.truncate(int(k))
             if self.env is not None and self.env.awaits_reply(t):  # paused while parked: ask again
-                self._park(slot, t, len(t.prompt) + t.num_tokens)
+                self._park(slot, t, len(t.prompt) + t.num_tokens - 1)  # its last token is not cached
             else:
                 go.append((slot, t))
         for slot, t in done:
@@ -216,11 +218,9 @@ class Scheduler:
         if not go:
             return
         gt = [t for _, t in go]
-        tok, logp = engine.insert(
-            prefix, [slots.index(s) for s, _ in go], [s for s, _ in go],
-            [len(t.prompt) + t.num_tokens - 1 for t in gt], [t.num_tokens for t in gt],
-            [t.sample_seed for t in gt], [t.max_new_tokens for t in gt])
-        self._activate(go, tok, logp)
+        engine.activate([s for s, _ in go], [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]) for t in gt],
+                        [t.num_tokens for t in gt], [t.sample_seed for t in gt], [t.max_new_tokens for t in gt])
+        self.slots.update(go)
 
     def _activate(self, go: list[tuple[int, Trajectory]], tok: np.ndarray, logp: np.ndarray) -> None:
         """Records each admitted (or extended) sequence's first sampled token; it then decodes in its slot, has

@@ -1,0 +1,228 @@
+"""The shape plan: every program a run compiles, listed from its spec before anything is built.
+
+Each engine and learner program is compiled for a finite list of buckets (``EnginePlan``'s ladders: prefill rows x
+widths, decode slots x pages, the tool replies' widths; the learner's packed batch), so a run's program count is
+known in advance: ``--warmup`` compiles it before the first step (``compile_ahead``), ``aot`` / ``--dry_run``
+report it, and a test trains the tiny configs with JAX's compile log on and checks every program against it
+(``check``). Padding waste is reported per prefill width at the config's length model (``SimConfig``'s prompt
+length and lognormal response lengths).
+
+What a plan lists is a program key: (family, jit function name, bucket dims). Families: 'prefill' (rows, width:
+new prompts and resumes share it, its log-prob pass is a runtime branch), 'activate', 'decode' (slots, pages),
+'extend' (width; tool use only), 'verify' (width), 'train_step', 'logprob' (when ``logprob_pass_users`` names a
+user), 'helper' (the engine's fixed-shape bookkeeping programs) and 'setup' (one-time programs at start: the
+decode state's allocation, the params' placement, the sampling key).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from rollverify_jax import schedule_rules
+
+VERIFY_MODES = ("rollverify", "async")  # rollout modes whose resumes run the jitted verifier
+
+# The engine's fixed-shape helpers (one program each) and the one-time setup programs, by the name JAX logs.
+HELPERS = ("_activate_fn", "_move_slots_fn", "_set_page_table_fn", "_deactivate_fn")
+SETUP = {"<lambda>": 2, "_threefry_seed": 1, "stage": 1}  # zeros of the decode state, the params' placement; key
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedProgram:
+    """One compiled program: its family, the jit function's name (as JAX's compile log names it) and its bucket."""
+
+    family: str
+    name: str
+    dims: tuple[tuple[str, int | None], ...] = ()
+    waste: float | None = None  # padding share of the bucket at the length model (prefill widths)
+
+    def label(self) -> str:
+        dims = " ".join(f"{k}={v}" for k, v in self.dims)
+        return f"{self.family}({dims})" if dims else self.family
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+    programs: tuple[PlannedProgram, ...]
+
+    def __len__(self) -> int:
+        return len(self.programs)
+
+    def of(self, family: str) -> list[PlannedProgram]:
+        return [p for p in self.programs if p.family == family]
+
+    def counts(self) -> dict[str, int]:
+        """Programs per family, in plan order."""
+        return dict(collections.Counter(p.family for p in self.programs))
+
+    def names(self) -> collections.Counter:
+        """Planned programs per jit function name (setup programs: at most their listed count)."""
+        out = collections.Counter(p.name for p in self.programs)
+        out.update(SETUP)
+        return out
+
+    def check(self, compiled: Sequence[str]) -> list[str]:
+        """Problems with a run's compiled programs (jit names from ``CompileLog``): a name the plan does not
+        list, or more programs of a name than the plan holds. Empty: every compile was planned."""
+        planned, seen = self.names(), collections.Counter(compiled)
+        return [f"{name}: compiled {n} programs, the plan has {planned.get(name, 0)}"
+                for name, n in sorted(seen.items()) if n > planned.get(name, 0)]
+
+    def summary(self) -> str:
+        """One line: the count and its families."""
+        parts = ", ".join(f"{n} {family}" for family, n in self.counts().items())
+        return f"{len(self)} programs ({parts}; plus at most {sum(SETUP.values())} one-time setup programs)"
+
+    def table(self) -> str:
+        """The plan as text, one family per line (prefill widths with their padding waste)."""
+        lines = [self.summary()]
+        for family in self.counts():
+            programs = self.of(family)
+            lines.append(f"  {family}: " + ", ".join(p.label().split("(", 1)[-1].rstrip(")") or p.name
+                                                     for p in programs))
+        widths = {dict(p.dims)["width"]: p.waste for p in self.of("prefill") if p.waste is not None}
+        if widths:
+            lines.append("  prefill padding at the length model (one sequence per row, before packing): "
+                         + ", ".join(f"width {w}: {waste:.0%}" for w, waste in sorted(widths.items())))
+        return "\n".join(lines)
+
+
+def length_model_sample(sim, max_new_tokens: int, n: int = 4096, seed: int = 0) -> np.ndarray:
+    """Sequence lengths (prompt + response) at ``SimConfig``'s length model: explicit ``lengths`` cycled, else its
+    lognormal, capped at ``max_new_tokens``."""
+    if sim.lengths:
+        response = np.resize(np.asarray(sim.lengths, np.int64), n)
+    else:
+        rng = np.random.default_rng(seed)
+        response = np.rint(rng.lognormal(np.log(sim.length_median), sim.length_sigma, n)).astype(np.int64)
+    return sim.prompt_len + np.clip(response, 1, max_new_tokens)
+
+
+def prefill_waste(widths: Sequence[int], lengths: np.ndarray) -> dict[int, float]:
+    """Per width bucket, the padding share of a row holding one sequence of the bucket (its last token is not
+    prefilled): 1 - mean(tokens) / width over the sequences the bucket takes."""
+    tokens = np.maximum(lengths - 1, 1)
+    out = {}
+    lo = 0
+    for w in widths:
+        mine = tokens[(tokens > lo) & (tokens <= w)]
+        out[w] = float(1 - mine.mean() / w) if mine.size else float("nan")
+        lo = w
+    return out
+
+
+def engine_programs(engine_plan, *, tool_use: bool = False, max_reply_tokens: int | None = None,
+                    lengths: np.ndarray | None = None, tag: str = "") -> list[PlannedProgram]:
+    """The programs of one engine static (an ``EnginePlan`` and one sampler): prefill buckets, activation,
+    decode buckets, and with ``tool_use`` the extend widths up to the longest reply. ``tag`` prefixes the
+    families (an evaluation sampler compiles its own)."""
+    waste = prefill_waste(engine_plan.prefill_widths(), lengths) if lengths is not None else {}
+    out = [PlannedProgram(tag + "prefill", "_prefill_fn", (("rows", r), ("width", w)), waste.get(w))
+           for w in engine_plan.prefill_widths() for r in engine_plan.prefill_rows(w)]
+    pages = engine_plan.live_page_buckets() if engine_plan.config.live_pages else [None]
+    out += [PlannedProgram(tag + "decode", "_generate_fn", (("slots", s), ("pages", p)))
+            for s in engine_plan.live_slot_buckets() for p in pages]
+    if tool_use:
+        widths = engine_plan.extend_widths()
+        if max_reply_tokens is not None:  # a reply plus the call's closing tag: within the bucket holding it
+            widths = widths[: widths.index(schedule_rules.smallest_holding(widths, max_reply_tokens + 1)) + 1]
+        out += [PlannedProgram(tag + "extend", "_extend_fn", (("width", w),)) for w in widths]
+    return out
+
+
+def plan_run(spec, engine_plan, eval_sampling=None) -> ShapePlan:
+    """The shape plan of a run of ``spec`` whose engine is laid out as ``engine_plan`` (``run/programs.py``'s
+    ``make_engine_plan``; deviceless works). ``eval_sampling``: the evaluation's sampler when it differs from
+    training's (its engine programs compile again for it)."""
+    from rollverify_jax.run.programs import logprob_pass_users
+
+    lengths = length_model_sample(spec.sim, spec.rollout.max_new_tokens)
+    tool = bool(spec.tool_use.enabled)
+    reply = spec.tool_use.max_reply_tokens if tool else None
+    out = engine_programs(engine_plan, tool_use=tool, max_reply_tokens=reply, lengths=lengths)
+    if eval_sampling is not None and eval_sampling != engine_plan.sampling:
+        out += engine_programs(engine_plan, tool_use=tool, max_reply_tokens=reply, tag="eval_")
+    out += [PlannedProgram("helper", name) for name in HELPERS]
+    if spec.rollout.mode in VERIFY_MODES:
+        out += [PlannedProgram("verify", "_verify_arrays", (("width", w),)) for w in engine_plan.prefill_widths()]
+    out += learner_programs(spec)
+    if logprob_pass_users(spec):
+        out += [PlannedProgram("logprob", p.name.replace("train_step", "logprob"), p.dims)
+                for p in learner_programs(spec)]
+    return ShapePlan(tuple(out))
+
+
+def learner_programs(spec) -> list[PlannedProgram]:
+    """The train step's programs: one with ``LearnerConfig.micro_batch_size`` (every batch runs the largest
+    packed layout, looping over the micro-batches its tokens fill), else one per packed row bucket the batch's
+    rows can round to (``schedule_rules.row_bucket``, 1 up to one row per sequence)."""
+    if spec.learner.micro_batch_size is not None:
+        return [PlannedProgram("train_step", "train_step")]
+    most = spec.rollout.batch_groups * spec.rollout.group_size
+    buckets = sorted({schedule_rules.row_bucket(n) for n in range(1, most + 1)})
+    return [PlannedProgram("train_step", "train_step", (("rows", r),)) for r in buckets]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What a run compiled: JAX's compile log.
+
+_COMPILING = re.compile(r"Compiling (?:jit|pjit)\((?P<name>[^)]*)\) with global shapes")
+
+
+class CompileLog(logging.Handler):
+    """Records the name of every program JAX compiles inside the block (JAX's ``jax_log_compiles``, whose lines
+    it keeps from the console). Thread-safe; ``names`` in compile order."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.names: list[str] = []
+        self._lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = _COMPILING.search(record.getMessage())
+        if match:
+            with self._lock:
+                self.names.append(match.group("name"))
+
+    def __enter__(self) -> CompileLog:
+        import jax
+
+        self._was = jax.config.jax_log_compiles
+        jax.config.update("jax_log_compiles", True)
+        self._logger = logging.getLogger("jax")
+        self._filters = [_Quiet()]
+        for h in self._logger.handlers:
+            h.addFilter(self._filters[0])
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        self._logger.removeHandler(self)
+        for h in self._logger.handlers:
+            h.removeFilter(self._filters[0])
+        jax.config.update("jax_log_compiles", self._was)
+
+    def counts(self) -> Mapping[str, int]:
+        return collections.Counter(self.names)
+
+
+class _Quiet(logging.Filter):
+    """Keeps the compile log's lines (one per traced, lowered and compiled program) off the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING or not record.name.startswith("jax._src")
+
+
+def planned_keys(plan: ShapePlan, family: str) -> Iterator[tuple]:
+    """The bucket dims of ``family``'s programs, as value tuples (what ``Engine.dispatched`` records)."""
+    for p in plan.of(family):
+        yield tuple(v for _, v in p.dims)
