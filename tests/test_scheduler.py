@@ -224,10 +224,11 @@ def test_slot_refill_keeps_utilization_high_and_counts_add_up(engine, monkeypatc
     assert len(sched.finished) == 12 and sched.idle
     st = sched.stats
     assert st.slot_utilization(CFG.num_slots) > 0.6
-    # Each admission samples one token from its prefill; every other token comes from a decode dispatch.
+    # An admission samples nothing (a prompt's last token is its slot's pending token): every token comes from
+    # a decode dispatch.
     assert st.prefill_sequences == 12 and st.preemptions == 0
-    assert st.tokens_generated == sum(t.num_tokens for t in trajs) - 12 == st.useful_token_steps
-    assert st.prefill_tokens == sum(len(t.prompt) for t in trajs)
+    assert st.tokens_generated == sum(t.num_tokens for t in trajs) == st.useful_token_steps
+    assert st.prefill_tokens == sum(len(t.prompt) - 1 for t in trajs)
     assert st.decode_steps == st.dispatches * CFG.steps_per_dispatch
     assert st.slot_utilization(CFG.num_slots) == st.useful_token_steps / (CFG.num_slots * st.decode_steps)
     assert st.prefill_time > 0 and st.decode_time > 0 and st.host_time >= 0
@@ -323,13 +324,13 @@ def test_resumed_trajectories_queue_ahead_of_new_ones_in_their_order(engine):
 
 
 def test_prefill_computes_log_probs_only_for_rows_that_are_verified(engine, monkeypatch):
-    """Admissions that verify nothing (new prompts, resumes without keep) prefill and sample in one call, without
-    the log-prob pass; a verified resume prefills with log-probs, then inserts."""
+    """Admissions that verify nothing (new prompts, resumes without keep) prefill and activate (``admit``),
+    without the log-prob pass; a verified resume prefills with log-probs, then activates."""
     asked, fused = [], []
-    real, real_fused = engine.prefill, engine.prefill_and_sample
+    real, real_fused = engine.prefill, engine.admit
     monkeypatch.setattr(engine, "prefill", lambda *a, with_logp=True, **k: (asked.append(with_logp),
                                                                              real(*a, with_logp=with_logp, **k))[1])
-    monkeypatch.setattr(engine, "prefill_and_sample", lambda *a: (fused.append(len(a[0])), real_fused(*a))[1])
+    monkeypatch.setattr(engine, "admit", lambda *a: (fused.append(len(a[0])), real_fused(*a), asked.clear())[1])
     sched = _submit(engine, _requests(3, seed=9, max_new=20))
     sched.step()
     assert fused == [3] and not asked  # fresh prompts: nothing to verify
@@ -416,7 +417,9 @@ def test_when_pages_run_short_the_youngest_request_is_preempted(model):
     tight = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
     sched = _submit(tight, [Trajectory(uid=uid, group_id=uid, prompt=np.arange(4, 8, dtype=np.int32), seed=uid,
                                        max_new_tokens=12) for uid in (5, 1, 3)])  # slots 0, 1, 2
-    sched.step()
+    sched.step()  # one page each: 4 prompt tokens and the 3 of this dispatch
+    assert sched.stats.preemptions == 0
+    sched.step()  # the next dispatch needs a second page each: 3 x 2 > 5
     assert sched.stats.preemptions == 1
     assert sorted(t.uid for t in sched.slots.values()) == [1, 3] and sched.queue[0].traj.uid == 5
     sched.pause_all()
@@ -439,17 +442,19 @@ def test_one_packed_prefill_per_length_bucket(engine, monkeypatch):
     lengths = sorted(len(t.prompt) for t in short)
     assert engine.prefill_bucket(38) == 64 and engine.prefill_bucket(sum(lengths)) == 32
     packed_short, packed_long = sorted(calls, key=lambda p: p.tokens.shape[1])
-    assert packed_long.tokens.shape == (1, 64) and (packed_long.segments > 0).sum() == 38
+    assert packed_long.tokens.shape == (1, 64) and (packed_long.segments > 0).sum() == 37  # the last: pending
     assert packed_short.tokens.shape == (1, 32) and packed_short.row.tolist()[:2] == [0, 0]
-    assert sorted(np.bincount(packed_short.segments.ravel())[1:].tolist()) == lengths
-    assert sorted(packed_short.start.tolist()[:2]) == [0, lengths[1]]  # first-fit decreasing: longest first
+    assert sorted(np.bincount(packed_short.segments.ravel())[1:].tolist()) == [n - 1 for n in lengths]
+    assert sorted(packed_short.start.tolist()[:2]) == [0, lengths[1] - 1]  # first-fit decreasing: longest first
 
 
 def test_only_trajectories_with_tokens_are_verified_and_one_token_can_be_cut(engine):
     sched = _submit(engine, _requests(5, seed=13, max_new=30))
-    sched._admit()  # admitted rows hold the one token their prefill sampled; the rest are still queued
+    sched.step()  # admitted rows hold the tokens of one dispatch; the rest are still queued
     paused = sched.pause_all()
-    assert [t.num_tokens for t in paused] == [1, 1, 1, 0, 0]
+    assert [t.num_tokens > 0 for t in paused] == [True, True, True, False, False]
+    for t in paused:  # one token each (the prefix a dispatch of one step would leave), as a fresh draw
+        del t.tokens[1:], t.logps[1:], t.versions[1:]
     seen = []
 
     def cut_all(new, beh, ver, lengths):
@@ -625,7 +630,8 @@ def test_a_groups_prompt_is_prefilled_once_and_its_members_sample_as_if_alone(en
     sched = _submit(engine, group())
     sched.run()
     together = {t.uid: t for t in sched.take_finished()}
-    assert sched.stats.shared_prompt_tokens == 2 * len(prompt) and sched.stats.prefill_tokens == len(prompt)
+    assert sched.stats.shared_prompt_tokens == 2 * (len(prompt) - 1)  # the last token is each slot's pending one
+    assert sched.stats.prefill_tokens == len(prompt) - 1
     for t in group():
         alone = _submit(engine, [t])
         alone.run()

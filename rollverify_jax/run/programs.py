@@ -140,3 +140,65 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
               if spec.tool_use.enabled else None)
     return fit.compile_programs(run.learner, run.engine, model, spec.rollout, spec.aot, topology=topology,
                                 devices=devices, logprob_users=logprob_pass_users(spec), extend_width=extend)
+
+
+def plan_for(spec: RunSpec, topology: str | None = None):
+    """The shape plan of ``spec`` laid out on ``topology``'s chips (deviceless; default: AotConfig.topology), with
+    the programs that build it: (plan, learner, engine plan, abstract model)."""
+    from rollverify_jax.run import shape_plan
+
+    devices = fit.get_topology_devices(topology or spec.aot.topology)
+    mesh, engine_mesh = make_meshes(spec, devices=devices)
+    model = abstract_model(architecture(spec))
+    flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
+    run = programs(spec, model, mesh, engine_mesh, flash=flash)
+    return shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling)), run, model
+
+
+def compile_plan(spec: RunSpec, topology: str | None = None, threads: int = 4) -> dict:
+    """Compiles every engine and learner program of ``spec``'s shape plan deviceless for ``topology``, ``threads``
+    at a time (XLA compiles outside the GIL) -> {'programs': [{label, compile_s}], 'total_s', 'wall_s', ...}.
+    The verifier and the engine's bookkeeping helpers are left out (host-sized: a few ms each)."""
+    import concurrent.futures
+    import time
+
+    from tqdm import tqdm
+
+    plan, run, model = plan_for(spec, topology)
+    engine, learner = run.engine, run.learner
+    params = engine.abstract_params(nnx.split(model)[1])
+    rows, width = spec.rollout.batch_groups * spec.rollout.group_size, spec.engine.max_seq_len
+
+    def lowering(p):
+        d = dict(p.dims)
+        family = p.family.removeprefix("eval_")
+        if family == "prefill":
+            return lambda: engine.lower_prefill(params, d["rows"], d["width"])
+        if family == "decode":
+            slots = None if d["slots"] == spec.engine.num_slots else d["slots"]
+            return lambda: engine.lower_decode(params, d["pages"], slots)
+        if family == "extend":
+            return lambda: engine.lower_extend(params, d["width"])
+        if family == "train_step":
+            return lambda: learner.lower_train_step(rows, width)
+        if family == "logprob":
+            return lambda: learner.lower_logprobs(rows, width)
+        if p.name == "_activate_fn":
+            return engine.lower_activate
+        return None
+
+    todo = [(p, lowering(p)) for p in plan.programs]
+    todo = [(p, fn) for p, fn in todo if fn is not None]
+
+    def one(item):
+        p, fn = item
+        t0 = time.perf_counter()
+        fn().compile()
+        return {"program": p.label(), "compile_s": round(time.perf_counter() - t0, 2)}
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        out = list(tqdm(pool.map(one, todo), total=len(todo), desc="compiling the shape plan", unit="program"))
+    return {"topology": topology or spec.aot.topology, "plan": len(plan), "summary": plan.summary(),
+            "compiled": len(out), "programs": out, "total_s": round(sum(r["compile_s"] for r in out), 1),
+            "wall_s": round(time.perf_counter() - t0, 1), "threads": threads}

@@ -196,30 +196,26 @@ class CompileLog(logging.Handler):
 
         self._was = jax.config.jax_log_compiles
         jax.config.update("jax_log_compiles", True)
-        self._logger = logging.getLogger("jax")
-        self._filters = [_Quiet()]
-        for h in self._logger.handlers:
-            h.addFilter(self._filters[0])
-        self._logger.addHandler(self)
+        self._loggers = [logging.getLogger(name) for name in _COMPILE_LOGGERS]
+        self._propagate = [lg.propagate for lg in self._loggers]
+        for lg in self._loggers:  # the compile log's lines (several per program) stay off the console
+            lg.propagate = False
+        self._loggers[0].addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
         import jax
 
-        self._logger.removeHandler(self)
-        for h in self._logger.handlers:
-            h.removeFilter(self._filters[0])
+        self._loggers[0].removeHandler(self)
+        for lg, was in zip(self._loggers, self._propagate, strict=True):
+            lg.propagate = was
         jax.config.update("jax_log_compiles", self._was)
 
     def counts(self) -> Mapping[str, int]:
         return collections.Counter(self.names)
 
 
-class _Quiet(logging.Filter):
-    """Keeps the compile log's lines (one per traced, lowered and compiled program) off the console."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.WARNING or not record.name.startswith("jax._src")
+_COMPILE_LOGGERS = ("jax._src.interpreters.pxla", "jax._src.dispatch")  # where jax_log_compiles writes
 
 
 def planned_keys(plan: ShapePlan, family: str) -> Iterator[tuple]:
