@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -247,7 +248,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     fresh = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), _init_opt_state(optimizer, p)),
                     out_shardings=(shardings.params, shardings.opt_state))
     params, opt_state = fresh(params)  # jit outputs never alias its non-donated inputs
-    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    step = jax.device_put(np.zeros((), np.int32), shardings.step)
     rng = jax.device_put(jax.random.key_data(jax.random.key(seed)), shardings.rng)
     return TrainState(params=params, opt_state=opt_state, step=step, rng=rng)
 

@@ -506,9 +506,9 @@ def compiled_programs() -> int:
 
 def _zeros_like(abstract: DecodeState) -> DecodeState:
     """The decode state, zeroed, in one program (array by array it would be one program per dtype and shape)."""
-    shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-                   out_shardings=shardings)()
+    def _zero_decode_state():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+    return jax.jit(_zero_decode_state, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -795,7 +795,9 @@ class Engine:
 
     def set_version(self, version: int) -> None:
         self._version = int(version)
-        self.state = dataclasses.replace(self.state, version=jnp.asarray(version, jnp.int32))
+        # On the decode state's own (replicated) sharding: an unplaced scalar is another program's input type.
+        self.state = dataclasses.replace(self.state, version=jax.device_put(np.int32(version),
+                                                                            mesh_lib.replicated(self.mesh)))
 
     @property
     def compute_dtype(self) -> str:

@@ -547,6 +547,14 @@ class Checkpointer:
 # shorter than its manifest says) are about the files themselves; NOT_FOUND is damage only when the file it names
 # is confirmed missing (an unreachable bucket or an unmounted disk says NOT_FOUND too), and every other code
 # (PERMISSION_DENIED, UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...) is never damage.
+# orbax writes a replicated array in slices, one per replica (replica-parallel saving), and each slice is a small
+# compiled program: one per array shape and replica. Below 1 MiB a slice saves no time worth its compile, so
+# smaller arrays are written whole by one replica (run/shape_plan.py counts the slices that remain).
+REPLICA_SLICE_MIN_BYTES = 1 << 20
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES),
+    override=True)
+
 _STATUS_CODE = re.compile(r"^([A-Z][A-Z_]+): ")
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE")
 _QUOTED = re.compile(r'"([^"]+)"')

@@ -152,7 +152,8 @@ def plan_for(spec: RunSpec, topology: str | None = None):
     model = abstract_model(architecture(spec))
     flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
     run = programs(spec, model, mesh, engine_mesh, flash=flash)
-    return shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling)), run, model
+    return (shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state),
+            run, model)
 
 
 def compile_plan(spec: RunSpec, topology: str | None = None, threads: int = 4) -> dict:

@@ -31,7 +31,9 @@ VERIFY_MODES = ("rollverify", "async")  # rollout modes whose resumes run the ji
 
 # The engine's fixed-shape helpers (one program each) and the one-time setup programs, by the name JAX logs.
 HELPERS = ("_activate_fn", "_move_slots_fn", "_set_page_table_fn", "_deactivate_fn")
-SETUP = {"<lambda>": 2, "_threefry_seed": 1, "stage": 1}  # zeros of the decode state, the params' placement; key
+# The params' placement (infra/transfer) and the train state's first copy (rl/learner), the decode state's zeros,
+# and the sampling key's seeding (two programs).
+SETUP = {"<lambda>": 2, "_zero_decode_state": 1, "_threefry_seed": 1, "stage": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +139,11 @@ def engine_programs(engine_plan, *, tool_use: bool = False, max_reply_tokens: in
     return out
 
 
-def plan_run(spec, engine_plan, eval_sampling=None) -> ShapePlan:
+def plan_run(spec, engine_plan, eval_sampling=None, train_state=None) -> ShapePlan:
     """The shape plan of a run of ``spec`` whose engine is laid out as ``engine_plan`` (``run/programs.py``'s
     ``make_engine_plan``; deviceless works). ``eval_sampling``: the evaluation's sampler when it differs from
-    training's (its engine programs compile again for it)."""
+    training's (its engine programs compile again for it). ``train_state``: the learner's (abstract) state, whose
+    replicated arrays a checkpoint writes in per-replica slices (``checkpoint_programs``)."""
     from rollverify_jax.run.programs import logprob_pass_users
 
     lengths = length_model_sample(spec.sim, spec.rollout.max_new_tokens)
@@ -153,6 +156,8 @@ def plan_run(spec, engine_plan, eval_sampling=None) -> ShapePlan:
     if spec.rollout.mode in VERIFY_MODES:
         out += [PlannedProgram("verify", "_verify_arrays", (("width", w),)) for w in engine_plan.prefill_widths()]
     out += learner_programs(spec)
+    if train_state is not None:
+        out += checkpoint_programs(train_state)
     if logprob_pass_users(spec):
         out += [PlannedProgram("logprob", p.name.replace("train_step", "logprob"), p.dims)
                 for p in learner_programs(spec)]
@@ -170,26 +175,57 @@ def learner_programs(spec) -> list[PlannedProgram]:
     return [PlannedProgram("train_step", "train_step", (("rows", r),)) for r in buckets]
 
 
+def checkpoint_programs(train_state) -> list[PlannedProgram]:
+    """orbax's replica-parallel save slices (``run/checkpoint.py``): a replicated array whose per-replica slice
+    holds at least ``REPLICA_SLICE_MIN_BYTES`` is written in one slice per replica, each its own program (one per
+    shard shape, dtype and replica). None on one device."""
+    import math
+
+    import jax
+
+    from rollverify_jax.run.checkpoint import REPLICA_SLICE_MIN_BYTES
+
+    out, seen = [], set()
+    for a in jax.tree.leaves(train_state):
+        sharding = getattr(a, "sharding", None)
+        if sharding is None:
+            continue
+        shard = sharding.shard_shape(a.shape)
+        replicas = len(sharding.device_set) // max(1, math.prod(n // m for n, m in zip(a.shape, shard, strict=True)))
+        nbytes = math.prod(shard) * np.dtype(a.dtype).itemsize
+        axis = next((i for i, n in enumerate(shard) if n % replicas == 0 and n >= replicas), None)
+        key = (shard, str(a.dtype))
+        if replicas > 1 and axis is not None and nbytes // replicas >= REPLICA_SLICE_MIN_BYTES and key not in seen:
+            seen.add(key)
+            out += [PlannedProgram("checkpoint", "slice", (("shape", str(shard)), ("replica", r)))
+                    for r in range(replicas)]
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------
 # What a run compiled: JAX's compile log.
 
-_COMPILING = re.compile(r"Compiling (?:jit|pjit)\((?P<name>[^)]*)\) with global shapes")
+# One line per XLA compile (an in-memory cache hit, e.g. after compile_ahead, logs none; a persistent cache load
+# logs its load time).
+_COMPILED = re.compile(r"Finished XLA compilation of (?:jit|pjit)\((?P<name>.*)\) in (?P<s>[0-9.e-]+) sec")
 
 
 class CompileLog(logging.Handler):
-    """Records the name of every program JAX compiles inside the block (JAX's ``jax_log_compiles``, whose lines
-    it keeps from the console). Thread-safe; ``names`` in compile order."""
+    """Records every program XLA compiles inside the block: its name and seconds (JAX's ``jax_log_compiles``,
+    whose lines it keeps from the console). Thread-safe; ``names`` and ``seconds`` in compile order."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.names: list[str] = []
+        self.seconds: list[float] = []
         self._lock = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
-        match = _COMPILING.search(record.getMessage())
+        match = _COMPILED.search(record.getMessage())
         if match:
             with self._lock:
                 self.names.append(match.group("name"))
+                self.seconds.append(float(match.group("s")))
 
     def __enter__(self) -> CompileLog:
         import jax
@@ -198,16 +234,19 @@ class CompileLog(logging.Handler):
         jax.config.update("jax_log_compiles", True)
         self._loggers = [logging.getLogger(name) for name in _COMPILE_LOGGERS]
         self._propagate = [lg.propagate for lg in self._loggers]
+        self._null = logging.NullHandler()  # no handler at all would send them to logging's last resort
         for lg in self._loggers:  # the compile log's lines (several per program) stay off the console
             lg.propagate = False
-        self._loggers[0].addHandler(self)
+            lg.addHandler(self._null)
+        self._loggers[1].addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
         import jax
 
-        self._loggers[0].removeHandler(self)
+        self._loggers[1].removeHandler(self)
         for lg, was in zip(self._loggers, self._propagate, strict=True):
+            lg.removeHandler(self._null)
             lg.propagate = was
         jax.config.update("jax_log_compiles", self._was)
 

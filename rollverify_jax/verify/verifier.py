@@ -110,9 +110,10 @@ _two_stage_verify_detail = jax.jit(_verify_arrays)
 def _device_inputs(new_logp, behavior_logp, versions, lengths, ds, dt) -> tuple:
     _check_thresholds(ds, dt)
     _check_shapes(new_logp, behavior_logp, versions, lengths)
+    def scalar(x):  # a Python number as a host scalar: jnp.asarray of one compiles a conversion program
+        return np.float32(x) if isinstance(x, int | float) else jnp.asarray(x, jnp.float32)
     return (jnp.asarray(new_logp, jnp.float32), jnp.asarray(behavior_logp, jnp.float32),
-            jnp.asarray(versions, jnp.int32), jnp.asarray(lengths, jnp.int32), jnp.asarray(ds, jnp.float32),
-            jnp.asarray(dt, jnp.float32))
+            jnp.asarray(versions, jnp.int32), jnp.asarray(lengths, jnp.int32), scalar(ds), scalar(dt))
 
 
 def two_stage_verify(
