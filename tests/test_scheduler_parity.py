@@ -119,7 +119,9 @@ def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision
     (rec,) = simulate(_workload(engine, "on_policy", b, g), CostModel(), LengthModel(CAP, lengths=lengths),
                       num_steps=1).steps
     st = sched.stats
-    assert (rec.preemptions, rec.dispatches, rec.tokens_generated, rec.inserted_tokens, rec.batch_tokens) == (
+    # Admission samples nothing: every token is decoded, the first included.
+    assert st.tokens_generated == sum(lengths)
+    assert (rec.preemptions, rec.dispatches, rec.tokens_generated, rec.prefill_sequences, rec.batch_tokens) == (
         st.preemptions, st.dispatches, st.tokens_generated, st.prefill_sequences, sum(lengths))
     _assert_same(_decisions(log), real)
 

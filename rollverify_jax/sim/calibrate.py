@@ -3,7 +3,7 @@ cut rates the simulator replays (pure Python + numpy; reads files only: the metr
 
 What a step's record holds (``rl/partial_rollout.py``, ``train.py``): ``time/rollout`` (prefill + decode +
 host, without verification), ``time/verify``, ``time/train``, ``time/step``, the scheduler's timers
-``rollout/prefill_time`` (prefill + insert calls; it includes ``time/verify``, which runs inside them) and
+``rollout/prefill_time`` (prefill + activate calls; it includes ``time/verify``, which runs inside them) and
 ``rollout/decode_time`` (generate calls), ``rollout/dispatches``, ``rollout/tokens`` (decoded),
 ``rollout/slot_utilization`` (decoded tokens / (slots x decode steps)), ``rollout/prefill_tokens`` (tokens the
 prefill calls compute) and ``rollout/shared_prompt_tokens`` (a group's prompt tokens copied, not computed),
@@ -108,7 +108,7 @@ class KindRatios:
 
     slot_steps_per_token: float = 1.0  # live-bucket slot-steps per decoded token (1 / bucket utilization)
     width_per_slot_step: float = 0.0  # mean live page-table width (tokens) a slot-step reads
-    calls_per_dispatch: float = 0.0  # prefill calls (prefill-and-sample, log-prob prefill, insert) per dispatch
+    calls_per_dispatch: float = 0.0  # prefill and activate calls (``StepRecord.prefill_calls``) per dispatch
     padded_per_token: float = 1.0  # prefill tokens computed (packed rows x width) per logged prefill token
     logp_per_verified_token: float = 1.0  # positions of the log-prob calls per verified cached token
 
