@@ -158,6 +158,52 @@ def test_a_real_admission_round_is_what_the_replay_charges(model, monkeypatch):
     assert rec.prefill_padded_tokens == 2 * 16 + 4 * 64 and rec.logp_tokens == 4 * 64
 
 
+def test_a_split_admission_round_activates_in_the_engines_call_order(model):
+    # Under a prefill token budget of 128 (2 rows of 64, 1 of 128) a round's width bucket is split into calls of
+    # first-fit rows, longest first: five resumes of prompt 10 + (30, 50, 40, 35, 25) tokens (39, 59, 49, 44, 34
+    # prefilled, one 64-wide row each) are the calls [u1, u2], [u0, u3], [u4], each a prefill and an activation.
+    # The slots start decoding in that order, which is the order a pause returns them in; the replay's admission
+    # of the same round activates and pauses them in the same order, with the same calls and tokens.
+    from rollverify_jax.rollout import Scheduler, Trajectory
+    from rollverify_jax.sim.replay import Replay, StepRecord, _Traj
+
+    cfg = EngineConfig(num_slots=8, page_size=8, max_seq_len=128, steps_per_dispatch=2, min_prefill_len=16,
+                       prefill_token_budget=128)
+    engine = Engine(model, cfg, SamplingConfig(greedy=True))
+    calls = []
+    for name in ("prefill", "activate"):
+        real = getattr(engine, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+        setattr(engine, name, wrapped)  # this test's own engine: no other test sees it
+    cached = [30, 50, 40, 35, 25]
+    rng = np.random.default_rng(1)
+    trajs = [Trajectory(uid=u, group_id=u, prompt=rng.integers(4, 60, size=10).astype(np.int32), seed=u,
+                        max_new_tokens=100, tokens=[5] * n, logps=[-1.0] * n, versions=[0] * n)
+             for u, n in enumerate(cached)]
+    sched = Scheduler(engine)
+    sched.resume(trajs)
+    sched._admit()  # one admission round, no decode dispatch
+    paused = [t.uid for t in sched.pause_all()]
+    assert paused == [1, 2, 0, 3, 4] and calls == ["prefill", "activate"] * 3
+    w = Workload("partial", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, 100, prompt_len=10,
+                 min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len,
+                 prefill_token_budget=cfg.prefill_token_budget)
+    replay = Replay(w, CostModel(), LengthModel(100, lengths=[100]), CutModel())
+    for u, n in enumerate(cached):
+        replay.trajs[u] = _Traj(u, u, 100, tokens=n)
+        replay.group_members[u], replay.group_done[u] = [u], 0
+    replay.queue.extend(range(len(cached)))
+    rec = StepRecord(step=1, on_policy=False)
+    replay._admit(rec, 1)
+    assert replay._pause_all() == paused
+    assert (rec.prefill_calls, rec.prefill_tokens, rec.prefill_sequences) == (
+        len(calls), sched.stats.prefill_tokens, sched.stats.prefill_sequences) == (6, 39 + 59 + 49 + 44 + 34, 5)
+    assert rec.prefill_padded_tokens == (2 + 2 + 1) * 64
+
+
 def test_a_sharded_engine_and_the_simulator_decode_over_all_slots(model):
     # Mesh (2, 2, 2): the pool is split over the 4 data x fsdp devices, so decode compiles for all slots only;
     # the simulator's pool_shards reads the same from make_mesh.shape, and its pages per shard are the engine's.

@@ -90,11 +90,19 @@ def has_timers(run: RunData) -> bool:
     return all("rollout/decode_time" in r for r in run.steps)
 
 
+def pending_last_token(run: RunData) -> bool:
+    """Whether the run's engine prefilled every sequence but its last token (its slot's pending token, which
+    decode writes): the engine since its shape ladders, whose spec.json has ``engine.bucket_ratio``. Its
+    ``rollout/prefill_tokens`` count one token fewer per sequence than an earlier run's."""
+    return "bucket_ratio" in run.spec.get("engine", {})
+
+
 def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
     """Mean prompt length: an on-policy step prefills exactly its B x G new prompts (computed, or copied from a
-    group member's: ``rollout/shared_prompt_tokens``)."""
+    group member's: ``rollout/shared_prompt_tokens``), each but its last token where the engine leaves that
+    pending (``pending_last_token``)."""
     vals = [(r["rollout/prefill_tokens"] + r.get("rollout/shared_prompt_tokens", 0)) / num_sequences
-            for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
+            + pending_last_token(run) for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
     if not vals:
         raise ValueError("no on-policy step to measure the prompt length on; add a run with on-policy steps to "
                          "--calibrate_from (e.g. one of configs/tiny_onpolicy.gin, or a RollVerify run that switched).")

@@ -236,11 +236,10 @@ class Workload:
     def prefill_bucket(self, tokens: int) -> int:
         """The packed row width of a prefill whose longest sequence has ``tokens`` tokens (``Engine.prefill_bucket``):
         the smallest width holding all but its last token, which is its slot's pending token. With
-        ``min_prefill_len`` 0 (no padding): exactly those tokens."""
-        prefilled = max(1, tokens - 1)
+        ``min_prefill_len`` 0 (no padding): exactly those tokens (none for an empty sequence: prompt_len 0)."""
         if self.min_prefill_len == 0:
-            return prefilled
-        return schedule_rules.smallest_holding(self.prefill_widths, prefilled)
+            return max(0, tokens - 1)
+        return schedule_rules.smallest_holding(self.prefill_widths, max(1, tokens - 1))
 
     def _prefill_width(self, lengths) -> int:
         # the engine never prefills past max_seq_len; a replay whose prompt_len + max_new_tokens does gets rows as
@@ -255,7 +254,7 @@ class Workload:
         width = self._prefill_width(lengths)
         if self.min_prefill_len == 0:
             return len(lengths), width
-        used = len(schedule_rules.first_fit([n - 1 for n in lengths], width))
+        used = len(schedule_rules.first_fit([max(0, n - 1) for n in lengths], width))
         buckets = self.prefill_rows(width)
         if used > buckets[-1]:
             raise ValueError(f"Workload.prefill_shape: {used} rows of {width} tokens, more than the {buckets[-1]} "
@@ -885,7 +884,7 @@ class Replay:
                 for i in part:
                     length, gid = call.lengths[i], call.new_group[i]
                     if not verifies and gid >= 0 and gid in seen:
-                        shared += length - 1
+                        shared += max(0, length - 1)
                         continue
                     seen.add(gid)
                     packed.append(length)
@@ -893,7 +892,7 @@ class Replay:
                 padded += rows * width
                 squares += rows * width * width
                 logp += rows * width if verifies else 0
-                computed += sum(n - 1 for n in packed)
+                computed += sum(max(0, n - 1) for n in packed)
                 n_calls += 1 + any(call.activates[i] for i in part)
                 sequences += len(part)
         c = self.costs
