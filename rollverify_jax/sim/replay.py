@@ -264,8 +264,9 @@ class Workload:
     def split_for_prefill(self, lengths) -> list[list[int]]:
         """Indices of sequences of ``lengths`` tokens (one width bucket) in the prefill calls they are split into
         (``Engine.split_for_prefill``): first-fit rows of every sequence but its last token, at most the largest
-        row bucket per call; one call without a ``prefill_token_budget`` (or without padding)."""
-        if self.min_prefill_len == 0:
+        row bucket per call; one call without a ``prefill_token_budget`` (its largest row bucket is the slots, which
+        a round's sequences never outnumber) or without padding."""
+        if self.min_prefill_len == 0 or self.prefill_token_budget is None:
             return [list(range(len(lengths)))]
         width = self._prefill_width(lengths)
         most = self.prefill_rows(width)[-1]
