@@ -682,6 +682,20 @@ def test_fit_costs_recovers_exact_rates(tmp_path):
     assert costs.step_overhead_s == pytest.approx(0.5)
 
 
+def test_prompt_len_counts_the_pending_last_token_of_runs_that_leave_it(tmp_path):
+    # An on-policy step prefills its 6 new prompts of 30 tokens: computed + copied. An engine with the shape
+    # ladders (its spec has engine.bucket_ratio) leaves each prompt's last token pending (29 prefilled): the same
+    # prompt length as an earlier run that prefilled all 30.
+    recs = [{"step": i, "time/step": 1.0, "mode/on_policy": 1, "rollout/prefill_tokens": 2 * per,
+             "rollout/shared_prompt_tokens": 4 * per} for i, per in ((1, 29), (2, 29))]
+    new = cal.read_run(_fake_run(tmp_path / "new", "on_policy", recs,
+                                 {"format": 1, "rollout": {}, "engine": {"bucket_ratio": 2}}))
+    old_recs = [{**r, "rollout/prefill_tokens": 2 * 30, "rollout/shared_prompt_tokens": 4 * 30} for r in recs]
+    old = cal.read_run(_fake_run(tmp_path / "old", "on_policy", old_recs))
+    assert cal.pending_last_token(new) and not cal.pending_last_token(old)
+    assert cal.prompt_len([new], 6, 0) == cal.prompt_len([old], 6, 0) == cal.prompt_len([new, old], 6, 0) == 30
+
+
 def test_fit_without_on_policy_steps_prices_decode_per_slot_step(tmp_path):
     # Partial steps: every dispatch runs the full bucket (1.1 slot-steps per decoded token here); 0.1 s per
     # dispatch + 1e-4 s per slot-step cannot be told apart from a per-slot rate, which takes it all.
