@@ -615,7 +615,7 @@ class StepRecord:
     tokens_generated: int = 0  # by decode dispatches (the engine's rollout/tokens)
     prefill_sequences: int = 0  # sequences the prefill calls took in (admitted; rollout/prefill_sequences)
     useful_token_steps: int = 0
-    prefill_tokens: int = 0  # prompt + cached tokens but the last the prefill calls compute (rollout/prefill_tokens)
+    prefill_tokens: int = 0  # prompt + cached tokens, each sequence's last aside, computed (rollout/prefill_tokens)
     shared_prompt_tokens: int = 0  # prompt tokens of a group's new members copied, not computed
     prefill_calls: int = 0  # engine dispatches per prefill call: 2 (prefill, activate), 1 if none activates
     prefill_padded_tokens: int = 0  # rows x width the prefill calls compute
