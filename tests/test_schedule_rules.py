@@ -23,7 +23,7 @@ from rollverify_jax.verify import SwitchConfig, update_switch_state
 
 
 def _doubling(n: int, lo: int, hi: int) -> int:
-    """The engine's bucket as it was written before the shared rule: double from lo until >= n."""
+    """The engine's prefill bucket as it was written before the shared rule: double from lo until >= n."""
     b = lo
     while b < n:
         b *= 2
@@ -34,6 +34,7 @@ def _workload(cfg: EngineConfig, live_slots: bool) -> Workload:
     """The simulator's view of an engine config (what ``sim.shape.run_shape`` builds)."""
     return Workload("partial", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, cfg.max_seq_len - 1, prompt_len=1,
                     live_slots=live_slots, min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len,
+                    bucket_ratio=cfg.bucket_ratio, prefill_token_budget=cfg.prefill_token_budget,
                     page_size=cfg.page_size, live_pages=cfg.live_pages)
 
 
@@ -44,26 +45,33 @@ def test_modes_are_one_tuple():
     assert partial_rollout.MODES is schedule_rules.ROLLOUT_MODES == (*schedule_rules.MODES, schedule_rules.ASYNC_MODE)
 
 
-def test_pow2_bucket_is_the_engine_bucket():
+def test_pow2_bucket_is_the_ratio_2_ladder():
+    # The engine's prefill width (EngineConfig.bucket_ratio 2: the smallest of schedule_rules.prefill_widths
+    # holding the prefilled tokens; test_a_real_engine_and_... below checks the engine and the simulator agree on
+    # it) is the power-of-two bucket (the learner's length buckets, the tool reply widths) and the engine's old
+    # doubling.
     for lo in (1, 3, 16, 32, 512):
         for hi in (lo, 64, 1000, 22528, 65536):
+            widths = schedule_rules.prefill_widths(lo, hi)
             for n in [*range(0, 140), 511, 512, 513, 4095, 4096, 4097, 20000, 70000]:
-                assert engine_lib._bucket(n, lo, hi) == schedule_rules.pow2_bucket(n, lo, hi) == _doubling(n, lo, hi)
+                assert (schedule_rules.smallest_holding(widths, n) == schedule_rules.pow2_bucket(n, lo, hi)
+                        == _doubling(n, lo, hi))
     with pytest.raises(ValueError, match="lo=0"):
         schedule_rules.pow2_bucket(5, 0, 64)
 
 
-SHAPES = [  # (num_slots, page_size, max_seq_len, min_prefill_len)
-    (4, 8, 64, 32), (8, 4, 64, 4), (16, 4, 256, 16), (17, 16, 330, 8), (24, 8, 96, 32), (64, 2, 128, 2),
-    (12, 64, 512, 32)]
+SHAPES = [  # (num_slots, page_size, max_seq_len, min_prefill_len, bucket_ratio, prefill_token_budget)
+    (4, 8, 64, 32, 2, None), (8, 4, 64, 4, 2, None), (16, 4, 256, 16, 2, 1024), (17, 16, 330, 8, 3, 660),
+    (24, 8, 96, 32, 2, None), (64, 2, 128, 2, 4, 512), (12, 64, 512, 32, 2, None)]
 
 
-@pytest.mark.parametrize("num_slots, page_size, max_seq_len, min_prefill", SHAPES)
+@pytest.mark.parametrize("num_slots, page_size, max_seq_len, min_prefill, ratio, budget", SHAPES)
 def test_a_real_engine_and_the_simulator_give_the_same_buckets(model, num_slots, page_size, max_seq_len,
-                                                              min_prefill):
+                                                              min_prefill, ratio, budget):
     for live_slots, live_pages in ((True, True), (False, True), (True, False)):
         cfg = EngineConfig(num_slots=num_slots, page_size=page_size, max_seq_len=max_seq_len, steps_per_dispatch=4,
-                           min_prefill_len=min_prefill, live_slots=live_slots, live_pages=live_pages)
+                           min_prefill_len=min_prefill, live_slots=live_slots, live_pages=live_pages,
+                           bucket_ratio=ratio, prefill_token_budget=budget)
         engine = Engine(model, cfg, SamplingConfig(greedy=True))
         w = _workload(cfg, live_slots and sim_shape.pool_shards((1, 1, 1), num_slots) == 1)
         assert engine.live_slot_buckets() == w.slot_buckets
@@ -73,14 +81,25 @@ def test_a_real_engine_and_the_simulator_give_the_same_buckets(model, num_slots,
             assert w.page_buckets == [engine.allocator.pages_per_seq]
         for n in range(1, max_seq_len + 1):
             assert engine.prefill_bucket(n) == w.prefill_bucket(n)
+        for width in engine.prefill_widths():
+            assert engine.prefill_rows(width) == w.prefill_rows(width)
+        assert engine.prefill_widths() == w.prefill_widths
         rng = np.random.default_rng(num_slots)
-        for trial in range(40):  # the packed prefill: (rows, width) of Engine.pack for the same lengths
-            n = int(rng.integers(1, 2 * num_slots + 1))
+        split = 0
+        for trial in range(40):  # the packed prefill: the calls and (rows, width) of Engine.pack for the same lengths
+            n = int(rng.integers(1, num_slots + 1))  # a call packs at most one sequence per slot
             top = max_seq_len if trial % 2 else max(1, min_prefill)  # long resumes, or many short prompts
-            lengths = rng.integers(1, top + 1, size=n).tolist()
-            packed = engine.pack([np.ones(m, np.int32) for m in lengths], [i % num_slots for i in range(n)],
-                                 [1] * n)
-            assert packed.tokens.shape == w.prefill_shape(lengths), lengths
+            drawn = rng.integers(1, top + 1, size=n).tolist()
+            for width in {engine.prefill_bucket(m) for m in drawn}:  # the scheduler splits one width bucket
+                lengths = [m for m in drawn if engine.prefill_bucket(m) == width]
+                parts = engine.split_for_prefill(lengths)
+                assert parts == w.split_for_prefill(lengths), lengths
+                split += len(parts) > 1
+                for part in parts:
+                    sub = [lengths[i] for i in part]
+                    packed = engine.pack([np.ones(m, np.int32) for m in sub], part, [1] * len(sub))
+                    assert packed.tokens.shape == w.prefill_shape(sub) and packed.tokens.shape[1] == width, sub
+        assert (split > 0) == (budget is not None)  # a token budget splits some rounds into several calls
         for active in range(1, num_slots + 1):
             assert w.slot_bucket(active) == next(b for b in engine.live_slot_buckets() if b >= active)
 
@@ -88,16 +107,17 @@ def test_a_real_engine_and_the_simulator_give_the_same_buckets(model, num_slots,
 def test_a_real_admission_round_is_what_the_replay_charges(model, monkeypatch):
     # One admission round of a real Scheduler on a tiny Engine: a verified resume (prompt 10 + 30 cached: bucket 64)
     # with two new members of group 3 (prompt 40: bucket 64 too), and three new members of group 1 and one of
-    # group 2 (prompt 10: bucket 16). Bucket 16 verifies nothing: one prefill_and_sample call, group 1's prompt
-    # computed once (two 10-token prompts packed, 2 rows of 16), 20 tokens copied. Bucket 64 verifies: one
-    # log-prob prefill of all three (3 rows of 64; group 3's prompt computed twice) and one insert. The replay's
-    # _charge_prefill of the same round gives the same calls, shapes and token counts.
+    # group 2 (prompt 10: bucket 16). Each sequence's last token is its slot's pending token: 9 or 39 prefilled.
+    # Bucket 16 verifies nothing: a prefill (no log-probs) and an activation (Engine.admit), group 1's prompt
+    # computed once (two 9-token rows: 2 rows of 16), 2 x 9 tokens copied. Bucket 64 verifies: one log-prob
+    # prefill of all three (3 rows of 64, the row bucket 4; group 3's prompt computed twice) and an activation.
+    # The replay's _charge_prefill of the same round gives the same calls, shapes and token counts.
     from rollverify_jax.rollout import Scheduler, Trajectory
     from rollverify_jax.sim.replay import Replay, StepRecord, _Call
 
     cfg = EngineConfig(num_slots=8, page_size=8, max_seq_len=128, steps_per_dispatch=2, min_prefill_len=16)
     engine = Engine(model, cfg, SamplingConfig(greedy=True))
-    seen = {"pack": [], "prefill": [], "prefill_and_sample": [], "insert": []}
+    seen = {"pack": [], "prefill": [], "activate": []}
     for name in seen:
         real = getattr(engine, name)
 
@@ -125,15 +145,63 @@ def test_a_real_admission_round_is_what_the_replay_charges(model, monkeypatch):
                  min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len)
     rec = StepRecord(step=2, on_policy=False)
     replay = Replay(w, CostModel(), LengthModel(100, lengths=[5]), CutModel())
-    replay._charge_prefill(rec, [_Call([10, 10, 10, 10], [1, 1, 1, 2]),
-                                 _Call([40, 40, 40], [-1, 3, 3], verifies=True, inserts=True)], 30)
+    replay._charge_prefill(rec, [_Call([10, 10, 10, 10], [1, 1, 1, 2], [False] * 4, [True] * 4),
+                                 _Call([40, 40, 40], [-1, 3, 3], [True, False, False], [True] * 3)], 30)
     assert sorted(seen["pack"]) == sorted([w.prefill_shape([10, 10]), w.prefill_shape([40, 40, 40])])
-    assert sorted(seen["pack"]) == [(2, 16), (3, 64)]
-    calls = len(seen["prefill"]) + len(seen["prefill_and_sample"]) + len(seen["insert"])
-    assert calls == rec.prefill_calls == 3 and seen["prefill"] == [True]
+    assert sorted(seen["pack"]) == [(2, 16), (4, 64)]
+    assert seen["prefill"] == [False, True]  # bucket 16, then the log-prob prefill of bucket 64
+    calls = len(seen["prefill"]) + len(seen["activate"])
+    assert calls == rec.prefill_calls == 4
     assert (sched.stats.prefill_tokens, sched.stats.shared_prompt_tokens) == (rec.prefill_tokens,
-                                                                               rec.shared_prompt_tokens) == (140, 20)
-    assert rec.prefill_padded_tokens == 2 * 16 + 3 * 64 and rec.logp_tokens == 3 * 64
+                                                                               rec.shared_prompt_tokens) == (135, 18)
+    assert sched.stats.prefill_sequences == rec.prefill_sequences == 7
+    assert rec.prefill_padded_tokens == 2 * 16 + 4 * 64 and rec.logp_tokens == 4 * 64
+
+
+def test_a_split_admission_round_activates_in_the_engines_call_order(model):
+    # Under a prefill token budget of 128 (2 rows of 64, 1 of 128) a round's width bucket is split into calls of
+    # first-fit rows, longest first: five resumes of prompt 10 + (30, 50, 40, 35, 25) tokens (39, 59, 49, 44, 34
+    # prefilled, one 64-wide row each) are the calls [u1, u2], [u0, u3], [u4], each a prefill and an activation.
+    # The slots start decoding in that order, which is the order a pause returns them in; the replay's admission
+    # of the same round activates and pauses them in the same order, with the same calls and tokens.
+    from rollverify_jax.rollout import Scheduler, Trajectory
+    from rollverify_jax.sim.replay import Replay, StepRecord, _Traj
+
+    cfg = EngineConfig(num_slots=8, page_size=8, max_seq_len=128, steps_per_dispatch=2, min_prefill_len=16,
+                       prefill_token_budget=128)
+    engine = Engine(model, cfg, SamplingConfig(greedy=True))
+    calls = []
+    for name in ("prefill", "activate"):
+        real = getattr(engine, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+        setattr(engine, name, wrapped)  # this test's own engine: no other test sees it
+    cached = [30, 50, 40, 35, 25]
+    rng = np.random.default_rng(1)
+    trajs = [Trajectory(uid=u, group_id=u, prompt=rng.integers(4, 60, size=10).astype(np.int32), seed=u,
+                        max_new_tokens=100, tokens=[5] * n, logps=[-1.0] * n, versions=[0] * n)
+             for u, n in enumerate(cached)]
+    sched = Scheduler(engine)
+    sched.resume(trajs)
+    sched._admit()  # one admission round, no decode dispatch
+    paused = [t.uid for t in sched.pause_all()]
+    assert paused == [1, 2, 0, 3, 4] and calls == ["prefill", "activate"] * 3
+    w = Workload("partial", 1, 1, cfg.num_slots, cfg.steps_per_dispatch, 100, prompt_len=10,
+                 min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len,
+                 prefill_token_budget=cfg.prefill_token_budget)
+    replay = Replay(w, CostModel(), LengthModel(100, lengths=[100]), CutModel())
+    for u, n in enumerate(cached):
+        replay.trajs[u] = _Traj(u, u, 100, tokens=n)
+        replay.group_members[u], replay.group_done[u] = [u], 0
+    replay.queue.extend(range(len(cached)))
+    rec = StepRecord(step=1, on_policy=False)
+    replay._admit(rec, 1)
+    assert replay._pause_all() == paused
+    assert (rec.prefill_calls, rec.prefill_tokens, rec.prefill_sequences) == (
+        len(calls), sched.stats.prefill_tokens, sched.stats.prefill_sequences) == (6, 39 + 59 + 49 + 44 + 34, 5)
+    assert rec.prefill_padded_tokens == (2 + 2 + 1) * 64
 
 
 def test_a_sharded_engine_and_the_simulator_decode_over_all_slots(model):

@@ -19,13 +19,14 @@ from rollverify_jax.verify import SwitchConfig, VerifyConfig
 PROMPT, CAP, K, PAGE = 6, 40, 3, 8  # 6 + 40 tokens: 6 pages of 8 at full length
 
 
-def _engine(model, slots: int, usable_pages: int) -> Engine:
+def _engine(model, slots: int, usable_pages: int, prefill_token_budget: int | None = None) -> Engine:
     """``slots`` slots over ``usable_pages`` pages (fewer than 6 per slot): admissions wait for pages and running
     slots are preempted. From 16 slots on, decode runs over 8 once at most 8 slots are held, and the scheduler
-    moves the running sequences down to them."""
+    moves the running sequences down to them. A ``prefill_token_budget`` splits an admission round's width
+    bucket into several prefill calls (their activation order is the slots' order a pause returns)."""
     page_bytes = paged_cache.kv_bytes_per_page(model.cfg, PAGE, "float32")
     cfg = EngineConfig(num_slots=slots, page_size=PAGE, max_seq_len=64, steps_per_dispatch=K,
-                       kv_memory_bytes=(usable_pages + 1) * page_bytes)
+                       kv_memory_bytes=(usable_pages + 1) * page_bytes, prefill_token_budget=prefill_token_budget)
     engine = Engine(model, cfg, SamplingConfig(temperature=1.0), eos_ids=(3,))
     assert engine.allocator.shard_capacity == usable_pages
     return engine
@@ -92,7 +93,8 @@ def _assert_same(replayed: list, real: list) -> None:
 def _workload(engine: Engine, mode: str, batch_groups: int, group_size: int, **kw) -> Workload:
     cfg = engine.config
     w = Workload(mode, batch_groups, group_size, cfg.num_slots, cfg.steps_per_dispatch, CAP, PROMPT,
-                 min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
+                 min_prefill_len=cfg.min_prefill_len, max_seq_len=cfg.max_seq_len, bucket_ratio=cfg.bucket_ratio,
+                 prefill_token_budget=cfg.prefill_token_budget, page_size=cfg.page_size,
                  kv_pages_per_shard=engine.allocator.shard_capacity, page_reservation=cfg.page_reservation, **kw)
     assert w.pool_binds
     return w
@@ -119,7 +121,9 @@ def test_a_recorded_scheduler_run_with_preemptions_replays_decision_for_decision
     (rec,) = simulate(_workload(engine, "on_policy", b, g), CostModel(), LengthModel(CAP, lengths=lengths),
                       num_steps=1).steps
     st = sched.stats
-    assert (rec.preemptions, rec.dispatches, rec.tokens_generated, rec.inserted_tokens, rec.batch_tokens) == (
+    # Admission samples nothing: every token is decoded, the first included.
+    assert st.tokens_generated == sum(lengths)
+    assert (rec.preemptions, rec.dispatches, rec.tokens_generated, rec.prefill_sequences, rec.batch_tokens) == (
         st.preemptions, st.dispatches, st.tokens_generated, st.prefill_sequences, sum(lengths))
     _assert_same(_decisions(log), real)
 
@@ -132,8 +136,12 @@ def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, sma
     phase where the scheduler did and resumed the paused trajectories in the same order (running ones in the
     order they were last activated or moved, as the scheduler's slots are ordered)."""
     steps = 3
-    engine = small_engine if slots == 4 else _engine(model, slots, pages)
+    # 16 slots: a budget of 64 tokens makes each prefill call at most 2 rows of 32 or 1 row of 64
+    engine = small_engine if slots == 4 else _engine(model, slots, pages, prefill_token_budget=64)
     records = iter(range(10**6))
+    calls = []
+    split = engine.split_for_prefill
+    monkeypatch.setattr(engine, "split_for_prefill", lambda lengths: calls.append(split(lengths)) or calls[-1])
     log = _record(monkeypatch)
     sched = Scheduler(engine)
     manager = RolloutManager(RolloutConfig(mode="partial", batch_groups=b, group_size=g, max_new_tokens=CAP), sched,
@@ -151,6 +159,7 @@ def test_recorded_partial_phases_replay_phase_ends_pauses_and_resumes(model, sma
     pauses = [inputs for name, inputs, _ in real if name == "pause_order"]
     assert len(pauses) == steps and max(len(running) for running, _, _ in pauses) >= 2  # in their order
     assert (slots > 8) == any(name == "pack_moves" for name, _, _ in real)  # 16 slots: packed below 8
+    assert (slots > 8) == any(len(parts) > 1 for parts in calls)  # 16 slots: a round split into calls
     # The lengths the cached trajectories would reach: run them out (their samples do not depend on when).
     sched.resume(manager.cache.take_for_resume(include_finished=False))
     sched.run()

@@ -32,26 +32,28 @@ def workload(mode, **kw):
 
 def test_on_policy_two_slots_four_sequences_by_hand():
     # Groups g0 = (u0: 4, u1: 1), g1 = (u2: 2, u3: 2); 2 slots, 1 token per dispatch, 1 s per decode step.
-    # Insert samples each admitted sequence's first token. Round 1: u0 (1 token), u1 ends at insert (its slot is
-    # held through the round). Dispatch 1 (one only: a slot is free and u2 waits): u0 = 2. Round 2: u2 = 1;
-    # dispatch 2: u0 = 3, u2 ends. Round 3: u3 = 1; dispatch 3: u0 and u3 end. 3 s; 5 decoded + 4 inserted.
+    # Admission samples nothing: every token is decoded, the first included. Round 1: u0, u1; dispatch 1: u0 = 1,
+    # u1 ends. Round 2: u2; 2 dispatches: u0 = 3, u2 ends. Round 3: u3; dispatch 4: u0 ends, u3 = 1. Dispatch 5:
+    # u3 ends (a free slot idles). 5 s; 9 decoded over 10 slot-steps.
     res = simulate(workload("on_policy"), UNIT, LengthModel(10, lengths=[4, 1, 2, 2]), num_steps=1)
     (s,) = res.steps
-    assert s.step_s == 3.0 and s.dispatches == 3 and s.decode_steps == 3 and s.batch_tokens == 9
-    assert (s.tokens_generated, s.inserted_tokens, s.slot_steps) == (5, 4, 6)
-    assert s.slot_utilization(2) == 5 / 6
+    assert s.step_s == 5.0 and s.dispatches == 5 and s.decode_steps == 5 and s.batch_tokens == 9
+    assert (s.tokens_generated, s.prefill_sequences, s.slot_steps) == (9, 4, 10)
+    assert s.slot_utilization(2) == 9 / 10
 
 
 def test_partial_two_slots_by_hand():
-    # B = 1 group of 2, 2 slots, lengths cycle (4, 1, 2, 2): g0 = (u0: 4, u1: 1), g1 = (u2: 2, u3: 2), g2 = ...
-    # Step 1 is the on-policy case's schedule (the queue is topped up with g1, then g2): 3 dispatches; at its
-    # end g0 and g1 are complete, g0 is the batch and g2 (queued, never started) is paused.
-    # Step 2: g1 is complete already: no rollout. Step 3: g2 (4, 1) with g3 (2, 2) as step 1: 3 s.
+    # B = 1 group of 2, 2 slots, lengths cycle (4, 1, 2, 2): g0 = (u0: 4, u1: 1), g1 = (u2: 2, u3: 2), g2 = (u4: 4,
+    # u5: 1), g3 = (u6: 2, u7: 2). Step 1 is the on-policy case's first 4 dispatches (the queue topped up with g1,
+    # then g2): g0 completes with u3 at 1 token; u3, then g2 (queued) are paused. Step 2 resumes u3 and u4:
+    # 1 dispatch ends u3 (g1 complete), u4 = 1. Step 3 resumes u4 and u5: 1 dispatch ends u5, u4 = 2; then u6
+    # (g3 topped up): 2 dispatches end u4 (g2 complete) and u6.
     res = simulate(workload("partial", batch_groups=1), UNIT, LengthModel(10, lengths=[4, 1, 2, 2]), num_steps=3)
-    assert [s.step_s for s in res.steps] == [3.0, 0.0, 3.0]
+    assert [s.step_s for s in res.steps] == [4.0, 1.0, 3.0]
     assert [s.batch_tokens for s in res.steps] == [5, 4, 5]
-    assert [s.tokens_generated for s in res.steps] == [5, 0, 5]
-    assert [s.prefill_calls for s in res.steps] == [3, 0, 3]  # one per admission round (one length bucket)
+    assert [s.tokens_generated for s in res.steps] == [8, 2, 6]
+    # two engine calls per admission round (one width bucket): the prefill and the activation
+    assert [s.prefill_calls for s in res.steps] == [6, 2, 4]
 
 
 def test_decode_closed_form_matches_the_per_dispatch_sum():
@@ -62,34 +64,36 @@ def test_decode_closed_form_matches_the_per_dispatch_sum():
 
 
 def test_all_costs_by_hand():
-    # One slot, B = 1 group of 1, prompt 3, k = 2, length 3: the admission prefills 3 tokens in one call
-    # (2 + 1 * 3 = 5 s) and insert samples token 1; one dispatch makes the other 2, attending 3 + 1 tokens:
-    # 2 * (1 + 4) = 10; train on 6 tokens: 10 + 2 * 6 + 1 * 36 = 58; overhead 7. Step = 5 + 10 + 58 + 7 = 80.
+    # One slot, B = 1 group of 1, prompt 3, k = 2, length 3: the admission prefills the prompt but its last token
+    # (2 tokens) and activates the slot: two calls, 2 * 2 + 1 * 2 = 6 s. Two dispatches sample the 3 tokens (the
+    # second stops after 1), attending 3 + 0 and 3 + 2 tokens at their starts: 2 * (2 * 1 + 3 + 5) = 20; train on 6
+    # tokens: 10 + 2 * 6 + 1 * 36 = 58; overhead 7. Step = 6 + 20 + 58 + 7 = 91.
     c = CostModel(decode_step_s=1.0, decode_ctx_token_s=1.0, prefill_call_s=2.0, prefill_token_s=1.0,
                   train_step_s=10.0, train_token_s=2.0, train_attn_s=1.0, step_overhead_s=7.0)
     w = Workload("on_policy", 1, 1, 1, 2, 10, prompt_len=3)
     (s,) = simulate(w, c, LengthModel(10, lengths=[3]), num_steps=1).steps
-    assert (s.prefill_s, s.decode_s, s.train_s, s.overhead_s, s.step_s) == (5.0, 10.0, 58.0, 7.0, 80.0)
-    assert (s.dispatches, s.decode_steps, s.tokens_generated, s.inserted_tokens) == (1, 2, 2, 1)
+    assert (s.prefill_s, s.decode_s, s.train_s, s.overhead_s, s.step_s) == (6.0, 20.0, 58.0, 7.0, 91.0)
+    assert (s.dispatches, s.decode_steps, s.tokens_generated, s.prefill_sequences) == (2, 4, 3, 1)
+    assert (s.prefill_calls, s.prefill_tokens) == (2, 2)
 
 
 def test_rollverify_restart_redraws_by_hand():
-    # Partial RollVerify, 2 slots, B = 1, k = 1, every segment of age 1 fails; lengths cycle (5, 1, 3, 3):
-    # g0 = (u0: 5, u1: 1), g1 = (u2: 3, u3: 3), g2 = (u4: 5, u5: 1).
-    # Step 1: u0 = 1, u1 ends at insert; 1 dispatch (free slot): u0 = 2; u2 = 1; 2 dispatches: u0 = 4, u2 ends;
-    # u3 = 1; 1 dispatch: u0 ends (g0 complete), u3 = 2. 4 s; u3 (2 tokens, one segment of step 1) and g2
-    # (queued) are paused.
-    # Step 2: u3's segment (age 1) fails: keep = 0, a restart from the prompt (its log-probs: 2 tokens x 10 s),
-    # which draws a fresh length: the first value of the redraw cycle, 5. Insert makes u3 1 and u4 1; 4
-    # dispatches: both end, g1 complete with u2 (3) + u3 (5). 4 + 20 = 24 s; acceptance 0 / 2.
+    # Partial RollVerify, 2 slots, B = 1, k = 1, prompt 1, every segment of age 1 fails; lengths cycle (5, 1, 3,
+    # 3): g0 = (u0: 5, u1: 1), g1 = (u2: 3, u3: 3), g2 = (u4: 5, u5: 1).
+    # Step 1: u0, u1; 1 dispatch: u0 = 1, u1 ends; u2; 3 dispatches: u0 = 4, u2 ends; u3; 1 dispatch: u0 ends
+    # (g0 complete), u3 = 1. 5 s; u3 (1 token, one segment of step 1) and g2 (queued) are paused.
+    # Step 2: u3's segment (age 1) fails: keep = 0, a restart from the prompt (its log-prob prefill: prompt +
+    # 1 token but the last, 1 row of 1 x 10 s), which draws a fresh length: the first value of the redraw cycle,
+    # 5. u3 and u4 then decode 5 each: 5 dispatches, g1 complete with u2 (3) + u3 (5). 5 + 10 = 15 s; acceptance
+    # 0 / 1.
     c = CostModel(decode_step_s=1.0, prefill_logp_token_s=10.0)
-    w = workload("rollverify", batch_groups=1, switching=False)
+    w = workload("rollverify", batch_groups=1, switching=False, prompt_len=1)
     res = simulate(w, c, LengthModel(10, lengths=[5, 1, 3, 3]), CutModel(fail_prob=(1.0,)), num_steps=2)
     s1, s2 = res.steps
-    assert s1.step_s == 4.0 and s1.verified == 0 and s1.batch_tokens == 6
-    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, s2.removed_tokens) == (1, 2, 0, 2)
+    assert s1.step_s == 5.0 and s1.verified == 0 and s1.batch_tokens == 6
+    assert (s2.verified, s2.verified_tokens, s2.kept_tokens, s2.removed_tokens) == (1, 1, 0, 1)
     assert (s2.num_cut, s2.num_restarted, dict(s2.segments_checked), dict(s2.segments_failed)) == (1, 1, {1: 1}, {1: 1})
-    assert s2.decode_s == 4.0 and s2.verify_s == 20.0 and s2.step_s == 24.0 and s2.acceptance == 0.0
+    assert s2.decode_s == 5.0 and s2.verify_s == 10.0 and s2.step_s == 15.0 and s2.acceptance == 0.0
     assert s2.batch_tokens == 8
 
 
@@ -97,7 +101,7 @@ def test_segment_of_age_one_always_failing_cuts_exactly_there():
     # B = 1, 2 slots, k = 1, lengths cycle (9, 1, 30, 1). Step 1 ends with u2 paused at 8 tokens (one segment,
     # step 1); step 2 (nothing fails) verifies it whole and u2 decodes 11 more (a second segment, step 2). At
     # step 3 its segments have ages 2 and 1; p(1) = 1, p(2) = 0: the cut falls at the age-1 segment's first token,
-    # keep = 8, and u2 regenerates to a fresh length (next redraw value 9, at least keep + 1): insert's token
+    # keep = 8, and u2 regenerates to a fresh length (next redraw value 9, at least keep + 1): one dispatch
     # finishes it. A response passes whole unless a segment fails: at p = 0 nothing is cut.
     w = workload("rollverify", batch_groups=1, max_new_tokens=40, switching=False)
     res = simulate(w, UNIT, LengthModel(40, lengths=[9, 1, 30, 1]), CutModel(trace=[(0.0,), (0.0,), (1.0, 0.0)]), 3)
@@ -138,13 +142,14 @@ def test_redraw_is_a_fresh_length_conditioned_on_the_kept_prefix():
 
 
 def test_verified_finished_member_that_survives_is_not_decoded():
-    # Step 1 ends with u1 (length 1) finished and waiting for u0 (paused at 6 of 9 tokens); with verify_finished
-    # and nothing failing both survive: u1 goes back to its group without decoding, u0 decodes its last 3
-    # tokens. The acceptance counts the paused trajectory only (u0), as the rollout phase does.
+    # Step 1 ends with g1 = (3, 3) complete and u1 (length 1) finished, waiting for u0 (paused at 7 of 9
+    # tokens); with verify_finished and nothing failing both survive: u1 goes back to its group without decoding,
+    # u0 decodes its last 2 tokens. The acceptance counts the paused trajectory only (u0), as the rollout phase
+    # does.
     w = workload("rollverify", batch_groups=1, num_slots=2, switching=False, verify_finished=True)
     res = simulate(w, UNIT, LengthModel(10, lengths=[9, 1, 3, 3]), CutModel(), num_steps=2)
     s2 = res.steps[1]
-    assert (s2.verified, s2.finished_verified, s2.verified_tokens) == (1, 1, 6) and s2.kept_tokens == 6
+    assert (s2.verified, s2.finished_verified, s2.verified_tokens) == (1, 1, 7) and s2.kept_tokens == 7
     assert s2.batch_tokens == 10  # g0 = (9, 1)
     default = simulate(dataclass_replace(w, verify_finished=False), UNIT, LengthModel(10, lengths=[9, 1, 3, 3]),
                        CutModel(), num_steps=2).steps[1]
@@ -178,110 +183,143 @@ def test_switching_after_a_full_window_below_threshold():
 
 
 def test_decode_runs_over_the_live_slot_bucket():
-    # 32 slots (buckets 8, 16, 32), k = 1, one group of 20: 19 sequences of 2 tokens and one of 6. After insert
-    # each holds 1 token; dispatch 1 runs 20 sequences in the 32-slot bucket and ends 19; the last one's 4
-    # remaining dispatches run in the 8-slot bucket: 1 * 32 + 4 * 8 = 64 slot-steps (160 without live slots).
+    # 32 slots (buckets 8, 16, 32), k = 1, one group of 20: 19 sequences of 2 tokens and one of 6. Dispatches 1-2
+    # run 20 sequences in the 32-slot bucket and end 19; the last one's 4 remaining dispatches run in the 8-slot
+    # bucket: 2 * 32 + 4 * 8 = 96 slot-steps (192 without live slots).
     assert Workload("on_policy", 1, 1, 64, 1, 10, 0).slot_buckets == [8, 16, 32, 64]
     assert Workload("on_policy", 1, 1, 12, 1, 10, 0).slot_buckets == [12]
     c = CostModel(decode_slot_s=1.0)
-    for live, slot_steps in ((True, 64), (False, 160)):
+    for live, slot_steps in ((True, 96), (False, 192)):
         w = Workload("on_policy", 1, 20, 32, 1, 10, prompt_len=0, live_slots=live)
         (s,) = simulate(w, c, LengthModel(10, lengths=[2] * 19 + [6]), num_steps=1).steps
-        assert (s.dispatches, s.slot_steps, s.decode_s, s.tokens_generated) == (5, slot_steps, slot_steps, 24)
+        assert (s.dispatches, s.slot_steps, s.decode_s, s.tokens_generated) == (6, slot_steps, slot_steps, 44)
 
 
 def test_decode_reads_the_live_page_table_width():
     # Table of 64 tokens in pages of 4: 16 pages, buckets 4, 8, 16 pages (16, 32, 64 tokens). One sequence of 20
-    # tokens, prompt 3, k = 2: after insert it holds 1; a dispatch reserves prompt + tokens + k + 1 = tokens + 6
-    # (at most 23) positions, so tokens 1, 3, 5, 7, 9 fit 4 pages (width 16) and tokens 11-19 need 5-6 (width
-    # 32): 5 dispatches at 16 and 5 at 32, 2 * (5 * 16 + 5 * 32) = 480 width-slot-steps; the whole table: 1280.
+    # tokens, prompt 3, k = 2: a dispatch reserves prompt + tokens + k + 1 = tokens + 6 (at most 23) positions, so
+    # the dispatches at tokens 0, 2, ..., 10 fit 4 pages (width 16) and those at 12-18 need 5-6 (width 32):
+    # 6 dispatches at 16 and 4 at 32, 2 * (6 * 16 + 4 * 32) = 448 width-slot-steps; the whole table: 1280.
     c = CostModel(decode_width_token_s=1.0)
-    for live, cost in ((True, 480), (False, 1280)):
+    for live, cost in ((True, 448), (False, 1280)):
         w = Workload("on_policy", 1, 1, 1, 2, 20, prompt_len=3, max_seq_len=64, page_size=4, live_pages=live)
         assert w.page_buckets == ([4, 8, 16] if live else [16])
         (s,) = simulate(w, c, LengthModel(20, lengths=[20]), num_steps=1).steps
         assert (s.dispatches, s.width_slot_steps, s.decode_s) == (10, cost, cost)
 
 
-def test_prefill_calls_per_length_bucket_and_packing():
-    # Engine buckets: a call's width is the power of two >= its longest sequence from min_prefill_len = 4 up to
-    # max_seq_len = 64; its sequences are packed end to end into rows of that width (first-fit decreasing), and
-    # the rows rounded to four steps per octave (9 -> 10, not 16). Partial, 2 slots, B = 1, k = 1, prompt 3,
-    # lengths (9, 1, 3, 3): step 1 ends with u0 paused at 6 tokens (as in the verified-finished case). Step 2's
-    # first round admits u0 (3 + 6 = 9 tokens: bucket 16) and u4 (3: bucket 4): 2 calls of 1 row (neither
-    # verifies: each prefills and samples in one call), 16 + 4 = 20 tokens computed for 12 real ones, and causal
-    # attention over 16^2 + 4^2 = 272 (rows x width^2, the halving is in the rate); then u0 needs 2 more tokens:
-    # 2 dispatches, and g0 is complete.
+def test_prefill_calls_per_width_bucket_and_packing():
+    # Engine buckets (Engine.pack): a sequence's last token is its slot's pending token, so a call prefills the
+    # others; its width is the smallest of the ladder min_prefill_len = 4, 8, ..., max_seq_len = 64 (bucket_ratio
+    # 2) holding its longest sequence's, its sequences are packed end to end into rows of that width (first-fit
+    # decreasing), and the rows rounded up to the row ladder 1, 2, 4, ... up to the slots.
+    # Partial, 2 slots, B = 1, k = 1, prompt 3, lengths (9, 1, 3, 3): step 1 ends with u0 paused at 7 tokens (as in
+    # the verified-finished case). Step 2's first round admits u0 (3 + 7 = 10 tokens, 9 prefilled: width 16) and
+    # u4 (3, 2 prefilled: width 4): 2 prefills of 1 row, each followed by an activation (neither verifies): 4
+    # calls, 16 + 4 = 20 tokens computed for 11 real ones, and causal attention over 16^2 + 4^2 = 272 (rows x
+    # width^2, the halving is in the rate); then u0 needs 2 more tokens: 2 dispatches, and g0 is complete.
     w = workload("partial", batch_groups=1, prompt_len=3, min_prefill_len=4, max_seq_len=64)
-    assert w.prefill_shape([3, 3]) == (2, 4) and w.prefill_shape([40]) == (1, 64)
-    assert w.prefill_shape([3, 1, 2, 2]) == (2, 4)  # 3 + 1 and 2 + 2: two full rows
-    assert dataclass_replace(w, num_slots=16).prefill_shape([4] * 9) == (10, 4)  # row_bucket(9), not 16
-    assert w.prefill_shape([9, 3, 2, 1]) == (1, 16)  # one 16-wide row holds all four
+    assert w.prefill_widths == [4, 8, 16, 32, 64] and w.prefill_rows(4) == [1, 2]
+    assert w.prefill_bucket(5) == 4 and w.prefill_bucket(6) == 8  # 4 and 5 tokens prefilled
+    assert w.prefill_shape([3, 3]) == (1, 4) and w.prefill_shape([5, 5]) == (2, 4)  # 2 + 2 share a row; 4 + 4 not
+    assert w.prefill_shape([40]) == (1, 64) and w.prefill_shape([10, 4, 3, 2]) == (1, 16)  # 9 + 3 + 2 + 1
+    wide = dataclass_replace(w, num_slots=16)
+    assert wide.prefill_shape([5] * 9) == (16, 4)  # 9 rows: the row bucket 16
+    assert dataclass_replace(w, bucket_ratio=3).prefill_widths == [4, 12, 36, 64]
+    # a token budget of 128 holds 2 rows of 64: three long resumes are two calls (first-fit rows, in order)
+    budget = dataclass_replace(w, num_slots=4, prefill_token_budget=128)
+    assert budget.prefill_rows(64) == [1, 2] and budget.prefill_rows(16) == [1, 2, 4]
+    assert budget.split_for_prefill([40, 50, 45]) == [[1, 2], [0]] and budget.split_for_prefill([9, 9]) == [[0, 1]]
+    with pytest.raises(ValueError, match="split_for_prefill"):
+        budget.prefill_shape([40, 50, 45])
+    with pytest.raises(ValueError, match="prefill_token_budget"):
+        dataclass_replace(w, prefill_token_budget=32)
     c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_attn_s=0.01, decode_step_s=1.0)
     s2 = simulate(w, c, LengthModel(10, lengths=[9, 1, 3, 3]), num_steps=2).steps[1]
-    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.prefill_tokens, s2.logp_tokens) == (2, 20, 12, 0)
-    assert s2.prefill_s == pytest.approx(2 * 1.0 + 20 * 0.5 + 272 * 0.01) and s2.prefill_attn_s == pytest.approx(2.72)
-    assert (s2.decode_s, s2.batch_tokens) == (2.0, 10)
+    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.prefill_tokens, s2.logp_tokens) == (4, 20, 11, 0)
+    assert s2.prefill_s == pytest.approx(4 * 1.0 + 20 * 0.5 + 272 * 0.01) and s2.prefill_attn_s == pytest.approx(2.72)
+    assert (s2.decode_s, s2.batch_tokens, s2.prefill_sequences) == (2.0, 10, 2)
 
 
-def test_a_verified_resume_is_a_log_prob_prefill_and_an_insert():
-    # The partial case above under RollVerify (nothing fails): step 2's u0 has 6 cached tokens to verify, so its
-    # bucket (16) is a log-prob prefill call and then an insert call, the log-prob projection over its 1 x 16
-    # positions; u4 (new, bucket 4) prefills and samples in one call: 3 calls. With min_prefill_len 16 both are
-    # in one bucket, one 16-wide row (9 + 3), and the whole call verifies: 2 calls, 16 log-prob positions.
-    # Naive partial puts the same two in one call. Step 1's first round admitted g0's two new members in one
-    # call: its prompt computed once (3 tokens), the other's 3 copied.
+def test_a_prefill_token_budget_splits_a_round_into_calls():
+    # On-policy, 4 slots, one group of 4, prompt 40, lengths 1, min_prefill_len 16, max_seq_len 64: the four
+    # prompts (39 tokens prefilled each, width 64) are one call with the group's prompt computed once. Under a
+    # budget of 128 tokens (2 rows of 64) the round is two calls (members 0-1, then 2-3), each computing the
+    # prompt once and activating its members: 4 calls, 2 x 39 computed and 2 x 39 copied, 2 x 64 padded.
+    base = Workload("on_policy", 1, 4, 4, 1, 10, prompt_len=40, min_prefill_len=16, max_seq_len=64)
+    c = CostModel(prefill_call_s=1.0)
+    (one,) = simulate(base, c, LengthModel(10, lengths=[1]), num_steps=1).steps
+    assert (one.prefill_calls, one.prefill_tokens, one.shared_prompt_tokens, one.prefill_padded_tokens) == (
+        2, 39, 3 * 39, 64)
+    (two,) = simulate(dataclass_replace(base, prefill_token_budget=128), c, LengthModel(10, lengths=[1]), 1).steps
+    assert (two.prefill_calls, two.prefill_tokens, two.shared_prompt_tokens, two.prefill_padded_tokens) == (
+        4, 2 * 39, 2 * 39, 2 * 64)
+    assert two.prefill_s == 4.0 and two.dispatches == one.dispatches == 1
+
+
+def test_a_verified_resume_is_a_log_prob_prefill_and_an_activation():
+    # The partial case above under RollVerify (nothing fails): step 2's u0 has 7 cached tokens to verify, so its
+    # bucket (16) is a log-prob prefill call and then an activation, the log-prob projection over its 1 x 16
+    # positions; u4 (new, bucket 4) is a prefill and an activation: 4 calls. With min_prefill_len 16 both are
+    # in one bucket, one 16-wide row (9 + 2), and the whole call verifies: 2 calls, 16 log-prob positions.
+    # Naive partial puts the same two in one call: 2 calls. Step 1's first round admitted g0's two new members in
+    # one call: its prompt computed once (2 tokens: the last is pending), the other's 2 copied.
     w = workload("rollverify", batch_groups=1, prompt_len=3, min_prefill_len=4, max_seq_len=64, switching=False)
     c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_logp_token_s=0.25, verify_token_s=2.0)
     s1, s2 = simulate(w, c, LengthModel(10, lengths=[9, 1, 3, 3]), CutModel(), num_steps=2).steps
-    assert (s2.verified, s2.verified_tokens, s2.prefill_calls, s2.prefill_padded_tokens) == (1, 6, 3, 20)
-    assert (s2.logp_tokens, s2.prefill_tokens, s2.shared_prompt_tokens) == (16, 12, 0)
-    assert s2.verify_s == pytest.approx(16 * 0.25 + 6 * 2.0) and s2.prefill_s == pytest.approx(3 * 1.0 + 20 * 0.5)
-    assert (s1.prefill_tokens, s1.shared_prompt_tokens) == (3 + 3 + 3, 3)  # round 1: u0 (u1 shares); u2; u3
+    assert (s2.verified, s2.verified_tokens, s2.prefill_calls, s2.prefill_padded_tokens) == (1, 7, 4, 20)
+    assert (s2.logp_tokens, s2.prefill_tokens, s2.shared_prompt_tokens) == (16, 11, 0)
+    assert s2.verify_s == pytest.approx(16 * 0.25 + 7 * 2.0) and s2.prefill_s == pytest.approx(4 * 1.0 + 20 * 0.5)
+    assert (s1.prefill_tokens, s1.shared_prompt_tokens) == (2 + 2 + 2, 2)  # round 1: u0 (u1 shares); u2; u3
     one = dataclass_replace(w, min_prefill_len=16)
     s2 = simulate(one, c, LengthModel(10, lengths=[9, 1, 3, 3]), CutModel(), num_steps=2).steps[1]
-    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.logp_tokens, s2.prefill_tokens) == (2, 16, 16, 12)
+    assert (s2.prefill_calls, s2.prefill_padded_tokens, s2.logp_tokens, s2.prefill_tokens) == (2, 16, 16, 11)
     naive = simulate(dataclass_replace(one, mode="partial"), c, LengthModel(10, lengths=[9, 1, 3, 3]),
                      num_steps=2).steps[1]
-    assert (naive.prefill_calls, naive.prefill_padded_tokens, naive.logp_tokens, naive.verify_s) == (1, 16, 0, 0.0)
+    assert (naive.prefill_calls, naive.prefill_padded_tokens, naive.logp_tokens, naive.verify_s) == (2, 16, 0, 0.0)
 
 
 def test_a_groups_new_members_admitted_together_share_their_prompt():
     # On-policy, B = 2 groups of 3, prompt 3, every length 2, min_prefill_len 8. With 6 slots one round admits
-    # all six: each group's prompt is computed once, packed into one 8-wide row (3 + 3); 12 prompt tokens copied,
-    # one call. With 4 slots round 1 admits g0 and u3 (g1): 2 prompts computed, 2 copied; all four end after one
-    # dispatch; round 2 admits u4 and u5 (g1 again, together): 1 computed, 1 copied; u3 shared nothing with them
-    # (another round). The prompt length the calibration reads is the computed + copied tokens per sequence.
+    # all six: each group's prompt (but its last token) is computed once, packed into one 8-wide row (2 + 2); 8
+    # prompt tokens copied; one prefill and one activation. With 4 slots round 1 admits g0 and u3 (g1): 2 prompts
+    # computed, 2 copied; all four end after two dispatches; round 2 admits u4 and u5 (g1 again, together): 1
+    # computed, 1 copied; u3 shared nothing with them (another round). The prompt length the calibration reads
+    # is the computed + copied tokens per sequence, plus the last token (pending, not prefilled).
     c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_attn_s=0.01)
     (s,) = simulate(Workload("on_policy", 2, 3, 6, 1, 10, prompt_len=3, min_prefill_len=8, max_seq_len=64), c,
                     LengthModel(10, lengths=[2]), num_steps=1).steps
-    assert (s.prefill_calls, s.prefill_padded_tokens, s.prefill_tokens, s.shared_prompt_tokens) == (1, 8, 6, 12)
-    assert s.prefill_s == pytest.approx(1.0 + 8 * 0.5 + 64 * 0.01)
+    assert (s.prefill_calls, s.prefill_padded_tokens, s.prefill_tokens, s.shared_prompt_tokens) == (2, 8, 4, 8)
+    assert s.prefill_s == pytest.approx(2 * 1.0 + 8 * 0.5 + 64 * 0.01)
     (s,) = simulate(Workload("on_policy", 2, 3, 4, 1, 10, prompt_len=3, min_prefill_len=8, max_seq_len=64), c,
                     LengthModel(10, lengths=[2]), num_steps=1).steps
-    assert (s.prefill_calls, s.prefill_padded_tokens, s.prefill_tokens, s.shared_prompt_tokens) == (2, 16, 9, 9)
-    assert (s.prefill_tokens + s.shared_prompt_tokens) / 6 == 3
+    assert (s.prefill_calls, s.prefill_padded_tokens, s.prefill_tokens, s.shared_prompt_tokens) == (4, 16, 6, 6)
+    assert (s.prefill_tokens + s.shared_prompt_tokens) / 6 + 1 == 3
 
 
 def test_a_bucket_that_verifies_shares_no_prompt():
-    # The engine shares a group's prompt only in a call that verifies nothing (prefill_and_sample): a verified
-    # resume in the same bucket as two new members of one group makes the call a log-prob prefill over all
-    # three (packed: 9 + 3 + 3 in one 16-wide row) and an insert: nothing copied, 15 tokens computed.
+    # The engine shares a group's prompt only in a call that verifies nothing (Engine.admit): a verified resume
+    # in the same bucket as two new members of one group makes the call a log-prob prefill over all three
+    # (packed: 8 + 2 + 2 in one 16-wide row) and an activation: nothing copied, 12 tokens computed.
     from rollverify_jax.sim.replay import Replay, StepRecord, _Call
 
     w = Workload("rollverify", 1, 2, 4, 1, 10, prompt_len=3, min_prefill_len=16, max_seq_len=64)
     c = CostModel(prefill_call_s=1.0, prefill_token_s=0.5, prefill_logp_token_s=0.25, verify_token_s=2.0)
     replay = Replay(w, c, LengthModel(10, lengths=[5]), CutModel())
     rec = StepRecord(step=2, on_policy=False)
-    replay._charge_prefill(rec, [_Call([9, 3, 3], [-1, 7, 7], verifies=True, inserts=True)], 6)
+    replay._charge_prefill(rec, [_Call([9, 3, 3], [-1, 7, 7], [True, False, False], [True] * 3)], 6)
     counts = (rec.prefill_calls, rec.prefill_padded_tokens, rec.prefill_tokens, rec.shared_prompt_tokens)
-    assert counts == (2, 16, 15, 0)
+    assert counts == (2, 16, 12, 0)
     assert rec.logp_tokens == 16 and rec.verify_s == pytest.approx(16 * 0.25 + 6 * 2.0)
     rec = StepRecord(step=2, on_policy=False)
-    replay._charge_prefill(rec, [_Call([4, 3, 3], [-1, 7, 7])], 0)  # a naive resume: one call, one copy
+    replay._charge_prefill(rec, [_Call([4, 3, 3], [-1, 7, 7], [False] * 3, [True] * 3)], 0)  # a naive resume
     counts = (rec.prefill_calls, rec.prefill_padded_tokens, rec.prefill_tokens, rec.shared_prompt_tokens)
-    assert counts == (1, 16, 7, 3)
+    assert counts == (2, 16, 5, 2)  # one prefill (3 + 2, one copy) and one activation
     assert rec.logp_tokens == 0 and rec.verify_s == 0.0
+    # a verified finished member that survives is prefilled but not activated: alone, its call is one prefill
+    rec = StepRecord(step=2, on_policy=False)
+    replay._charge_prefill(rec, [_Call([9], [-1], [True], [False])], 6)
+    assert (rec.prefill_calls, rec.prefill_sequences, rec.logp_tokens) == (1, 1, 16)
 
 
 def test_roofline_prefill_attention_is_causal_and_quadratic():
@@ -391,10 +429,10 @@ def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
 
 def test_kernel_decode_by_hand():
     # 2 slots (one bucket of 2), B = 1 group of 2, prompt 3, k = 2, lengths (5, 2); kernel blocks of 4 tokens.
-    # Insert samples token 1 of each. Dispatch 1: u0 attends 4, 5 (blocks 4 + 8), u1 attends 4 (4) and ends, its
-    # slot reads one block at step 2 (4): 20 tokens. Dispatch 2: u0 attends 6, 7 (8 + 8), the free slot one block
-    # at each step (8): 24. A step costs weights 1 s + KV 1 s a token + collectives 8 bytes / 1 B/s + 0.5 s:
-    # 2 * 9.5 + 20 + 2 * 9.5 + 24 = 82.
+    # Dispatch 1: u0 and u1 attend 3, 4 (blocks 4 + 4 each; the first step writes the prompt's last token) and u1
+    # ends: 16 tokens. Dispatches 2-3 (one jump): u0 attends 5, 6, 7 (8 + 8 + 8) and ends after step 3; the free
+    # slot reads one block at each of the 4 steps and u0's slot at the last (5 x 4): 44. A step costs weights 1 s
+    # + KV 1 s a token + collectives 8 bytes / 1 B/s + 0.5 s: 2 * 9.5 + 16 + 4 * 9.5 + 44 = 117.
     roof = RooflineCosts(num_devices=1, peak_flops=1e30, hbm_bandwidth=1.0, decode_num_slots=2,
                          decode_weights_bytes=1.0, decode_kv_bytes_per_token=1.0, decode_block_tokens=4,
                          decode_collectives=1, decode_collective_bytes=8.0, ici_bandwidth=1.0,
@@ -402,7 +440,7 @@ def test_kernel_decode_by_hand():
     c = roof.cost_model()
     w = Workload("on_policy", 1, 2, 2, 2, 10, prompt_len=3)
     (s,) = simulate(w, c, LengthModel(10, lengths=[5, 2]), num_steps=1).steps
-    assert (s.dispatches, s.decode_steps, s.decode_s) == (2, 4, 82.0)
+    assert (s.dispatches, s.decode_steps, s.decode_s) == (3, 6, 117.0)
     kernel = c.decode_kernel
     assert kernel.kernel_tokens(4, 2, [4], [4]) == (4 + 8 + 8 + 8) + 4 * 4 and kernel.kernel_tokens(2, 2, [], []) == 16
     # a smaller live bucket computes fewer slots' activations: FLOPs and collective bytes scale, weights do not
@@ -462,14 +500,14 @@ def test_real_scale_decode_step_equals_the_aot_estimate(config, sim_config):
 def test_page_pool_limit_makes_a_request_wait():
     # One shard of 2 pages of 4 tokens, 2 slots, k = 1, prompt 0, two sequences of 8 (cap 8: 2 pages each).
     # u0 takes 1 page (0 + 0 + k + 1 = 2 positions); u1 needs 1 page plus a page of headroom for u0: only 1 is
-    # free, so it waits at the queue head until u0 ends (u0 grows to 2 pages): 7 + 7 dispatches. Without the
-    # limit both run together: 7.
+    # free, so it waits at the queue head until u0 ends (u0 grows to 2 pages): 8 + 8 dispatches. Without the
+    # limit both run together: 8.
     w = Workload("on_policy", 1, 2, 2, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=2)
     assert w.pool_binds and w.reserved_pages(0) == 1 and w.reserved_pages(7) == 2
     (s,) = simulate(w, UNIT, LengthModel(8, lengths=[8, 8]), num_steps=1).steps
-    assert (s.dispatches, s.tokens_generated, s.batch_tokens, s.preemptions) == (14, 14, 16, 0) and s.page_waits > 0
+    assert (s.dispatches, s.tokens_generated, s.batch_tokens, s.preemptions) == (16, 16, 16, 0) and s.page_waits > 0
     (free,) = simulate(dataclass_replace(w, kv_pages_per_shard=0), UNIT, LengthModel(8, lengths=[8, 8]), 1).steps
-    assert (free.dispatches, free.page_waits) == (7, 0)
+    assert (free.dispatches, free.page_waits) == (8, 0)
     assert not dataclass_replace(w, kv_pages_per_shard=5).pool_binds  # 2 slots x 2 pages + 1 of headroom fit
     with pytest.raises(ValueError, match="raise the KV memory budget"):
         dataclass_replace(w, kv_pages_per_shard=1)
@@ -478,22 +516,42 @@ def test_page_pool_limit_makes_a_request_wait():
 def test_page_pool_preempts_a_sequence_that_cannot_grow():
     # 3 pages of 4 tokens, both sequences admitted (1 page each, with a page of headroom). At 3 tokens each needs
     # a second page (3 + k + 1 = 5 positions): 4 > 3, so in admission order u0 grows and u1 is preempted to the
-    # queue head. u1 cannot come back while u0 runs (2 pages + headroom): u0 decodes its 7, then u1 is
-    # re-prefilled (3 tokens), insert makes 4 and 4 dispatches end it. 7 + 4 = 11 dispatches.
+    # queue head. u1 cannot come back while u0 runs (2 pages + headroom): u0 decodes its other 5, then u1 is
+    # re-prefilled (3 tokens: 2 computed, the last pending) and 5 dispatches end it. 3 + 5 + 5 = 13 dispatches.
     w = Workload("on_policy", 1, 2, 2, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=3)
     (s,) = simulate(w, UNIT, LengthModel(8, lengths=[8, 8]), num_steps=1).steps
-    assert (s.preemptions, s.dispatches, s.prefill_tokens, s.inserted_tokens, s.batch_tokens) == (1, 11, 3, 3, 16)
+    assert (s.preemptions, s.dispatches, s.prefill_tokens, s.prefill_sequences, s.batch_tokens) == (1, 13, 2, 3, 16)
+    assert s.tokens_generated == 16  # a preempted sequence keeps its tokens: none is decoded twice
 
 
-def test_a_head_waiting_for_pages_is_retried_once_a_sequence_admitted_with_it_ends_at_insert():
-    # 4 pages of 4 tokens, 3 slots, k = 1, lengths (8, 1, 8). Round 1: u0 and u1 take a page each; u2 needs its
-    # page plus one of headroom for each of the two running: 3 > 2 free, it waits. u1 ends at insert, so its page
-    # is free at the next round (as the scheduler, which releases it at once): after 1 dispatch u2 is admitted
-    # (1 + 1 <= 3), u0 needs 6 more dispatches and u2 7, no preemption (2 + 2 pages): 8 dispatches. The copy of
-    # the scheduler this replaced waited for u0's end (bounded at 4 dispatches by the page check): 11.
-    w = Workload("on_policy", 1, 3, 3, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=4)
-    (s,) = simulate(w, UNIT, LengthModel(8, lengths=[8, 1, 8]), num_steps=1).steps
-    assert (s.dispatches, s.tokens_generated, s.inserted_tokens, s.preemptions, s.page_waits) == (8, 14, 3, 0, 1)
+def test_a_head_waiting_for_pages_is_retried_once_a_finished_member_admitted_with_it_leaves():
+    # Admission samples nothing, so only a verified finished member that survives leaves its admission round at
+    # once (back to its group: its slot and pages are free). 3 slots, 5 pages of 4 tokens, k = 1, prompt 0: u9
+    # runs (1 token of 8: 1 page); the queue holds u0 (finished at 4 tokens, to verify again: 4 + k + 1 = 6
+    # positions, 2 pages) and u1 (preempted at 3 tokens: 2 pages). u0 takes its 2 with a page of headroom for u9
+    # (3 <= 4 free); u1 needs 2 + 2 of headroom > 2 left: it waits. u0 survives and leaves, so the head is retried
+    # after one dispatch (as the scheduler, which frees u0's pages at once) and u1 is admitted then. Had u0 gone
+    # on decoding (unfinished), the head would wait through a jump of 2 dispatches (the pages' bound), and on.
+    from rollverify_jax.sim.replay import Replay, StepRecord, _Traj
+
+    w = Workload("rollverify", 1, 2, 3, 1, 8, prompt_len=0, page_size=4, kv_pages_per_shard=5, verify_finished=True)
+    for finished, jump in ((True, 1), (False, 2)):
+        replay = Replay(w, UNIT, LengthModel(8, lengths=[8]), CutModel())
+        replay.step = 2
+        trajs = [_Traj(9, 9, 8, tokens=1), _Traj(0, 0, 8 if not finished else 4, tokens=4, finished=finished,
+                                                 verify=True, segments=[[1, 4]]), _Traj(1, 1, 8, tokens=3)]
+        for t in trajs:
+            replay.trajs[t.uid] = t
+            replay.group_members[t.gid], replay.group_done[t.gid] = [t.uid], 0
+        replay.slots.take(0)
+        replay.slots.place(0, 9, 1, 8, pages=1)
+        replay.queue.extend([0, 1])
+        rec = StepRecord(step=2, on_policy=False)
+        replay._admit(rec, 2)
+        assert (rec.page_waits, rec.finished_verified, replay.page_blocked) == (1, int(finished), not finished)
+        assert replay._dispatch(rec, one=False) == jump and list(replay.queue) == [1]
+        replay._admit(rec, 2)
+        assert (list(replay.queue), replay.slots.active, rec.page_waits) == (([], 2, 1) if finished else ([1], 2, 2))
 
 
 def test_page_pool_over_shards_matches_an_unlimited_pool_when_it_never_binds():
@@ -622,6 +680,20 @@ def test_fit_costs_recovers_exact_rates(tmp_path):
     assert costs.prefill_call_s == pytest.approx(0.01) and costs.prefill_token_s == pytest.approx(1e-5)
     assert costs.train_step_s == pytest.approx(1.0) and costs.train_token_s == pytest.approx(1e-3)
     assert costs.step_overhead_s == pytest.approx(0.5)
+
+
+def test_prompt_len_counts_the_pending_last_token_of_runs_that_leave_it(tmp_path):
+    # An on-policy step prefills its 6 new prompts of 30 tokens: computed + copied. An engine with the shape
+    # ladders (its spec has engine.bucket_ratio) leaves each prompt's last token pending (29 prefilled): the same
+    # prompt length as an earlier run that prefilled all 30.
+    recs = [{"step": i, "time/step": 1.0, "mode/on_policy": 1, "rollout/prefill_tokens": 2 * per,
+             "rollout/shared_prompt_tokens": 4 * per} for i, per in ((1, 29), (2, 29))]
+    new = cal.read_run(_fake_run(tmp_path / "new", "on_policy", recs,
+                                 {"format": 1, "rollout": {}, "engine": {"bucket_ratio": 2}}))
+    old_recs = [{**r, "rollout/prefill_tokens": 2 * 30, "rollout/shared_prompt_tokens": 4 * 30} for r in recs]
+    old = cal.read_run(_fake_run(tmp_path / "old", "on_policy", old_recs))
+    assert cal.pending_last_token(new) and not cal.pending_last_token(old)
+    assert cal.prompt_len([new], 6, 0) == cal.prompt_len([old], 6, 0) == cal.prompt_len([new, old], 6, 0) == 30
 
 
 def test_fit_without_on_policy_steps_prices_decode_per_slot_step(tmp_path):

@@ -345,7 +345,7 @@ class AsyncReplay(Replay):
                 self.dispatches += self._dispatch(self.rec, one=False, limit=limit, budget_s=budget)
                 self.t += self.rec.decode_s - before
             elif self.queue and not self.page_blocked:
-                continue  # every admitted sequence ended at insert: admit again
+                continue  # every admitted sequence left at admission (verified, finished): admit again
             elif self.update is not None:  # nothing to decode: idle until the update ends
                 lr["rollout_idle_s"] += max(0.0, self.update[1] - self.t)
                 self.t = max(self.t, self.update[1])

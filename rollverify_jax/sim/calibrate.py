@@ -3,7 +3,7 @@ cut rates the simulator replays (pure Python + numpy; reads files only: the metr
 
 What a step's record holds (``rl/partial_rollout.py``, ``train.py``): ``time/rollout`` (prefill + decode +
 host, without verification), ``time/verify``, ``time/train``, ``time/step``, the scheduler's timers
-``rollout/prefill_time`` (prefill + insert calls; it includes ``time/verify``, which runs inside them) and
+``rollout/prefill_time`` (prefill + activate calls; it includes ``time/verify``, which runs inside them) and
 ``rollout/decode_time`` (generate calls), ``rollout/dispatches``, ``rollout/tokens`` (decoded),
 ``rollout/slot_utilization`` (decoded tokens / (slots x decode steps)), ``rollout/prefill_tokens`` (tokens the
 prefill calls compute) and ``rollout/shared_prompt_tokens`` (a group's prompt tokens copied, not computed),
@@ -90,11 +90,19 @@ def has_timers(run: RunData) -> bool:
     return all("rollout/decode_time" in r for r in run.steps)
 
 
+def pending_last_token(run: RunData) -> bool:
+    """Whether the run's engine prefilled every sequence but its last token (its slot's pending token, which
+    decode writes): the engine since its shape ladders, whose spec.json has ``engine.bucket_ratio``. Its
+    ``rollout/prefill_tokens`` count one token fewer per sequence than an earlier run's."""
+    return "bucket_ratio" in run.spec.get("engine", {})
+
+
 def prompt_len(runs: list[RunData], num_sequences: int, skip: int) -> int:
     """Mean prompt length: an on-policy step prefills exactly its B x G new prompts (computed, or copied from a
-    group member's: ``rollout/shared_prompt_tokens``)."""
+    group member's: ``rollout/shared_prompt_tokens``), each but its last token where the engine leaves that
+    pending (``pending_last_token``)."""
     vals = [(r["rollout/prefill_tokens"] + r.get("rollout/shared_prompt_tokens", 0)) / num_sequences
-            for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
+            + pending_last_token(run) for run in runs for r in run.used(skip) if r.get("mode/on_policy")]
     if not vals:
         raise ValueError("no on-policy step to measure the prompt length on; add a run with on-policy steps to "
                          "--calibrate_from (e.g. one of configs/tiny_onpolicy.gin, or a RollVerify run that switched).")
@@ -108,7 +116,7 @@ class KindRatios:
 
     slot_steps_per_token: float = 1.0  # live-bucket slot-steps per decoded token (1 / bucket utilization)
     width_per_slot_step: float = 0.0  # mean live page-table width (tokens) a slot-step reads
-    calls_per_dispatch: float = 0.0  # prefill calls (prefill-and-sample, log-prob prefill, insert) per dispatch
+    calls_per_dispatch: float = 0.0  # prefill and activate calls (``StepRecord.prefill_calls``) per dispatch
     padded_per_token: float = 1.0  # prefill tokens computed (packed rows x width) per logged prefill token
     logp_per_verified_token: float = 1.0  # positions of the log-prob calls per verified cached token
 

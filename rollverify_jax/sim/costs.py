@@ -8,8 +8,9 @@
       weights as laid out, the KV blocks the paged-attention kernel reads (each running slot its attended
       tokens in whole blocks, every other slot of the bucket one block), the FLOPs if they bind, the collectives
       (``KernelCostModel``)
-    admission round (per length bucket of the requests admitted together: one prefill-and-sample call, or a
-    log-prob prefill and an insert call when the bucket verifies a resume; ``Workload.prefill_shape`` packs it)
+    admission round (per prefill call of the requests admitted together, one per width bucket unless a token
+    budget splits it: a prefill, log-prob when it verifies a resume, and an activation of the slots that decode
+    on; ``Workload.prefill_shape`` packs it)
         = prefill_call_s * calls + prefill_token_s * padded tokens (rows x width the calls compute)
           + prefill_attn_s * sum over the calls of rows x width^2 (causal attention over every packed row)
           + prefill_logp_token_s * padded tokens of the log-prob calls + verify_token_s * verified cached tokens
@@ -45,7 +46,7 @@ class CostModel:
     # per bucket slot per token of the live page-table width per decode step (the reference attention of CPU
     # and GPU gathers every page the table lists for every slot of the bucket; Pallas on TPU reads A only)
     decode_width_token_s: float = 0.0
-    prefill_call_s: float = 0.0  # per prefill, prefill-and-sample or insert call
+    prefill_call_s: float = 0.0  # per prefill or activate call (an engine dispatch of an admission round)
     prefill_token_s: float = 0.0  # per prefilled token the calls compute (packed rows x width)
     prefill_attn_s: float = 0.0  # per row x width^2 of every prefill call (causal attention: halved already)
     # extra per token of a log-prob prefill (a resume to verify: the full-vocabulary projection runs over every

@@ -27,14 +27,17 @@ replay's state; ``tests/test_scheduler_parity.py`` replays recorded scheduler tr
 - async (``sim/async_replay.py``): rollout and training on disjoint devices, overlapped, with a swap of weights
   (and a re-prefill, verified or not) per update; it reuses this replay's admission, dispatch and cuts.
 
-A sequence's response length is drawn when its group is created (``LengthModel``). As in the engine, an
-admitted sequence's first token is sampled by ``insert`` (counted apart from decode's tokens), a decode dispatch
-runs over the live slot bucket (the smallest of ``Workload.slot_buckets`` that holds the running sequences,
-which the scheduler packs below it), and an admission round prefills once per length bucket
-(``Workload.prefill_shape``: the bucket's sequences packed end to end into rows of the bucket's width, first-fit
-decreasing, ``row_bucket`` rows). A bucket that verifies nothing is one call that prefills and samples
-(``Engine.prefill_and_sample``), and a group's new members in it compute their prompt once (the others copy its
-K/V); a bucket with a verified resume is a log-prob prefill call, then an insert call. With a KV page pool
+A sequence's response length is drawn when its group is created (``LengthModel``). As in the engine, admission
+samples nothing: a sequence's last token is not prefilled but is its slot's pending token, so every response
+token of an admitted sequence, its first included, comes from decode; a decode dispatch runs over the live slot
+bucket (the smallest of ``Workload.slot_buckets`` that holds the running sequences, which the scheduler packs
+below it), and an admission round prefills per width bucket (``Workload.prefill_bucket``), split into calls of
+at most the largest row bucket (``Workload.split_for_prefill``; one call without a prefill token budget), each
+call packed as ``Engine.pack`` packs it (``Workload.prefill_shape``: every sequence but its last token, end to
+end in rows of the bucket's width, first-fit decreasing, the rows a bucket of ``schedule_rules.prefill_rows``).
+A call that verifies nothing is a prefill and an activation (``Engine.admit``), and a group's new members in it
+compute their prompt once (the others copy its K/V); a call with a verified resume is a log-prob prefill, then
+an activation of what goes on decoding (``Engine.activate``). With a KV page pool
 too small for every slot at full length (``Workload.kv_pages_per_shard``), a request waits at the queue head
 until its shard has its pages plus a page of headroom per running slot (``schedule_decisions.admit``), and a
 running sequence that cannot get the pages of its next dispatch is preempted back to the queue head
@@ -130,8 +133,10 @@ class Workload:
     switching: bool = True
     verify_finished: bool = False  # also re-verify finished members of cached groups (VerifyConfig)
     live_slots: bool = True  # decode over the smallest slot bucket holding the running sequences (engine default)
-    min_prefill_len: int = 0  # prefill length buckets: powers of two >= this (0: no padding)
+    min_prefill_len: int = 0  # the narrowest prefill width (widths grow by bucket_ratio; 0: no padding)
     max_seq_len: int = 0  # the largest prefill bucket and the page table's width (0: prompt_len + max_new_tokens)
+    bucket_ratio: int = 2  # EngineConfig.bucket_ratio: the step of every shape ladder (prefill, slots, pages)
+    prefill_token_budget: int | None = None  # EngineConfig.prefill_token_budget: most rows x width per prefill
     page_size: int = 0  # > 0: track the live page-table width decode reads (EngineConfig.live_pages buckets)
     live_pages: bool = True
     kv_pages_per_shard: int = 0  # pages one pool shard can hand out (its scratch page excluded); 0: no limit
@@ -152,6 +157,11 @@ class Workload:
             raise ValueError(f"switch_threshold={self.switch_threshold} must be in [0, 1].")
         if self.min_prefill_len < 0 or self.max_seq_len < 0 or self.kv_pages_per_shard < 0:
             raise ValueError("min_prefill_len, max_seq_len and kv_pages_per_shard must be >= 0.")
+        if self.bucket_ratio < 2:
+            raise ValueError(f"bucket_ratio={self.bucket_ratio} must be >= 2 (EngineConfig.bucket_ratio).")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < self.prefill_max_width:
+            raise ValueError(f"prefill_token_budget={self.prefill_token_budget} must hold one row of "
+                             f"{self.prefill_max_width} tokens (or be None), as EngineConfig requires.")
         if self.train_layout and self.batch_groups * self.group_size % self.train_layout.num_minibatches:
             raise ValueError(f"a batch of {self.batch_groups * self.group_size} sequences does not split into "
                              f"{self.train_layout.num_minibatches} minibatches (TrainLayout.num_minibatches).")
@@ -173,10 +183,15 @@ class Workload:
     def full_pages(self) -> int:
         return -(-self.full_tokens // max(1, self.page_size))
 
+    @property
+    def prefill_max_width(self) -> int:
+        """The widest prefill row: the engine's max_seq_len (0: prompt + response cap)."""
+        return self.max_seq_len or self.full_tokens
+
     @functools.cached_property
     def slot_buckets(self) -> list[int]:
         """The slot counts a decode dispatch runs over, ascending (``Engine.live_slot_buckets``)."""
-        return schedule_rules.live_slot_buckets(self.num_slots, self.live_slots)
+        return schedule_rules.live_slot_buckets(self.num_slots, self.live_slots, self.bucket_ratio)
 
     def slot_bucket(self, active: int) -> int:
         """The scheduler packs running sequences below the smallest bucket that holds them."""
@@ -187,7 +202,7 @@ class Workload:
         """Page-table widths decode reads, ascending (``Engine.live_page_buckets``; the whole table with live
         pages off)."""
         pages_per_seq = -(-(self.max_seq_len or self.full_tokens) // max(1, self.page_size))
-        return schedule_rules.live_page_buckets(pages_per_seq, self.live_pages)
+        return schedule_rules.live_page_buckets(pages_per_seq, self.live_pages, self.bucket_ratio)
 
     def live_width(self, tokens: int) -> int:
         """Tokens of the page-table width a dispatch reads when the longest running sequence holds ``tokens``
@@ -209,22 +224,54 @@ class Workload:
             return None
         return (edge - self.prompt_len - tokens - k - 1) // k + 1
 
-    def prefill_shape(self, lengths) -> tuple[int, int]:
-        """(rows, width) of one prefill call over sequences of ``lengths`` tokens (``Engine.pack``): the width is
-        the length bucket of the longest, the sequences are packed end to end into rows of that width (first-fit
-        decreasing, ``schedule_rules.first_fit``) and the rows rounded up to ``schedule_rules.row_bucket``. With
-        ``min_prefill_len`` 0 (no padding) a row per sequence, as wide as the longest."""
-        if self.min_prefill_len == 0:
-            return len(lengths), max(lengths)
-        # the engine never prefills past max_seq_len; a replay whose prompt_len + max_new_tokens does gets rows
-        # as wide as its longest sequence there instead of an error
-        width = max(self.prefill_bucket(max(lengths)), max(lengths))
-        return schedule_rules.row_bucket(len(schedule_rules.first_fit(lengths, width))), width
+    @functools.cached_property
+    def prefill_widths(self) -> list[int]:
+        """The packed prefill's row widths, ascending (``Engine.prefill_widths``)."""
+        return schedule_rules.prefill_widths(self.min_prefill_len, self.prefill_max_width, self.bucket_ratio)
+
+    def prefill_rows(self, width: int) -> list[int]:
+        """The packed prefill's row counts at ``width``, ascending (``Engine.prefill_rows``)."""
+        return schedule_rules.prefill_rows(width, self.num_slots, self.prefill_token_budget, self.bucket_ratio)
 
     def prefill_bucket(self, tokens: int) -> int:
+        """The packed row width of a prefill whose longest sequence has ``tokens`` tokens (``Engine.prefill_bucket``):
+        the smallest width holding all but its last token, which is its slot's pending token. With
+        ``min_prefill_len`` 0 (no padding): exactly those tokens (none for an empty sequence: prompt_len 0)."""
         if self.min_prefill_len == 0:
-            return tokens
-        return schedule_rules.pow2_bucket(tokens, self.min_prefill_len, self.max_seq_len or self.full_tokens)
+            return max(0, tokens - 1)
+        return schedule_rules.smallest_holding(self.prefill_widths, max(1, tokens - 1))
+
+    def _prefill_width(self, lengths) -> int:
+        # the engine never prefills past max_seq_len; a replay whose prompt_len + max_new_tokens does gets rows as
+        # wide as its longest sequence's prefilled tokens there instead of an error
+        return max(self.prefill_bucket(max(lengths)), max(lengths) - 1)
+
+    def prefill_shape(self, lengths) -> tuple[int, int]:
+        """(rows, width) of one prefill call over sequences of ``lengths`` tokens (``Engine.pack``): every sequence
+        but its last token, packed end to end into rows of the longest one's width bucket (first-fit decreasing,
+        ``schedule_rules.first_fit``), their number the smallest row bucket holding them (``prefill_rows``). With
+        ``min_prefill_len`` 0 (no padding) a row per sequence, as wide as the longest's prefilled tokens."""
+        width = self._prefill_width(lengths)
+        if self.min_prefill_len == 0:
+            return len(lengths), width
+        used = len(schedule_rules.first_fit([max(0, n - 1) for n in lengths], width))
+        buckets = self.prefill_rows(width)
+        if used > buckets[-1]:
+            raise ValueError(f"Workload.prefill_shape: {used} rows of {width} tokens, more than the {buckets[-1]} "
+                             "of prefill_token_budget: split the call (split_for_prefill).")
+        return schedule_rules.smallest_holding(buckets, used), width
+
+    def split_for_prefill(self, lengths) -> list[list[int]]:
+        """Indices of sequences of ``lengths`` tokens (one width bucket) in the prefill calls they are split into
+        (``Engine.split_for_prefill``): first-fit rows of every sequence but its last token, at most the largest
+        row bucket per call; one call without a ``prefill_token_budget`` (its largest row bucket is the slots, which
+        a round's sequences never outnumber) or without padding."""
+        if self.min_prefill_len == 0 or self.prefill_token_budget is None:
+            return [list(range(len(lengths)))]
+        width = self._prefill_width(lengths)
+        most = self.prefill_rows(width)[-1]
+        layout = schedule_rules.first_fit([max(0, n - 1) for n in lengths], width)
+        return [sorted(i for row in layout[k: k + most] for i in row) for k in range(0, len(layout), most)]
 
     def reserved_pages(self, tokens, dispatches: int = 1):
         """Pages a sequence holding ``tokens`` response tokens (an int, or an array of them) must own through its
@@ -404,12 +451,20 @@ class _Traj:
 
 @dataclasses.dataclass
 class _Call:
-    """The sequences of one admission round in one length bucket (one prefill call, or two)."""
+    """The sequences of one admission round in one width bucket, in queue order (the group ``Scheduler._admit``
+    hands to ``Engine.split_for_prefill``: one prefill call, or several under a prefill token budget)."""
 
     lengths: list[int] = dataclasses.field(default_factory=list)  # prompt + cached tokens of each
     new_group: list[int] = dataclasses.field(default_factory=list)  # its group if it has no tokens yet, else -1
-    verifies: bool = False  # some sequence has cached tokens to verify: a log-prob prefill, then insert
-    inserts: bool = False  # some sequence goes on to insert (not a verified finished member that survived)
+    verifies: list[bool] = dataclasses.field(default_factory=list)  # it has cached tokens to verify (log-prob call)
+    activates: list[bool] = dataclasses.field(default_factory=list)  # it decodes on (not a verified finished
+    # member that survived)
+
+    def add(self, length: int, new_group: int, verifies: bool, activates: bool) -> None:
+        self.lengths.append(length)
+        self.new_group.append(new_group)
+        self.verifies.append(verifies)
+        self.activates.append(activates)
 
 
 class _Slots:
@@ -547,7 +602,7 @@ class _Slots:
 class StepRecord:
     step: int
     on_policy: bool
-    prefill_s: float = 0.0  # prefill (+ insert) calls, without the verification share (verify_s)
+    prefill_s: float = 0.0  # prefill (+ activate) calls, without the verification share (verify_s)
     prefill_attn_s: float = 0.0  # of prefill_s: the attention (quadratic) term
     decode_s: float = 0.0
     verify_s: float = 0.0  # the verification share of the prefill rounds (log-probs + verifier)
@@ -558,11 +613,11 @@ class StepRecord:
     slot_steps: int = 0  # live-bucket slots x decode steps (what decode computes over)
     width_slot_steps: int = 0  # slot-steps x live page-table width in tokens (what reference attention gathers)
     tokens_generated: int = 0  # by decode dispatches (the engine's rollout/tokens)
-    inserted_tokens: int = 0  # the first token of every admitted sequence, sampled by insert
+    prefill_sequences: int = 0  # sequences the prefill calls took in (admitted; rollout/prefill_sequences)
     useful_token_steps: int = 0
-    prefill_tokens: int = 0  # prompt + cached tokens the prefill calls compute (rollout/prefill_tokens)
+    prefill_tokens: int = 0  # prompt + cached tokens, each sequence's last aside, computed (rollout/prefill_tokens)
     shared_prompt_tokens: int = 0  # prompt tokens of a group's new members copied, not computed
-    prefill_calls: int = 0  # per length bucket of a round: 1 (prefill and sample) or 2 (log-prob prefill, insert)
+    prefill_calls: int = 0  # engine dispatches per prefill call: 2 (prefill, activate), 1 if none activates
     prefill_padded_tokens: int = 0  # rows x width the prefill calls compute
     logp_tokens: int = 0  # of those, the ones the log-prob projection runs over (the verified calls' rows x width)
     removed_tokens: int = 0  # cached tokens verification cut (paused and finished)
@@ -613,7 +668,7 @@ class StepRecord:
 SUMMED = ("prefill_s", "prefill_attn_s", "decode_s", "verify_s", "train_s", "overhead_s", "tokens_generated",
           "removed_tokens", "batch_tokens", "dispatches", "decode_steps", "slot_steps", "width_slot_steps",
           "useful_token_steps", "verified", "verified_tokens", "kept_tokens", "num_cut", "num_restarted",
-          "finished_verified", "finished_cut", "preemptions", "page_waits", "inserted_tokens", "prefill_tokens",
+          "finished_verified", "finished_cut", "preemptions", "page_waits", "prefill_sequences", "prefill_tokens",
           "prefill_calls", "prefill_padded_tokens", "shared_prompt_tokens", "logp_tokens", "train_tokens",
           "train_positions")
 
@@ -761,13 +816,14 @@ class Replay:
 
     def _admit(self, rec: StepRecord, step: int) -> None:
         """Fills free slots from the queue head while pages fit (``schedule_decisions.admit``, as the scheduler
-        does): verifies and cuts resumed trajectories, prefills prompt + cached tokens (per length bucket,
-        ``_charge_prefill``), and ``insert`` samples each admitted sequence's next token; one that reaches its
-        length there finishes without taking a slot."""
+        does): verifies and cuts resumed trajectories and prefills prompt + cached tokens but the last (per width
+        bucket, ``_charge_prefill``). Admission samples nothing: each admitted sequence decodes on from its last
+        token, except a verified finished member that survived, which goes back to its group."""
         w, slots, held = self.w, self.slots, []
         verified_tokens = 0
         calls: dict[int, _Call] = collections.defaultdict(_Call)
-        placed: list[tuple[int, int, _Traj, int]] = []  # (length bucket, slot, trajectory, pages granted)
+        # per width bucket, per sequence of its call: (slot, trajectory, pages granted), None if it left
+        starts: dict[int, list[tuple[int, _Traj, int] | None]] = collections.defaultdict(list)
         head = list(itertools.islice(self.queue, slots.num_free))
         needs, free_pages, busy = [0] * len(head), None, [0] * slots.shards
         if w.pool_binds:
@@ -784,69 +840,69 @@ class Replay:
                 self.new_queued -= 1
             length = w.prompt_len + t.tokens
             bucket = w.prefill_bucket(length)
-            call = calls[bucket]
-            call.lengths.append(length)
-            call.new_group.append(t.gid if t.tokens == 0 else -1)  # no tokens yet: its prompt can be shared
-            if t.verify and t.tokens > 0:
-                call.verifies = True
+            new_group = t.gid if t.tokens == 0 else -1  # no tokens yet: its prompt can be shared
+            verifies, survived = t.verify and t.tokens > 0, False
+            if verifies:
                 verified_tokens += t.tokens
                 keep = self._verify(rec, t, step)
-                t.verify = False
-                if t.finished and keep >= t.tokens:  # a finished member survived: back to its group, no decoding
+                survived = t.finished and keep >= t.tokens
+                if survived:  # a finished member survived: back to its group, no decoding
                     self._group_gains(t.gid)
                     held.append(slot)
-                    continue
-                if keep < t.tokens:
-                    self._cut(t, keep)
-                t.finished = False
+                else:
+                    if keep < t.tokens:
+                        self._cut(t, keep)
+                    t.finished = False
             t.verify = False
-            call.inserts = True
-            self._grow_tokens(t, t.tokens + 1)  # insert's sample
-            rec.inserted_tokens += 1
-            if t.tokens >= t.target:
-                self._finish(t)
-                held.append(slot)
-                continue
-            placed.append((bucket, slot, t, need))
-        # They start decoding in the order the scheduler activates them, one prefill per length bucket (ascending)
-        # in queue order: the order a pause returns them in, and the next phase resumes them in.
-        for _, slot, t, need in sorted(placed, key=lambda p: p[0]):
-            slots.place(slot, t.uid, t.tokens, t.target, need)
+            calls[bucket].add(length, new_group, verifies, not survived)
+            starts[bucket].append(None if survived else (slot, t, need))
+        # They start decoding in the order the scheduler activates them: per width bucket (ascending), per prefill
+        # call of it, in queue order: the order a pause returns them in, and the next phase resumes them in.
+        for bucket in sorted(calls):
+            for part in w.split_for_prefill(calls[bucket].lengths):
+                for slot, t, need in filter(None, (starts[bucket][i] for i in part)):
+                    slots.place(slot, t.uid, t.tokens, t.target, need)
         for slot in held:
             slots.give(slot)
         # A head waiting for pages waits for an end or a preemption, unless a sequence admitted with it already
-        # left (it ended at insert, or a finished member survived): its pages are free for the next round.
+        # left (a finished member that survived verification): its pages are free for the next round.
         self.page_blocked = admission.page_blocked and not held
         self._charge_prefill(rec, list(calls.values()), verified_tokens)
 
     def _charge_prefill(self, rec: StepRecord, calls: list[_Call], verified_tokens: int) -> None:
-        """The prefill of one admission round, per length bucket (``Scheduler._prefill_and_insert``): a bucket
-        that verifies nothing is one call (``Engine.prefill_and_sample``) in which a group's new members compute
-        their prompt once (the first is packed, the others copy its K/V: ``_shared_prompts``); a bucket with a
-        verified resume packs every sequence into a log-prob prefill call (the projection runs over its rows x
-        width), then an insert call if anything is left to sample. Each call computes ``prefill_shape`` rows x
-        width, and causal attention over each packed row (rows x width^2; the halving is in the rate)."""
-        padded = squares = n_calls = computed = shared = logp = 0
+        """The prefill of one admission round (``Scheduler._prefill_and_activate`` per call of each width bucket,
+        ``split_for_prefill``), every sequence but its last token: a call that verifies nothing is a prefill and
+        an activation (``Engine.admit``) in which a group's new members compute their prompt once (the first is
+        packed, the others copy its K/V: ``_shared_prompts``); a call with a verified resume packs every sequence
+        into a log-prob prefill (the projection runs over its rows x width), then an activation if anything goes
+        on decoding. Each prefill computes ``prefill_shape`` rows x width, and causal attention over each packed
+        row (rows x width^2; the halving is in the rate)."""
+        padded = squares = n_calls = computed = shared = logp = sequences = 0
         for call in calls:
-            packed, seen = [], set()
-            for length, gid in zip(call.lengths, call.new_group, strict=True):
-                if not call.verifies and gid >= 0 and gid in seen:
-                    shared += length
-                    continue
-                seen.add(gid)
-                packed.append(length)
-            rows, width = self.w.prefill_shape(packed)
-            padded += rows * width
-            squares += rows * width * width
-            logp += rows * width if call.verifies else 0
-            computed += sum(packed)
-            n_calls += 1 + (call.verifies and call.inserts)
+            for part in self.w.split_for_prefill(call.lengths):
+                verifies = any(call.verifies[i] for i in part)
+                packed, seen = [], set()
+                for i in part:
+                    length, gid = call.lengths[i], call.new_group[i]
+                    if not verifies and gid >= 0 and gid in seen:
+                        shared += max(0, length - 1)
+                        continue
+                    seen.add(gid)
+                    packed.append(length)
+                rows, width = self.w.prefill_shape(packed)
+                padded += rows * width
+                squares += rows * width * width
+                logp += rows * width if verifies else 0
+                computed += sum(max(0, n - 1) for n in packed)
+                n_calls += 1 + any(call.activates[i] for i in part)
+                sequences += len(part)
         c = self.costs
         verify_part = c.prefill_logp_token_s * logp + c.verify_token_s * verified_tokens
         rec.prefill_s += c.prefill(padded, verified_tokens, n_calls, squares, logp) - verify_part
         rec.prefill_attn_s += c.prefill_attn_s * squares
         rec.verify_s += verify_part
         rec.prefill_calls += n_calls
+        rec.prefill_sequences += sequences
         rec.prefill_padded_tokens += padded
         rec.prefill_tokens += computed
         rec.shared_prompt_tokens += shared
@@ -899,9 +955,9 @@ class Replay:
         if slots.shards == 1 and slots.live_np[self.w.slot_bucket(m):].any():
             for src, dst in schedule_decisions.pack_moves(np.flatnonzero(slots.live_np).tolist(), self.w.slot_buckets):
                 slots.move(src, dst)
-        # a slot left free by a sequence that ended at insert is refilled at the next dispatch if anything can
-        # be admitted (partial phases top the queue up before every dispatch); a queue head waiting for pages
-        # waits until a sequence ends or is preempted (running sequences only ever take pages)
+        # a slot left free by a finished member that survived verification is refilled at the next dispatch if
+        # anything can be admitted (partial phases top the queue up before every dispatch); a queue head waiting
+        # for pages waits until a sequence ends or is preempted (running sequences only ever take pages)
         waits = self.page_blocked and rec.preemptions == preempted
         refill = m < self.w.num_slots and not waits and (bool(self.queue) or self._tops_up())
         n = 1 if one or refill else slots.to_next_end()

@@ -49,6 +49,8 @@ class RunShape:
     live_slots: bool = True  # EngineConfig.live_slots and a pool on one device (else one bucket: all slots)
     min_prefill_len: int = 32
     max_seq_len: int = 512
+    bucket_ratio: int = 2  # EngineConfig.bucket_ratio: the step of the prefill, slot and page ladders
+    prefill_token_budget: int | None = None  # EngineConfig.prefill_token_budget (None: one prefill per width)
     page_size: int = 16
     live_pages: bool = True
     kv_pages_per_shard: int = 0  # pages a pool shard hands out (0: no limit)
@@ -63,6 +65,7 @@ class RunShape:
                         switch_window=self.switch_window, switch_threshold=self.switch_threshold,
                         switching=self.switching, verify_finished=self.verify_finished, live_slots=self.live_slots,
                         min_prefill_len=self.min_prefill_len, max_seq_len=self.max_seq_len,
+                        bucket_ratio=self.bucket_ratio, prefill_token_budget=self.prefill_token_budget,
                         page_size=self.page_size, live_pages=self.live_pages,
                         kv_pages_per_shard=self.kv_pages_per_shard, pool_shards=self.pool_shards,
                         page_reservation=self.page_reservation, train_layout=self.train_layout)
@@ -108,6 +111,9 @@ def run_shape(spec: Mapping[str, Any], pool_pages: Callable[[int], int] | None =
                     num_steps=value(spec, "train.num_steps"), mesh_shape=mesh,
                     live_slots=value(spec, "engine.live_slots") and shards == 1,
                     min_prefill_len=value(spec, "engine.min_prefill_len"), max_seq_len=max_seq_len,
+                    # specs written before the shape ladders had neither: ratio 2, no budget, as then
+                    bucket_ratio=value(spec, "engine.bucket_ratio", 2),
+                    prefill_token_budget=value(spec, "engine.prefill_token_budget", None),
                     page_size=page_size, live_pages=value(spec, "engine.live_pages"),
                     kv_pages_per_shard=pages // shards - 1, pool_shards=shards,
                     page_reservation=value(spec, "engine.page_reservation"), train_layout=layout)
