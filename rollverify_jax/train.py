@@ -95,6 +95,10 @@ def _train_loop(trainer: Trainer) -> list[dict]:
     sitting = time.perf_counter()  # TrainConfig.time_budget_s bounds this launch: a resume gets a fresh budget
     checkpointer = trainer.checkpointer
     profiler = StepProfiler(spec.metrics.profile_steps, workdir)
+    if cfg.warmup and start < cfg.num_steps:
+        ahead = trainer.compile_ahead()
+        print(f"compiled {ahead['programs']} programs of the shape plan ahead in {ahead['wall_s']:.0f} s "
+              f"({ahead['seconds']:.0f} s of compiling)", flush=True)
     try:
         with open_progress(spec.metrics, total_steps=cfg.num_steps, start_step=start,
                            mode=spec.rollout.mode) as bar, StopRequest() as stop:
@@ -205,11 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--restart_from_scratch", action="store_true",
                     help="start at step 0 although the workdir has metrics or set-aside checkpoints but no "
                          "checkpoint that can be restored (refused otherwise)")
+    ap.add_argument("--no_warmup", action="store_true",
+                    help="compile each program at its first use instead of the whole shape plan before step 1")
     args = ap.parse_args(argv)
     if args.allow_changed_settings:
         args.gin_param.append("TrainConfig.allow_changed_settings = True")
     if args.restart_from_scratch:
         args.gin_param.append("TrainConfig.restart_from_scratch = True")
+    if args.no_warmup:
+        args.gin_param.append("TrainConfig.warmup = False")
     cli.run_cli(lambda: _main(args), args.traceback)
 
 

@@ -117,7 +117,7 @@ def test_cut_finished_member_is_regenerated_under_the_new_version(engine, keep):
         engine.set_version(0)
     again = sched.take_finished()[0]
     assert sched.verified_finished == [(keep, 5)] and sched.verified == []  # a finished member: not the acceptance
-    assert again.finished and again.num_tokens == 5 and sched.stats.tokens_generated == 5 - keep  # the first one too: decoded
+    assert again.finished and again.num_tokens == 5 and sched.stats.tokens_generated == 5 - keep
     assert again.tokens[:keep] == tokens[:keep] and again.logps[:keep] == logps[:keep]
     assert again.versions == [0] * keep + [1] * (5 - keep)
     assert engine.allocator.num_free == engine.allocator.capacity

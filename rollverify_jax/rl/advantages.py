@@ -2,8 +2,8 @@
 
 Every estimator maps `rewards: float32[num_groups, G]` (the `G` sampled responses of one prompt per row) to
 advantages of the same shape. Advantages are computed once per completed group, whatever policy versions
-sampled its members (METHOD.md section 5), so these functions see only rewards. They run on the host in numpy (float32): a few hundred numbers a step, where
-every jnp operation would be one more compiled program.
+sampled its members (METHOD.md section 5), so these functions see only rewards. They run on the host in numpy
+(float32): a few hundred numbers a step, where every jnp operation would be one more compiled program.
 """
 
 from collections.abc import Callable

@@ -182,7 +182,7 @@ def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: ep
     checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
     trainer = Trainer(spec=spec, serving=serving, evaluator=evaluator, workdir=workdir, graphdef=learner.graphdef,
                       train_state=train_state, train_step=learner.train_step, manager=manager, iterator=iterator,
-                      checkpointer=checkpointer, ref_params=ref_params, logprob_fn=learner.logprob_fn,
+                      checkpointer=checkpointer, ref_params=ref_params, logprob_fn=learner.logprob_fn, learner=learner,
                       inputs=input_identity(spec, records, serving.tokenizer),
                       train_mesh=mesh if asynchronous else None,
                       publisher=WeightPublisher(engine) if asynchronous else None)

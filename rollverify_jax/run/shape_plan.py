@@ -261,3 +261,81 @@ def planned_keys(plan: ShapePlan, family: str) -> Iterator[tuple]:
     """The bucket dims of ``family``'s programs, as value tuples (what ``Engine.dispatched`` records)."""
     for p in plan.of(family):
         yield tuple(v for _, v in p.dims)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compiling the plan ahead of the first step.
+
+def compile_ahead(plan: ShapePlan, engine, learner=None, train_state=None, batch_rows: int | None = None,
+                  threads: int | None = None, progress: bool = True) -> dict:
+    """Compiles ``plan``'s engine programs (and, with ``learner``, its train step) for the very arguments the run
+    will pass (the engine's params and decode state, host arrays of each bucket's shapes), ``threads`` at a time
+    (XLA compiles outside the GIL), so the run's calls find them compiled (JAX keeps a lowered program's
+    executable in memory; the persistent cache, when on, keeps it for the next start too). Evaluation-only and
+    one-time programs compile when first used. Returns {'programs', 'seconds', 'wall_s'}."""
+    import concurrent.futures
+    import os
+    import time
+
+    import jax
+    from tqdm import tqdm
+
+    from rollverify_jax.rollout import engine as engine_lib
+    from rollverify_jax.verify import verifier
+
+    cfg = engine.config
+    n, pps = cfg.num_slots, engine.allocator.pages_per_seq
+
+    def host(*shape, dtype=np.int32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    static, params, state = engine._static(), engine.params, engine.state
+
+    def lowering(p: PlannedProgram):
+        d = dict(p.dims)
+        if p.family == "prefill":
+            packed = engine_lib.PackedPrefill(*[host(d["rows"], d["width"])] * 6, *[host(n)] * 3,
+                                              *[host(engine.plan.copy_capacity(d["width"]))] * 2, host())
+            return lambda: engine_lib._prefill_jit.lower(static, params, state, packed, host(dtype=bool))
+        if p.family == "decode":
+            slots = None if d["slots"] == n else d["slots"]
+            return lambda: engine_lib._generate_jit.lower(static, params, state, cfg.steps_per_dispatch,
+                                                          d["pages"], slots)
+        if p.family == "extend":
+            w = d["width"]
+            return lambda: engine_lib._extend_jit.lower(
+                static, params, state, host(n, w), host(n, w), host(n, w, dtype=bool), *[host(n)] * 3,
+                host(n, dtype=np.uint32), host(n), host(n, pps), host(n, dtype=bool))
+        if p.family == "verify":
+            w = d["width"]
+            return lambda: verifier._two_stage_verify_detail.lower(
+                host(n, w, dtype=np.float32), host(n, w, dtype=np.float32), host(n, w), host(n),
+                host(dtype=np.float32), host(dtype=np.float32))
+        if p.name == "_activate_fn":
+            return lambda: engine_lib._activate_fn.lower(state, *[host(n)] * 5, host(n, dtype=np.uint32),
+                                                         host(n, pps), host(n, dtype=bool))
+        if p.name == "_move_slots_fn":
+            return lambda: engine_lib._move_slots_fn.lower(state, host(n), host(n))
+        if p.name == "_set_page_table_fn":
+            return lambda: engine_lib._set_page_table_fn.lower(state, host(n, pps))
+        if p.name == "_deactivate_fn":
+            return lambda: engine_lib._deactivate_fn.lower(state, host(n, dtype=bool))
+        if p.family == "train_step" and learner is not None and not p.dims:
+            batch = learner.abstract_batch(batch_rows, cfg.max_seq_len)
+            if jax.process_count() == 1:  # the step gets host arrays (Learner._place), which carry no sharding
+                batch = {k: host(*v.shape, dtype=v.dtype) for k, v in batch.items()}
+            return lambda: learner.step_program.lower(train_state, batch)
+        return None
+
+    todo = [(p, fn) for p in plan.programs if (fn := lowering(p)) is not None]
+
+    def one(item) -> float:
+        t0 = time.perf_counter()
+        item[1]().compile()
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    workers = threads or os.cpu_count() or 1
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        seconds = list(tqdm(pool.map(one, todo), total=len(todo), desc="compiling ahead", unit="program",
+                            disable=not progress))
+    return {"programs": len(todo), "seconds": round(sum(seconds), 1), "wall_s": round(time.perf_counter() - t0, 1)}

@@ -81,6 +81,9 @@ class TrainConfig:
     # > 0: stop (evaluate, checkpoint) after the first step that ends this many seconds into this launch's training
     # loop. It bounds one sitting: a resume gets a fresh budget (time/wall still counts the run's every launch).
     time_budget_s: float = 0.0
+    # Compile the run's shape plan (every engine and learner program it will run: run/shape_plan.py) before the
+    # first step, one thread per core, instead of each program at its first use mid-step (--no_warmup: off).
+    warmup: bool = True
     chat_template: bool = False  # render prompts with the checkpoint's chat template (instruct models)
     # Chat prompts only (chat_template=True): a system message for the records that bring none of their own (a
     # record's own system message, in its `messages`, takes precedence).
@@ -215,7 +218,7 @@ _AS_BINDINGS = {"reward", "synthetic_task"}  # classes built later from these bi
 # Bookkeeping: how a run reports, saves, evaluates and is simulated; never compared.
 NOT_COMPARED_PARTS = frozenset({"checkpoint", "eval", "metrics", "aot", "sim", "cost_model", "roofline"})
 NOT_COMPARED = frozenset({
-    "train.run_name", "train.runs_root", "train.num_steps", "train.time_budget_s", "train.eval_size",
+    "train.run_name", "train.runs_root", "train.num_steps", "train.time_budget_s", "train.warmup", "train.eval_size",
     "train.eval_samples", "train.eval_every", "train.eval_dataset", "train.eval_dataset_kwargs", "train.eval_sets",
     "train.metrics_tensorboard", "train.allow_changed_settings", "train.max_skipped_steps",
     "train.restart_from_scratch", "train.tokenizer_path",  # the tokenizer itself is compared by its hash
@@ -239,7 +242,7 @@ EXECUTION_SETTINGS = frozenset({
     # Decode/prefill compute buckets and the serving layout: which slots and page columns a decode computes over,
     # prefill padding, the resume prefill's log-prob chunk, where the engine's weights lie, TPU megacore.
     "engine.live_pages", "engine.live_slots", "engine.min_prefill_len", "engine.logits_chunk",
-    "engine.serving_layout", "engine.megacore",
+    "engine.serving_layout", "engine.megacore", "engine.bucket_ratio", "engine.prefill_token_budget",
     # The asynchronous mode's device split and its rollout mesh (how many devices decode, and their layout).
     "async_rollout.rollout_devices", "async_rollout.rollout_mesh",
     # The learner's memory / FLOP trade-offs, each "same result" (exact micro-batch accumulation, packing,

@@ -6,6 +6,7 @@ checkpoints hold beside the train state."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.publish import WeightPublisher
 from rollverify_jax.rollout.tool_use import ToolEnvironment
+from rollverify_jax.run import shape_plan
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import Evaluator
 from rollverify_jax.run.spec import RunSpec
@@ -73,6 +75,17 @@ class Trainer:
     publisher: WeightPublisher | None = None
     wall_offset: float = 0.0
     step: int = 0
+    learner: Any = None  # rl.learner.Learner: its programs, for compile_ahead
+
+    def compile_ahead(self) -> dict:
+        """Compiles the run's shape plan (``run/shape_plan.py``) before its first step -> {'programs', 'seconds',
+        'wall_s'}."""
+        engine = self.serving.engine
+        plan = shape_plan.plan_run(self.spec, engine.plan, train_state=self.train_state)
+        style = self.spec.metrics.progress
+        bar = style == "bar" or (style == "auto" and sys.stdout.isatty() and sys.stderr.isatty())
+        return shape_plan.compile_ahead(plan, engine, self.learner, self.train_state,
+                                        self.spec.rollout.batch_groups * self.spec.rollout.group_size, progress=bar)
 
     # The five calls of a step ---------------------------------------------------------------------------
 
