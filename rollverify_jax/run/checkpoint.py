@@ -56,6 +56,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import logging
 import re
 import sys
 from collections.abc import Mapping
@@ -551,9 +552,21 @@ class Checkpointer:
 # compiled program: one per array shape and replica. Below 1 MiB a slice saves no time worth its compile, so
 # smaller arrays are written whole by one replica (run/shape_plan.py counts the slices that remain).
 REPLICA_SLICE_MIN_BYTES = 1 << 20
-ocp.type_handlers.register_type_handler(
-    jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES),
-    override=True)
+
+
+def _register_array_handler() -> None:
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that it overrides its own default handler: expected here
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES),
+            override=True)
+    finally:
+        absl.setLevel(level)
+
+
+_register_array_handler()
 
 _STATUS_CODE = re.compile(r"^([A-Z][A-Z_]+): ")
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE")
