@@ -26,6 +26,7 @@ from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl.learner import Learner
 from rollverify_jax.rollout.engine import EnginePlan
+from rollverify_jax.run import shape_plan
 from rollverify_jax.run.spec import RunSpec
 from rollverify_jax.scale import fit
 
@@ -134,19 +135,18 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
     model = abstract_model(cfg)
     flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
     run = programs(spec, model, mesh, engine_mesh, flash=flash)
-    max_len = spec.engine.max_seq_len
     # A tool-use run extends every slot's reply at once: the reply cap plus 16 tokens of frame and closing tag.
-    extend = (schedule_rules.pow2_bucket(spec.tool_use.max_reply_tokens + 16, 1, max_len)
-              if spec.tool_use.enabled else None)
-    return fit.compile_programs(run.learner, run.engine, model, spec.rollout, spec.aot, topology=topology,
-                                devices=devices, logprob_users=logprob_pass_users(spec), extend_width=extend)
+    extend = (schedule_rules.smallest_holding(run.engine.extend_widths(), spec.tool_use.max_reply_tokens
+                                              + shape_plan.REPLY_FRAME_TOKENS) if spec.tool_use.enabled else None)
+    report = fit.compile_programs(run.learner, run.engine, model, spec.rollout, spec.aot, topology=topology,
+                                  devices=devices, logprob_users=logprob_pass_users(spec), extend_width=extend)
+    plan = shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state)
+    return {**report, "shape_plan": plan.summary()}
 
 
 def plan_for(spec: RunSpec, topology: str | None = None):
     """The shape plan of ``spec`` laid out on ``topology``'s chips (deviceless; default: AotConfig.topology), with
     the programs that build it: (plan, learner, engine plan, abstract model)."""
-    from rollverify_jax.run import shape_plan
-
     devices = fit.get_topology_devices(topology or spec.aot.topology)
     mesh, engine_mesh = make_meshes(spec, devices=devices)
     model = abstract_model(architecture(spec))

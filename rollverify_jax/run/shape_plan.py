@@ -28,6 +28,7 @@ import numpy as np
 from rollverify_jax import schedule_rules
 
 VERIFY_MODES = ("rollverify", "async")  # rollout modes whose resumes run the jitted verifier
+REPLY_FRAME_TOKENS = 16  # a tool reply's frame and the call's closing tag, besides ToolUseConfig.max_reply_tokens
 
 # The engine's fixed-shape helpers (one program each) and the one-time setup programs, by the name JAX logs.
 HELPERS = ("_activate_fn", "_move_slots_fn", "_set_page_table_fn", "_deactivate_fn")
@@ -133,8 +134,9 @@ def engine_programs(engine_plan, *, tool_use: bool = False, max_reply_tokens: in
             for s in engine_plan.live_slot_buckets() for p in pages]
     if tool_use:
         widths = engine_plan.extend_widths()
-        if max_reply_tokens is not None:  # a reply plus the call's closing tag: within the bucket holding it
-            widths = widths[: widths.index(schedule_rules.smallest_holding(widths, max_reply_tokens + 1)) + 1]
+        if max_reply_tokens is not None:  # a reply with its frame: within the bucket holding it
+            top = schedule_rules.smallest_holding(widths, max_reply_tokens + REPLY_FRAME_TOKENS)
+            widths = widths[: widths.index(top) + 1]
         out += [PlannedProgram(tag + "extend", "_extend_fn", (("width", w),)) for w in widths]
     return out
 

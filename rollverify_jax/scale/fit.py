@@ -275,6 +275,8 @@ def format_report(r: dict) -> str:
                  + (f", log-prob passes {e['logprob_passes_s']:.1f} s" if e.get("logprob_passes_s") else ""))
     if r.get("decode"):
         lines.extend(aot_decode.format_decode(r["decode"]))
+    if r.get("shape_plan"):
+        lines.append(f"  shape plan: {r['shape_plan']} (aot --plan lists them, --plan_compile times each)")
     if r.get("compilation_cache"):
         lines.append(f"  compile times may be loads from the compilation cache {r['compilation_cache']}")
     lines.append("  FITS" if r["fits"] else "  DOES NOT FIT")
