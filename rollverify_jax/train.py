@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--restart_from_scratch", action="store_true",
                     help="start at step 0 although the workdir has metrics or set-aside checkpoints but no "
                          "checkpoint that can be restored (refused otherwise)")
+    ap.add_argument("--warmup", action="store_true", help="compile the run's whole shape plan before step 1, "
+                    "threads in parallel (TrainConfig.warmup, on by default)")
     ap.add_argument("--no_warmup", action="store_true",
                     help="compile each program at its first use instead of the whole shape plan before step 1")
     args = ap.parse_args(argv)
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         args.gin_param.append("TrainConfig.allow_changed_settings = True")
     if args.restart_from_scratch:
         args.gin_param.append("TrainConfig.restart_from_scratch = True")
-    if args.no_warmup:
-        args.gin_param.append("TrainConfig.warmup = False")
+    if args.warmup or args.no_warmup:
+        args.gin_param.append(f"TrainConfig.warmup = {not args.no_warmup}")
     cli.run_cli(lambda: _main(args), args.traceback)
 
 
