@@ -166,11 +166,11 @@ def main() -> None:
     if not args.write:
         return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    table = ["| layers | slots x steps | dispatch (ms) | bookkeeping (ms) | total (ms) | per 256 slots (ms) |",
+    table = ["| layers | code | dispatch (ms) | bookkeeping (ms) | total (ms) | per 256 slots (ms) |",
              "| --- | --- | --- | --- | --- | --- |"]
-    table += [f"| {r['layers']} | {r['slots']} x {r['steps']} | {r['dispatch_ms']:.2f} | {r['bookkeeping_ms']:.2f} | "
+    table += [f"| {r['layers']} | `{commit}` | {r['dispatch_ms']:.2f} | {r['bookkeeping_ms']:.2f} | "
               f"{r['total_ms']:.2f} | {r['per_256_ms']:.2f} |" for r in rows]
-    benchlib.write_section(SECTION, "\n".join(table) + f"\n\nCommit {commit}. " + NOTE)
+    benchlib.write_section(SECTION, "\n".join(table) + "\n\n" + NOTE)
 
 
 NOTE = ("Main-thread CPU time (`time.thread_time`) per decode dispatch, median over the measured dispatches: "
