@@ -125,7 +125,7 @@ def sensitivity(host_ms: list[float], steps: int | None, write: bool) -> None:
     """On-policy and RollVerify device-days of the Qwen3-8B ~20K setting at each host time per decode step."""
     from rollverify_jax.studies import sim_scale
 
-    _, ctx, files, params = next(s for s in sim_scale.SETTINGS if s[0] == "Qwen3-8B" and s[1] == 20480)
+    _, _, files, params = next(s for s in sim_scale.SETTINGS if s[0] == "Qwen3-8B" and s[1] == 20480)
     rows = ["| host time per decode step (ms) | on-policy (device-days) | RollVerify (device-days) | speed-up |",
             "| --- | --- | --- | --- |"]
     for ms in host_ms:
@@ -138,10 +138,11 @@ def sensitivity(host_ms: list[float], steps: int | None, write: bool) -> None:
     if write:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
+        span = f"{steps} steps" if steps else "all the config's steps"
         benchlib.write_section(SENSITIVITY, "\n".join(rows) + (
             f"\n\nCommit {commit}. The simulator's prediction of Qwen3-8B at ~20K (`configs/qwen3_8b_dapo.gin` + "
             "`configs/sim/qwen3_8b_v5p.gin`, sim_scale's setting, the paper-shaped acceptance, "
-            f"{steps or 'every'} steps) with `RooflineCosts.decode_host_s` bound to each value: the host's time "
+            f"{span}) with `RooflineCosts.decode_host_s` bound to each value: the host's time "
             "per decode step, added to every step's device time (no overlap: an upper bound for "
             "`EngineConfig.dispatch_ahead`, which overlaps it with the device's). The shipped value is the "
             "measured host time per dispatch over its steps (section above)."))
