@@ -48,7 +48,11 @@ class EngineConfig:
     ``update_params`` and held beside the train state (docs/scale.md, decode against the HBM roofline).
     dispatch_ahead: the scheduler dispatches decode n + 1 before it reads decode n's outputs, so the host's work
     between dispatches overlaps the device's; a slot that finishes in n is refilled one dispatch later
-    (``Scheduler``; samples are unchanged, when requests start is not)."""
+    (``Scheduler``; samples are unchanged, when requests start is not).
+    decode_stop_finished: a dispatch of up to ``steps_per_dispatch`` steps returns early, after the step at which
+    this many of its slots have finished (a ``while_loop``; the outputs keep their ``[steps, slots]`` shape, the
+    steps not run emitting nothing), so freed slots are refilled sooner; 0 runs every step (a ``scan``). Samples
+    are unchanged; when requests start is not."""
 
     num_slots: int = 16
     page_size: int = 16  # tokens per KV page
@@ -67,6 +71,7 @@ class EngineConfig:
     serving_layout: str = "train"  # the engine's weights: 'train' (the train state's arrays) | 'tensor' (a copy)
     megacore: bool = True  # the TPU paged-attention kernel on both TensorCores of a v4 / v5p chip
     dispatch_ahead: bool = False  # the scheduler dispatches decode n + 1 before reading n's outputs (Scheduler)
+    decode_stop_finished: int = 0  # a dispatch returns once this many slots finished in it (0: runs all its steps)
 
     def __post_init__(self):
         if self.page_reservation not in ("incremental", "full"):
@@ -86,6 +91,8 @@ class EngineConfig:
         for name in ("num_slots", "page_size", "max_seq_len", "steps_per_dispatch", "min_prefill_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1.")
+        if self.decode_stop_finished < 0:
+            raise ValueError(f"EngineConfig.decode_stop_finished={self.decode_stop_finished} must be >= 0 (0: off).")
 
 
 @jax.tree_util.register_dataclass
@@ -263,6 +270,24 @@ class EngineStatic:
     logits_chunk: int | None = None
     flash: FlashConfig = DEFAULT_FLASH
     attention: tuple[tuple[str, Any], ...] = ()  # paged_attention's kernel knobs, sorted (name, value) pairs
+
+    def __hash__(self) -> int:
+        # jit hashes its static arguments at every call, and hashing the model's GraphDef walks every node of it
+        # (1.6 ms at 36 layers): computed once per object. Engines keep one object per sampler (``Engine._static``).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}  # str hashes differ between processes
+
+    def __eq__(self, other) -> bool:
+        if self is other:  # the engine's own cached object: no walk over two GraphDefs
+            return True
+        if not isinstance(other, EngineStatic):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self))
 
     def kernel(self) -> dict:
         """CausalAttention's implementation for prefill (splash on TPU, cuDNN on GPU, the reference on CPU)."""
@@ -444,11 +469,15 @@ _SLOT_FIELDS = ("page_table", "tokens", "lengths", "generated", "max_new", "seed
 
 
 def _generate_fn(static: EngineStatic, params, state: DecodeState, num_steps: int, live_pages: int | None = None,
-                 live_slots: int | None = None):
+                 live_slots: int | None = None, stop_finished: int | None = None):
     """``num_steps`` decode steps. ``live_pages``: no slot holds more pages than this during the dispatch, so
     attention reads only those columns of the page table (a bucket; None: all of them). ``live_slots``: every
     running slot is below this (the scheduler packs them to the front), so the steps run over those slots
-    only (None: all); the outputs are ``[num_steps, live_slots]``."""
+    only (None: all); the outputs are ``[num_steps, live_slots]``. ``stop_finished`` (``EngineConfig``'s
+    ``decode_stop_finished``): the loop returns after the step at which that many slots have finished in this
+    dispatch (or every running one has), so the host can refill them without waiting for the other steps; the
+    steps not run emit nothing (token and log-prob 0). The steps that run sample what the fixed loop samples
+    (each token's key is its request's seed and index)."""
     model = nnx.merge(static.graphdef, params)
     whole = state
     if live_slots is not None:
@@ -471,11 +500,36 @@ def _generate_fn(static: EngineStatic, params, state: DecodeState, num_steps: in
         )
         return new_state, (tok, logp, emit)
 
-    state, (tokens, logps, emitted) = jax.lax.scan(step, state, None, length=num_steps)
+    if stop_finished is None:
+        state, (tokens, logps, emitted) = jax.lax.scan(step, state, None, length=num_steps)
+    else:
+        state, (tokens, logps, emitted) = _decode_until(step, state, num_steps, stop_finished)
     if live_slots is not None:  # the other slots are idle: their fields are unchanged
         state = dataclasses.replace(state, **{f: getattr(whole, f).at[:live_slots].set(getattr(state, f))
                                               for f in _SLOT_FIELDS})
     return state, (tokens, logps, emitted)
+
+
+def _decode_until(step, state: DecodeState, num_steps: int, stop_finished: int):
+    """Up to ``num_steps`` of ``step`` (the decode scan's body) in a ``while_loop`` that stops once
+    ``stop_finished`` slots (at most the running ones) have finished since it began; outputs ``[num_steps, S]``
+    as the scan's, the steps not run emitting nothing."""
+    shapes = jax.eval_shape(lambda s: step(s, None)[1], state)
+    outs = tuple(jnp.zeros((num_steps, *x.shape), x.dtype) for x in shapes)
+    need = jnp.minimum(stop_finished, jnp.sum(state.active))  # fewer running: when they have all ended
+
+    def cond(carry):
+        i, state, finished, _ = carry
+        return (i < num_steps) & (finished < need)
+
+    def body(carry):
+        i, state, finished, outs = carry
+        new_state, out = step(state, None)
+        finished = finished + jnp.sum(out[2] & ~new_state.active)  # emitted its last token at this step
+        return i + 1, new_state, finished, tuple(o.at[i].set(x) for o, x in zip(outs, out, strict=True))
+
+    _, state, _, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.int32(0), outs))
+    return state, outs
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -494,7 +548,7 @@ def _move_slots_fn(state: DecodeState, src: jax.Array, dst: jax.Array) -> Decode
 # the recorded log mu (bench_ops_floor.py). Every rounding as written keeps the two paths in step.
 _EXACT = {"xla_allow_excess_precision": False}
 _prefill_jit = jax.jit(_prefill_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
-_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5), donate_argnums=(2,), compiler_options=_EXACT)
+_generate_jit = jax.jit(_generate_fn, static_argnums=(0, 3, 4, 5, 6), donate_argnums=(2,), compiler_options=_EXACT)
 _extend_jit = jax.jit(_extend_fn, static_argnums=(0,), donate_argnums=(2,), compiler_options=_EXACT)
 
 
@@ -509,11 +563,6 @@ def _zeros_like(abstract: DecodeState) -> DecodeState:
     def _zero_decode_state():
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
     return jax.jit(_zero_decode_state, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_page_table_fn(state: DecodeState, table: jax.Array) -> DecodeState:
-    return dataclasses.replace(state, page_table=table)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -708,7 +757,7 @@ class EnginePlan:
         """One decode dispatch (``steps_per_dispatch`` tokens) for (abstract) ``params``; ``live_pages``: the
         page-table bucket it reads, ``live_slots``: the slot bucket it runs over (None: all)."""
         return _generate_jit.lower(self.static(), params, self.abstract_state(), self.config.steps_per_dispatch,
-                                   live_pages, live_slots)
+                                   live_pages, live_slots, self.config.decode_stop_finished or None)
 
     def lower_activate(self) -> jax.stages.Lowered:
         """The slot activation after a prefill (one program: its arrays have one row per slot)."""
@@ -758,6 +807,7 @@ class Engine:
     def _open(self, model: Qwen3ForCausalLM, plan: EnginePlan) -> None:
         """Places ``model``'s weights and allocates the decode state as ``plan`` lays them out."""
         self.plan, config = plan, plan.config
+        self._statics: dict[SamplingConfig, EngineStatic] = {}  # _static's, per sampler
         self.config, self.sampling, self.flash, self.attention = config, plan.sampling, plan.flash, plan.attention
         self.model_config, self.graphdef, self.mesh = model.cfg, plan.graphdef, plan.mesh
         self.eos_ids, self.stop_ids, self.layout = self.plan.eos_ids, self.plan.stop_ids, self.plan.layout
@@ -805,8 +855,12 @@ class Engine:
         return self.config.compute_dtype or self.model_config.dtype
 
     def _static(self) -> EngineStatic:
-        """The plan's static with the current sampler (evaluation swaps ``sampling`` for its own)."""
-        return self.plan.static(self.sampling)
+        """The plan's static with the current sampler (evaluation swaps ``sampling`` for its own): one object per
+        sampler, built once, so that every dispatch's static argument is the same object, its hash already known."""
+        static = self._statics.get(self.sampling)
+        if static is None:
+            static = self._statics[self.sampling] = self.plan.static(self.sampling)
+        return static
 
     @property
     def static(self) -> EngineStatic:
@@ -833,7 +887,8 @@ class Engine:
         self.state = _activate_fn(self.state, *self._activation_args([], [], [], [], []))
         self.state, _ = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
                                       self.live_page_buckets()[0] if self.config.live_pages else None,
-                                      self._slot_bucket(self.live_slot_buckets()[0]))
+                                      self._slot_bucket(self.live_slot_buckets()[0]),
+                                      self.config.decode_stop_finished or None)
         self.state = _deactivate_fn(self.state, np.zeros((n,), bool))
         self.sync_page_table()
 
@@ -982,7 +1037,7 @@ class Engine:
         slots = self.live_slots()
         self.dispatched.add(("decode", (slots, live)))
         self.state, out = _generate_jit(self._static(), self.params, self.state, self.config.steps_per_dispatch,
-                                        live, self._slot_bucket(slots))
+                                        live, self._slot_bucket(slots), self.config.decode_stop_finished or None)
         return PendingDecode(out, self.config.num_slots, self._version)
 
     def live_slot_buckets(self) -> list[int]:
@@ -1018,8 +1073,12 @@ class Engine:
         return next(b for b in self.live_page_buckets() if b >= most)
 
     def sync_page_table(self) -> None:
-        """Pushes the host page table to the device after pages were granted to running slots."""
-        self.state = _set_page_table_fn(self.state, self.allocator.table.copy())
+        """Pushes the host page table to the device after pages were granted to running slots: a new array in the
+        table's sharding (each process fills its own devices' shards), not a call that takes the whole decode
+        state (at 36 layers its ~80 arrays cost the host 0.2 ms a dispatch)."""
+        table = self.allocator.table.copy()
+        self.state = dataclasses.replace(self.state, page_table=jax.make_array_from_callback(
+            table.shape, self.state.page_table.sharding, lambda index: table[index]))
 
     def deactivate(self, slots: list[int]) -> None:
         mask = np.zeros((self.config.num_slots,), bool)

@@ -352,24 +352,37 @@ class Scheduler:
 
     def _grow_or_preempt(self) -> None:
         """Grants each running slot the pages of its next dispatch; a slot that cannot grow is preempted back
-        to the queue head (it resumes later by re-prefill, with the same seeds, so its sample is unchanged)."""
-        if self.engine.config.page_reservation == "full":
+        to the queue head (it resumes later by re-prefill, with the same seeds, so its sample is unchanged).
+        Vectorised over the slots: only those that lack pages are visited, in the decision's order, and the
+        exact decision (``schedule_decisions.grow_or_preempt``) runs only when some shard lacks the pages for
+        every grant (otherwise it preempts none)."""
+        if self.engine.config.page_reservation == "full" or not self.slots:
             return
-        alloc = self.engine.allocator
+        alloc, cfg = self.engine.allocator, self.engine.config
         flying = {id(t) for _, t in self._inflight.slots} if self._inflight else set()
         running = sorted(self.slots.items(), key=lambda kv: kv[1].uid)
-        need = [self._tokens_to_reserve(t, 2 if id(t) in flying else 1) for _, t in running]
-        have = [len(alloc.owned.get(slot, [])) for slot, _ in running]
-        out = set(schedule_decisions.grow_or_preempt([alloc.shard_of(slot) for slot, _ in running], have,
-                                                     [alloc.pages_needed(n) for n in need],
-                                                     [len(f) for f in alloc.free]))
-        preempted = [slot for i, (slot, _) in enumerate(running) if i in out]
+        n = len(running)
+        slots = np.fromiter((slot for slot, _ in running), np.int64, n)
+        need = schedule_decisions.reserved_tokens(
+            np.fromiter((len(t.prompt) for _, t in running), np.int64, n),
+            np.fromiter((t.num_tokens for _, t in running), np.int64, n),
+            np.fromiter((t.max_new_tokens for _, t in running), np.int64, n), cfg.steps_per_dispatch,
+            np.fromiter((2 if id(t) in flying else 1 for _, t in running), np.int64, n))
+        pages = schedule_decisions.pages_for(need, alloc.page_size)
+        have = np.fromiter((len(alloc.owned.get(slot, ())) for slot, _ in running), np.int64, n)
+        shards = slots // alloc.slots_per_shard
+        free = [len(f) for f in alloc.free]
+        lack = np.bincount(shards, weights=np.maximum(pages - have, 0), minlength=alloc.num_shards)
+        out = set() if (lack <= free).all() else set(schedule_decisions.grow_or_preempt(
+            shards.tolist(), have.tolist(), pages.tolist(), free))
+        preempted = [slot for i, (slot, _) in enumerate(running) if i in out] if out else []
         grew = False
-        for i, (slot, _) in enumerate(running):  # in the decision's order: the same pages as granted one by one
+        for i in np.flatnonzero(pages > have).tolist():  # in the decision's order: the pages granted one by one
             if i not in out:
-                if not alloc.grow(slot, need[i]):
-                    raise RuntimeError(f"slot {slot} could not grow to {need[i]} tokens as decided.")
-                grew |= len(alloc.owned[slot]) > have[i]
+                slot = running[i][0]
+                if not alloc.grow(slot, int(need[i])):
+                    raise RuntimeError(f"slot {slot} could not grow to {int(need[i])} tokens as decided.")
+                grew = True
         if preempted:
             self.engine.deactivate(preempted)
             for slot in reversed(preempted):
@@ -401,7 +414,8 @@ class Scheduler:
                                                          self.stats.reply_blocked_time)
         if self.waits:
             self._serve_replies(self.issued + 1)
-        self._admit()
+        if self.queue and len(self.slots) + len(self.waits) < self.engine.config.num_slots:
+            self._admit()  # (with no request or no free slot it admits nothing: skipped, a full batch's common case)
         self._grow_or_preempt()
         new = None
         if self.slots and not self._all_end_in_flight():
@@ -441,23 +455,27 @@ class Scheduler:
         self.stats.decode_time += time.perf_counter() - t0
         version = flight.pending.version
         where = {id(t): s for s, t in self.slots.items()}
-        counts = emitted.sum(axis=0)  # a slot emits a prefix of the steps: it stops at its end
+        counts = emitted.sum(axis=0).tolist()  # a slot emits a prefix of the steps: it stops at its end
+        token_rows, logp_rows = tokens.T.tolist(), logps.T.tolist()  # per slot, in one conversion each
         n = 0
         for slot, t in flight.slots:
-            cur, m = where.get(id(t)), int(counts[slot])
+            cur, m = where.get(id(t)), counts[slot]
             if cur is None:
                 continue
             if m and t.uid in self._cut_suffix:  # regeneration statistics are per token
-                for y, lp in zip(tokens[:m, slot].tolist(), logps[:m, slot].tolist(), strict=True):
+                for y, lp in zip(token_rows[slot][:m], logp_rows[slot][:m], strict=True):
                     self._append(t, y, lp, version)
             elif m:
-                t.tokens.extend(tokens[:m, slot].tolist())
-                t.logps.extend(logps[:m, slot].tolist())
+                t.tokens.extend(token_rows[slot][:m])
+                t.logps.extend(logp_rows[slot][:m])
                 t.versions.extend([version] * m)
             n += m
             self._settle(cur, t)
         self.stats.dispatches += 1
-        self.stats.decode_steps += tokens.shape[0]
+        # the steps the device ran: all of them, or (EngineConfig.decode_stop_finished) up to its early stop, before
+        # which some slot emits at every step
+        self.stats.decode_steps += (int(emitted.any(axis=1).sum()) if self.engine.config.decode_stop_finished
+                                    else tokens.shape[0])
         self.stats.useful_token_steps += n
         self.stats.tokens_generated += n
         return n

@@ -31,7 +31,7 @@ VERIFY_MODES = ("rollverify", "async")  # rollout modes whose resumes run the ji
 REPLY_FRAME_TOKENS = 16  # a tool reply's frame and the call's closing tag, besides ToolUseConfig.max_reply_tokens
 
 # The engine's fixed-shape helpers (one program each) and the one-time setup programs, by the name JAX logs.
-HELPERS = ("_activate_fn", "_move_slots_fn", "_set_page_table_fn", "_deactivate_fn")
+HELPERS = ("_activate_fn", "_move_slots_fn", "_deactivate_fn")
 # The params' placement (infra/transfer) and the train state's first copy (rl/learner), the decode state's zeros,
 # and the sampling key's seeding (two programs).
 SETUP = {"<lambda>": 2, "_zero_decode_state": 1, "_threefry_seed": 1, "stage": 1}
@@ -301,7 +301,7 @@ def compile_ahead(plan: ShapePlan, engine, learner=None, train_state=None, batch
         if p.family == "decode":
             slots = None if d["slots"] == n else d["slots"]
             return lambda: engine_lib._generate_jit.lower(static, params, state, cfg.steps_per_dispatch,
-                                                          d["pages"], slots)
+                                                          d["pages"], slots, cfg.decode_stop_finished or None)
         if p.family == "extend":
             w = d["width"]
             return lambda: engine_lib._extend_jit.lower(
@@ -317,8 +317,6 @@ def compile_ahead(plan: ShapePlan, engine, learner=None, train_state=None, batch
                                                          host(n, pps), host(n, dtype=bool))
         if p.name == "_move_slots_fn":
             return lambda: engine_lib._move_slots_fn.lower(state, host(n), host(n))
-        if p.name == "_set_page_table_fn":
-            return lambda: engine_lib._set_page_table_fn.lower(state, host(n, pps))
         if p.name == "_deactivate_fn":
             return lambda: engine_lib._deactivate_fn.lower(state, host(n, dtype=bool))
         if p.family == "train_step" and learner is not None and not p.dims:
