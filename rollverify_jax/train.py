@@ -9,6 +9,7 @@ run at ``TrainConfig.num_steps`` the command says the run is complete and exits 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -81,6 +82,13 @@ def _evaluation_skipped(workdir, step: int, eval_every: int) -> bool:
     return not any(r["step"] == step and "eval/accuracy" in r for r in rows)
 
 
+def _warmup(configured: bool) -> bool:
+    """``TrainConfig.warmup``, unless the environment variable ``ROLLVERIFY_WARMUP`` says otherwise (0 / off / false:
+    off; anything else: on), as the test suite does to compile only what each test's run uses."""
+    value = os.environ.get("ROLLVERIFY_WARMUP")
+    return configured if value is None else value.strip().lower() not in ("0", "off", "false", "no", "")
+
+
 def _train_loop(trainer: Trainer) -> list[dict]:
     spec, cfg = trainer.spec, trainer.spec.train
     start, workdir = trainer.step, trainer.workdir
@@ -95,7 +103,7 @@ def _train_loop(trainer: Trainer) -> list[dict]:
     sitting = time.perf_counter()  # TrainConfig.time_budget_s bounds this launch: a resume gets a fresh budget
     checkpointer = trainer.checkpointer
     profiler = StepProfiler(spec.metrics.profile_steps, workdir)
-    if cfg.warmup and start < cfg.num_steps:
+    if _warmup(cfg.warmup) and start < cfg.num_steps:
         ahead = trainer.compile_ahead()
         print(f"compiled {ahead['programs']} programs of the shape plan ahead in {ahead['wall_s']:.0f} s "
               f"({ahead['seconds']:.0f} s of compiling)", flush=True)

@@ -7,6 +7,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # no persistent cache unless a test asks for one
+# Runs compile each program at first use (a test's run uses a few of its plan's) unless a test asks for the warmup.
+os.environ.setdefault("ROLLVERIFY_WARMUP", "0")
 
 import gin  # noqa: E402
 import jax  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 from rollverify_jax import schedule_rules, train
 from rollverify_jax.rollout import engine as engine_lib
 from rollverify_jax.run import builder, shape_plan
-from rollverify_jax.run.programs import plan_for
+from rollverify_jax.run.programs import logprob_pass_users, plan_for
 from rollverify_jax.run.spec import RunSpec, parse_gin
 
 
@@ -52,6 +52,7 @@ def test_a_run_compiles_only_planned_programs(config, groups, tmp_path, monkeypa
     """The tiny default and the tool config train (2 steps: the second resumes and verifies; smaller batches)
     with JAX's compile log on: every compiled program is in the plan (by name and count), every engine dispatch
     ran one of the plan's buckets, and the run compiled at most 30 programs."""
+    monkeypatch.setenv("ROLLVERIFY_WARMUP", "1")  # the plan compiled ahead: the run then compiles nothing of it
     engines, trainers = [], []
     opened, built = engine_lib.Engine._open, builder.build_trainer
     monkeypatch.setattr(engine_lib.Engine, "_open", lambda self, *a: (engines.append(self), opened(self, *a))[1])
@@ -64,7 +65,8 @@ def test_a_run_compiles_only_planned_programs(config, groups, tmp_path, monkeypa
         train.main(args)
     spec = RunSpec.from_json((tmp_path / "spec.json").read_text())
     (engine,) = engines
-    plan = shape_plan.plan_run(spec, engine.plan, spec.eval.sampling(spec.sampling), trainers[0].train_state)
+    plan = shape_plan.plan_run(spec, engine.plan, spec.eval.sampling(spec.sampling), trainers[0].train_state,
+                               logprob_pass_users(spec))
     assert plan.check(log.names) == [], log.counts()
     planned = {(p.family.removeprefix("eval_"), tuple(v for _, v in p.dims)) for p in plan.programs}
     assert engine.dispatched <= planned, engine.dispatched - planned

@@ -555,13 +555,16 @@ REPLICA_SLICE_MIN_BYTES = 1 << 20
 
 
 def _register_array_handler() -> None:
+    """orbax's default jax.Array handler (its metadata store keeps typed PRNG keys' dtype), with the slice floor."""
+    from orbax.checkpoint._src.metadata import array_metadata_store  # what orbax's own default handler holds
+
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that it overrides its own default handler: expected here
     try:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES),
-            override=True)
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            array_metadata_store=array_metadata_store.Store(),
+            min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES), override=True)
     finally:
         absl.setLevel(level)
 

@@ -140,7 +140,8 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
                                               + shape_plan.REPLY_FRAME_TOKENS) if spec.tool_use.enabled else None)
     report = fit.compile_programs(run.learner, run.engine, model, spec.rollout, spec.aot, topology=topology,
                                   devices=devices, logprob_users=logprob_pass_users(spec), extend_width=extend)
-    plan = shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state)
+    plan = shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state,
+                               logprob_pass_users(spec))
     return {**report, "shape_plan": plan.summary()}
 
 
@@ -152,8 +153,8 @@ def plan_for(spec: RunSpec, topology: str | None = None):
     model = abstract_model(architecture(spec))
     flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
     run = programs(spec, model, mesh, engine_mesh, flash=flash)
-    return (shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state),
-            run, model)
+    return (shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state,
+                                logprob_pass_users(spec)), run, model)
 
 
 def compile_plan(spec: RunSpec, topology: str | None = None, threads: int = 4) -> dict:

@@ -141,13 +141,13 @@ def engine_programs(engine_plan, *, tool_use: bool = False, max_reply_tokens: in
     return out
 
 
-def plan_run(spec, engine_plan, eval_sampling=None, train_state=None) -> ShapePlan:
+def plan_run(spec, engine_plan, eval_sampling=None, train_state=None, logprob_users: Sequence[str] = ()
+             ) -> ShapePlan:
     """The shape plan of a run of ``spec`` whose engine is laid out as ``engine_plan`` (``run/programs.py``'s
     ``make_engine_plan``; deviceless works). ``eval_sampling``: the evaluation's sampler when it differs from
     training's (its engine programs compile again for it). ``train_state``: the learner's (abstract) state, whose
-    replicated arrays a checkpoint writes in per-replica slices (``checkpoint_programs``)."""
-    from rollverify_jax.run.programs import logprob_pass_users
-
+    replicated arrays a checkpoint writes in per-replica slices (``checkpoint_programs``). ``logprob_users``:
+    ``run/programs.logprob_pass_users`` (a log-prob pass compiles beside the train step)."""
     lengths = length_model_sample(spec.sim, spec.rollout.max_new_tokens)
     tool = bool(spec.tool_use.enabled)
     reply = spec.tool_use.max_reply_tokens if tool else None
@@ -160,7 +160,7 @@ def plan_run(spec, engine_plan, eval_sampling=None, train_state=None) -> ShapePl
     out += learner_programs(spec)
     if train_state is not None:
         out += checkpoint_programs(train_state)
-    if logprob_pass_users(spec):
+    if logprob_users:
         out += [PlannedProgram("logprob", p.name.replace("train_step", "logprob"), p.dims)
                 for p in learner_programs(spec)]
     return ShapePlan(tuple(out))

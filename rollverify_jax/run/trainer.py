@@ -25,7 +25,7 @@ from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
 from rollverify_jax.rollout.engine import Engine
 from rollverify_jax.rollout.publish import WeightPublisher
 from rollverify_jax.rollout.tool_use import ToolEnvironment
-from rollverify_jax.run import shape_plan
+from rollverify_jax.run import programs, shape_plan
 from rollverify_jax.run.checkpoint import Checkpointer
 from rollverify_jax.run.evaluation import Evaluator
 from rollverify_jax.run.spec import RunSpec
@@ -81,7 +81,8 @@ class Trainer:
         """Compiles the run's shape plan (``run/shape_plan.py``) before its first step -> {'programs', 'seconds',
         'wall_s'}."""
         engine = self.serving.engine
-        plan = shape_plan.plan_run(self.spec, engine.plan, train_state=self.train_state)
+        plan = shape_plan.plan_run(self.spec, engine.plan, train_state=self.train_state,
+                                   logprob_users=programs.logprob_pass_users(self.spec))
         style = self.spec.metrics.progress
         bar = style == "bar" or (style == "auto" and sys.stdout.isatty() and sys.stderr.isatty())
         return shape_plan.compile_ahead(plan, engine, self.learner, self.train_state,
