@@ -148,6 +148,10 @@ def test_pause_mid_turn_or_while_a_tool_runs_then_a_checkpoint_then_resume_is_ex
     sched = Scheduler(engine, SlowRunner(ToolUseConfig(**{**_fields(TOOLS), "reply_dispatches": 3}), delay=0.02))
     sched.submit(_requests())
     sched.run(max_dispatches=dispatches)
+    for _ in range(8):  # on to the next dispatch that leaves calls running (mid-turn slots decode meanwhile)
+        if sched.waits:
+            break
+        sched.step()
     waiting = len(sched.waits)
     paused = sched.pause_all()
     assert engine.allocator.num_free == engine.allocator.capacity

@@ -164,7 +164,8 @@ def test_a_tool_use_run_resumes_as_it_runs_whatever_its_tools_latency(tmp_path, 
     no_first_eval = (*TOOL_RUN, "EvalConfig.at_start = False")  # the last step's evaluation is compared all the same
     full = train_run(TOOL_POLICY, tmp_path / "full", "rollverify", 2, no_first_eval)
     assert [m["step"] for m in full] == [1, 2]
-    assert all(m["tools/calls"] > 0 and m["rollout/extend_tokens"] > 0 for m in full)
+    # Calls in every step; replies served by extend (step 2's calls may all be taken by the pause instead)
+    assert all(m["tools/calls"] > 0 for m in full) and sum(m["rollout/extend_tokens"] for m in full) > 0
     assert len({m["reward/mean"] for m in full}) > 1
 
     phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
