@@ -421,7 +421,8 @@ def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split(
         m = {"step": i, "time/step": 10.0, "time/rollout": 6.0, "time/verify": 1.0, "time/train": 3.0,
              "mode/on_policy": on_policy, "rollout/slot_utilization": util, "verify/num_verified": 0}
         if acc is not None:
-            m.update({"verify/acceptance": acc, "verify/num_verified": 5})
+            m.update({"verify/acceptance": acc, "verify/num_verified": 5, "verify/num_cut": 2,
+                      "verify/tokens_total": 40, "verify/tokens_removed": 7, "verify/regen_tokens": 3})
         return m
 
     metrics = [{"step": 0, "eval/accuracy": 0.2}, step(1, 0, 0.9), step(2, 0, 0.8, acc=0.6),
@@ -431,7 +432,8 @@ def test_run_summary_counts_partial_steps_the_switch_utilization_and_time_split(
         "rollout mode: partial for 3 of 4 steps (75% of the step time), switched to on-policy at step 3",
         "slot utilization: partial 0.90, on-policy 0.50",
         "time: 40 s in steps: rollout 24 s (60%), verify 4 s (10%), train 12 s (30%)",
-        "verification: mean cycle acceptance 0.40 over 2 cycles"]
+        "verification: mean cycle acceptance 0.40 over 2 cycles; 4 of 10 paused trajectories cut, 14 of their 80 "
+        "tokens removed, 6 regenerated"]
     assert run_summary([{"step": 0, "eval/accuracy": 0.2}, {"step": 5, "eval/accuracy": 0.35}]) == [
         "held-out accuracy: 0.200 (step 0) -> 0.350 (step 5), +15.0 points"]  # no step rows: that line only
     two_sets = [{"step": 0, "eval/accuracy": 0.2, "eval/aime/accuracy": 0.1},

@@ -495,6 +495,10 @@ def run_summary(metrics: list[dict]) -> list[str]:
         f"{k} {v:.0f} s ({v / max(total, 1e-9):.0%})" for k, v in split.items()))
     accepted = [m["verify/acceptance"] for m in partial if m.get("verify/num_verified")]
     if accepted:
+        def total(key: str) -> int:
+            return int(sum(m.get(key, 0) for m in steps))
         lines.append(f"verification: mean cycle acceptance {sum(accepted) / len(accepted):.2f} over "
-                     f"{len(accepted)} cycles")
+                     f"{len(accepted)} cycles; {total('verify/num_cut')} of {total('verify/num_verified')} paused "
+                     f"trajectories cut, {total('verify/tokens_removed')} of their {total('verify/tokens_total')} "
+                     f"tokens removed, {total('verify/regen_tokens')} regenerated")
     return lines
