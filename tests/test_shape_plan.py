@@ -71,3 +71,12 @@ def test_a_run_compiles_only_planned_programs(config, groups, tmp_path, monkeypa
     planned = {(p.family.removeprefix("eval_"), tuple(v for _, v in p.dims)) for p in plan.programs}
     assert engine.dispatched <= planned, engine.dispatched - planned
     assert len(log.names) <= 30
+
+
+def test_tpu_decode_buckets_are_whole_kernel_blocks():
+    """The Pallas TPU kernel reads whole blocks of pages_per_compute_block pages: every live page bucket of a TPU
+    plan is a multiple of it (the 8B's 352-page table: 8, 24, 88, 352 instead of 6, 22, 88, 352)."""
+    parse_gin(["configs/qwen3_8b_dapo.gin"], [])
+    plan = plan_for(RunSpec.from_gin())[0]
+    pages = [dict(p.dims)["pages"] for p in plan.of("decode")]
+    assert pages and all(p % 4 == 0 for p in pages) and max(pages) == 352

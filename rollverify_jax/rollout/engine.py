@@ -31,6 +31,7 @@ from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
 SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
 MEGACORE_KINDS = ("TPU v4", "TPU v5", "TPU v5p")  # device kinds with two TensorCores per JAX device
+PALLAS_TPU_BLOCK = 4  # paged_attention's default pages_per_compute_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,8 +728,14 @@ class EnginePlan:
         return schedule_rules.live_slot_buckets(self.config.num_slots, live, self.config.bucket_ratio)
 
     def live_page_buckets(self) -> list[int]:
-        """The page-table widths decode compiles for, ascending (the whole table only with ``live_pages`` off)."""
-        return schedule_rules.live_page_buckets(self.pages_per_seq, self.config.live_pages, self.config.bucket_ratio)
+        """The page-table widths decode compiles for, ascending (the whole table only with ``live_pages`` off). On
+        TPU each is a multiple of the Pallas kernel's ``pages_per_compute_block`` (the kernel refuses others)."""
+        buckets = schedule_rules.live_page_buckets(self.pages_per_seq, self.config.live_pages,
+                                                   self.config.bucket_ratio)
+        if self.layout.platform != "tpu":
+            return buckets
+        block = dict(self.attention).get("pages_per_compute_block", PALLAS_TPU_BLOCK)
+        return sorted({min(-(-b // block) * block, self.pages_per_seq) for b in buckets})
 
     def extend_widths(self) -> list[int]:
         """The widths of ``Engine.extend`` (a tool reply's new tokens), ascending."""
