@@ -47,12 +47,13 @@ def test_real_configs_plan_at_most_40_programs(config, most):
 
 
 @pytest.mark.end_to_end
-@pytest.mark.parametrize("config, groups", [("tiny_rollverify", 16), ("tiny_tool_rollverify", 8)])
-def test_a_run_compiles_only_planned_programs(config, groups, tmp_path, monkeypatch):
+@pytest.mark.parametrize("config, groups, warmup", [("tiny_rollverify", 16, "1"), ("tiny_tool_rollverify", 4, "0")])
+def test_a_run_compiles_only_planned_programs(config, groups, warmup, tmp_path, monkeypatch):
     """The tiny default and the tool config train (2 steps: the second resumes and verifies; smaller batches)
     with JAX's compile log on: every compiled program is in the plan (by name and count), every engine dispatch
-    ran one of the plan's buckets, and the run compiled at most 30 programs."""
-    monkeypatch.setenv("ROLLVERIFY_WARMUP", "1")  # the plan compiled ahead: the run then compiles nothing of it
+    ran one of the plan's buckets, and the run compiled at most 30 programs. The default compiles its plan ahead
+    (the run then compiles none of it again); the tool config compiles each program at first use."""
+    monkeypatch.setenv("ROLLVERIFY_WARMUP", warmup)
     engines, trainers = [], []
     opened, built = engine_lib.Engine._open, builder.build_trainer
     monkeypatch.setattr(engine_lib.Engine, "_open", lambda self, *a: (engines.append(self), opened(self, *a))[1])
