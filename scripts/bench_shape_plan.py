@@ -41,7 +41,7 @@ def main() -> None:
         spec = RunSpec.from_gin()
         topology = args.topology or spec.aot.topology or "v5p:2x2x4"
         plan = plan_for(spec, topology)[0]
-        lengths = shape_plan.length_model_sample(spec.sim, spec.rollout.max_new_tokens)
+        lengths = shape_plan.length_model_sample(spec)
         waste = {w: p for w, p in shape_plan.prefill_waste(sorted({dict(x.dims)["width"] for x in plan.of("prefill")}),
                                                              lengths).items() if not math.isnan(p)}
         row = {"topology": topology, "programs": len(plan), "setup": sum(shape_plan.SETUP.values()),

@@ -942,12 +942,10 @@ class Engine:
                 tokens[r, cols], positions[r, cols], segments[r, cols] = seq[:-1], pos, segment
                 targets[r, cols] = seq[1:]
                 pages[r, cols], page_slots[r, cols] = table[slots[i], pos // size], pos % size
+                row[i], start[i] = r, offset
                 offset += m
-        for i in range(n):
-            j = source[i]
-            r = next(k for k, members in enumerate(layout) if j in members)
-            row[i], plens[i] = r, prompt_lens[i]
-            start[i] = sum(lengths[k] for k in layout[r][: layout[r].index(j)])
+        row[:n], start[:n] = row[source], start[source]  # a copying member reads its source's place
+        plens[:n] = prompt_lens
         pairs = [(table[slots[source[i]], p], table[slots[i], p]) for i in range(n) if source[i] != i
                  for p in range(-(-(len(sequences[i]) - 1) // size))]
         cap = self.plan.copy_capacity(width)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -88,24 +89,26 @@ class ShapePlan:
         lines = [self.summary()]
         for family in self.counts():
             programs = self.of(family)
-            lines.append(f"  {family}: " + ", ".join(p.label().split("(", 1)[-1].rstrip(")") or p.name
+            lines.append(f"  {family}: " + ", ".join(" ".join(f"{k}={v}" for k, v in p.dims) or p.name
                                                      for p in programs))
-        widths = {dict(p.dims)["width"]: p.waste for p in self.of("prefill") if p.waste is not None}
+        widths = {dict(p.dims)["width"]: p.waste for p in self.of("prefill")
+                  if p.waste is not None and not math.isnan(p.waste)}  # nan: no sequence of the model that wide
         if widths:
             lines.append("  prefill padding at the length model (one sequence per row, before packing): "
                          + ", ".join(f"width {w}: {waste:.0%}" for w, waste in sorted(widths.items())))
         return "\n".join(lines)
 
 
-def length_model_sample(sim, max_new_tokens: int, n: int = 4096, seed: int = 0) -> np.ndarray:
-    """Sequence lengths (prompt + response) at ``SimConfig``'s length model: explicit ``lengths`` cycled, else its
-    lognormal, capped at ``max_new_tokens``."""
-    if sim.lengths:
-        response = np.resize(np.asarray(sim.lengths, np.int64), n)
-    else:
-        rng = np.random.default_rng(seed)
-        response = np.rint(rng.lognormal(np.log(sim.length_median), sim.length_sigma, n)).astype(np.int64)
-    return sim.prompt_len + np.clip(response, 1, max_new_tokens)
+def length_model_sample(spec, n: int = 4096) -> np.ndarray:
+    """``n`` sequence lengths (prompt + response) at the simulator's length model (``SimConfig``, drawn group by
+    group as the simulator draws them: ``sim.replay.LengthModel``)."""
+    from rollverify_jax.sim.replay import LengthModel
+
+    sim, group = spec.sim, spec.rollout.group_size
+    model = LengthModel(spec.rollout.max_new_tokens, sim.lengths, sim.length_median, sim.length_sigma, sim.seed,
+                        sim.length_group_share)
+    response = [x for _ in range(-(-n // group)) for x in model.draw(group)][:n]
+    return sim.prompt_len + np.asarray(response, np.int64)
 
 
 def prefill_waste(widths: Sequence[int], lengths: np.ndarray) -> dict[int, float]:
@@ -148,7 +151,7 @@ def plan_run(spec, engine_plan, eval_sampling=None, train_state=None, logprob_us
     training's (its engine programs compile again for it). ``train_state``: the learner's (abstract) state, whose
     replicated arrays a checkpoint writes in per-replica slices (``checkpoint_programs``). ``logprob_users``:
     ``run/programs.logprob_pass_users`` (a log-prob pass compiles beside the train step)."""
-    lengths = length_model_sample(spec.sim, spec.rollout.max_new_tokens)
+    lengths = length_model_sample(spec)
     tool = bool(spec.tool_use.enabled)
     reply = spec.tool_use.max_reply_tokens if tool else None
     out = engine_programs(engine_plan, tool_use=tool, max_reply_tokens=reply, lengths=lengths)
@@ -181,8 +184,6 @@ def checkpoint_programs(train_state) -> list[PlannedProgram]:
     """orbax's replica-parallel save slices (``run/checkpoint.py``): a replicated array whose per-replica slice
     holds at least ``REPLICA_SLICE_MIN_BYTES`` is written in one slice per replica, each its own program (one per
     shard shape, dtype and replica). None on one device."""
-    import math
-
     import jax
 
     from rollverify_jax.run.checkpoint import REPLICA_SLICE_MIN_BYTES
@@ -257,12 +258,6 @@ class CompileLog(logging.Handler):
 
 
 _COMPILE_LOGGERS = ("jax._src.interpreters.pxla", "jax._src.dispatch")  # where jax_log_compiles writes
-
-
-def planned_keys(plan: ShapePlan, family: str) -> Iterator[tuple]:
-    """The bucket dims of ``family``'s programs, as value tuples (what ``Engine.dispatched`` records)."""
-    for p in plan.of(family):
-        yield tuple(v for _, v in p.dims)
 
 
 # --------------------------------------------------------------------------------------------------------------
