@@ -10,6 +10,11 @@ temporary directory next to ``DIR``, flushed to the disk and renamed at the end:
 half-written. ``DIR`` may not be, or hold, the run's workdir, its checkpoints, the policy or tokenizer it reads, or
 the working directory (``--overwrite`` would replace them).
 
+A LoRA run (``LoraConfig.rank`` > 0) checkpoints its adapters only: its export reads the base from the run's
+policy and writes the merged weights ``W + (alpha / rank) A B``; ``--adapter_only`` writes the adapters alone in
+PEFT's format instead (``adapter_config.json``, ``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base,
+DIR)`` loads them onto the HF base).
+
 The run may live on any ``etils.epath`` filesystem (``--checkpoint=gs://bucket/runs/x`` is read in place); ``DIR``
 is local, since the rename at the end needs a filesystem that has one (copy the export to a bucket afterwards).
 """
@@ -28,11 +33,11 @@ from etils import epath
 from flax import nnx
 
 from rollverify_jax.infra import cli, distributed, storage
-from rollverify_jax.models import model_config, save_pretrained
+from rollverify_jax.models import lora, model_config, save_pretrained
 from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.qwen3 import Qwen3ForCausalLM
 from rollverify_jax.models.tokenizer import TOKENIZER_FILE
-from rollverify_jax.run.builder import execution_config, resolve_checkpoint, restore_params
+from rollverify_jax.run.builder import execution_config, load_policy, resolve_checkpoint, restore_params
 from rollverify_jax.run.programs import make_meshes
 from rollverify_jax.run.run_dir import run_spec
 from rollverify_jax.run.spec import RunSpec, TrainConfig
@@ -68,8 +73,8 @@ def check_out_empty(out: storage.PathLike, overwrite: bool) -> None:
 
 
 def abstract_policy(policy_path: str | None, spec: RunSpec) -> Qwen3ForCausalLM:
-    """The policy's architecture with shape-only params (``nnx.eval_shape``): the checkpoint's params replace
-    them, so the initial weights are never read."""
+    """The policy's architecture with shape-only params (``nnx.eval_shape``), adapted when the run trained LoRA
+    adapters: the checkpoint's params replace them, so the initial weights are never read."""
     cfg = spec.train
     if policy_path is None:
         model_cfg = model_config(**spec.model)
@@ -79,8 +84,7 @@ def abstract_policy(policy_path: str | None, spec: RunSpec) -> Qwen3ForCausalLM:
             raise FileNotFoundError(f"No config.json in the run's policy directory {policy_path}.")
         model_cfg = config_from_hf(json.loads(cfg_file.read_text()), dtype=cfg.param_dtype,
                                    compute_dtype=cfg.compute_dtype)
-    model_cfg = execution_config(model_cfg, spec)
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0)))
+    return lora.structure(execution_config(model_cfg, spec), spec.lora)
 
 
 def tokenizer_dir(policy_path: str | None, cfg: TrainConfig) -> epath.Path:
@@ -155,10 +159,15 @@ def _swap(new: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool = False) -> int:
+def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, overwrite: bool = False,
+           adapter_only: bool = False) -> int:
     """Writes the params of ``checkpoint`` (a workdir or a step directory) to ``out`` in HF layout with the
-    run's tokenizer; returns the step exported. Every input is checked before anything is written."""
+    run's tokenizer (a LoRA run's adapters merged into its base), or with ``adapter_only`` a LoRA run's adapters
+    in PEFT's format; returns the step exported. Every input is checked before anything is written."""
     check_out_kind(out)
+    if adapter_only and not spec.lora.enabled:
+        raise ValueError("--adapter_only exports LoRA adapters, and this run trained every weight (LoraConfig.rank "
+                         "= 0): export without --adapter_only.")
     checkpoint, out = storage.as_path(checkpoint), Path(out)
     if (checkpoint / "config.json").exists():
         raise ValueError(f"--checkpoint={checkpoint} is already in Hugging Face layout; export reads a training "
@@ -173,18 +182,28 @@ def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, o
                         root / "checkpoints")
     check_out_empty(out, overwrite)
     model = abstract_policy(policy_path, spec)
-    step, params = restore_params(model, make_meshes(spec)[0], checkpoint, spec)  # the learner's mesh (async: its own)
-    graphdef, _ = nnx.split(model)
-    trained = nnx.merge(graphdef, params)
+    mesh = make_meshes(spec)[0]  # the learner's mesh (async: its own)
+    step, params = restore_params(model, mesh, checkpoint, spec)
+    graphdef, _, frozen = lora.split_trainable(model)
+    if spec.lora.enabled and not adapter_only:  # the base the adapters were trained on (its hash was checked)
+        frozen = lora.split_trainable(lora.adapt(load_policy(spec, spec.train, mesh), spec.lora))[2]
+    trained = nnx.merge(graphdef, params, frozen)
+
+    def save(path: Path) -> None:
+        if adapter_only:
+            lora.save_peft_adapter(trained, path, base_model=policy_path)
+        else:
+            save_pretrained(lora.merged_model(trained) if spec.lora.enabled else trained, path)
 
     def write(tmp: Path) -> None:
-        save_pretrained(trained, tmp)
-        copy_tokenizer(tok_dir, tmp)
+        save(tmp)
+        if not adapter_only:
+            copy_tokenizer(tok_dir, tmp)
 
     if distributed.is_main_process():
         write_atomically(out, write)
     else:  # several processes: this one joins the gathers of each tensor; process 0 writes
-        save_pretrained(trained, out)
+        save(out)
     distributed.barrier("export")
     return step
 
@@ -194,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", required=True, help="a training workdir (latest step) or checkpoints/<step>")
     ap.add_argument("--out", required=True, help="the HF-layout directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace --out when it exists and is not empty")
+    ap.add_argument("--adapter_only", action="store_true",
+                    help="a LoRA run: write its adapters alone in PEFT's format (adapter_config.json, "
+                         "adapter_model.safetensors) instead of the merged weights")
     ap.add_argument("--gin_file", action="append", default=[],
                     help="read the run's spec from gin (repeatable; default: the workdir's spec.json)")
     ap.add_argument("--gin_param", action="append", default=[],
@@ -208,7 +230,7 @@ def _main(args: argparse.Namespace) -> None:
     check_out_kind(args.out)  # the cheapest check first, as export() makes it
     spec = run_spec(args.checkpoint, args.gin_file, args.gin_param)
     cli.start_process(spec, args)
-    step = export(spec, args.checkpoint, args.out, args.overwrite)
+    step = export(spec, args.checkpoint, args.out, args.overwrite, args.adapter_only)
     print(f"exported step {step} of {args.checkpoint} to {args.out}")
 
 

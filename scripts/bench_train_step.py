@@ -81,7 +81,7 @@ def step_flops(model, cfg: learner.LearnerConfig, optimizer_cfg: learner.Optimiz
                batch) -> float:
     """FLOPs of one step's forward + backward over ``batch`` (XLA cost analysis, compiled as one minibatch)."""
     one = learner.Learner.create(model, dataclasses.replace(cfg, num_minibatches=1), optimizer_cfg, mesh)
-    cost = one.step_program.lower(state, batch).compile().cost_analysis()
+    cost = one.step_program.lower(state, batch, one.frozen).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 

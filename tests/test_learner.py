@@ -189,10 +189,10 @@ def test_state_is_donated_and_step_compiles_once(model, mesh1, batch_and_noise):
     run = _learner(model, mesh1, cfg)
     step, batch = run.step_program, packing.pack_for_learner(batch, cfg, mesh1)
     state = run.init_state(model)
-    new_state, _ = step(state, batch)
+    new_state, _ = step(state, batch, run.frozen)
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
     assert not any(x.is_deleted() for x in jax.tree.leaves(learner.split_params(model)[1]))  # model not aliased
-    new_state, _ = step(new_state, batch)
+    new_state, _ = step(new_state, batch, run.frozen)
     assert int(new_state.step) == 2
     assert step._cache_size() == 1
 
@@ -317,7 +317,7 @@ def test_abstract_batch_is_the_layout_a_packed_batch_has(model, mesh1, batch_and
     assert {k: (v.shape, np.dtype(v.dtype)) for k, v in abstract.items()} == {
         k: (np.shape(v), np.asarray(v).dtype) for k, v in packed.items()}
     lowered = run.lower_train_step(B, T).compile()
-    state, metrics = lowered(run.init_state(model), packed)
+    state, metrics = lowered(run.init_state(model), packed, run.frozen)
     assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
 
 

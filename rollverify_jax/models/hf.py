@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -276,6 +277,24 @@ def read_config(path: str | os.PathLike, dtype: str | None = None, compute_dtype
     return config_from_hf(json.loads(cfg_file.read_text()), dtype=dtype, compute_dtype=compute_dtype)
 
 
+def weights_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 over a checkpoint directory's ``config.json`` and weight files (each name, then its bytes, in name
+    order): the identity of the base an adapter run trains around. Reads every byte once (about 10-40 s for an 8B
+    checkpoint on a local disk)."""
+    path = Path(path)
+    index = path / _INDEX
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [_SINGLE]
+    digest = hashlib.sha256()
+    for name in ["config.json", *files]:
+        if not (path / name).exists():
+            raise FileNotFoundError(f"No {name} in {path}; expected an HF-layout checkpoint directory.")
+        digest.update(name.encode("utf-8") + b"\0")
+        with open(path / name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def load_pretrained(path: str | os.PathLike, dtype: str | None = None, compute_dtype: str | None = None,
                     mesh: Mesh | None = None, axis_rules: tuple = (),
                     expert_parallel_chunk: int = 4096) -> Qwen3ForCausalLM:
@@ -331,6 +350,9 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
     to a temporary directory next to ``path`` and are moved in only when all succeeded, so a failure leaves
     nothing half-written. On several processes every process gathers the tensors and process 0 writes.
     """
+    if getattr(model, "lora_config", None) is not None:  # its adapters are not HF tensors: they would be dropped
+        raise ValueError("save_pretrained writes a plain model; merge an adapted one first (models.lora.merged_model) "
+                         "or write its adapters alone (models.lora.save_peft_adapter).")
     writer = distributed.is_main_process()
     path = Path(path)
     tmp = None

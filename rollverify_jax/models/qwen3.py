@@ -171,6 +171,11 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...], d
     return nnx.Param(value, logical_axes=axes)
 
 
+def dense(x: Array, w: Array) -> Array:
+    """x [..., I] @ w [I, O] -> [..., O], written as the einsum LoRA's interception (qwix) adapts."""
+    return jnp.einsum("...i,io->...o", x, w)
+
+
 class RMSNorm(nnx.Module):
     """y = w * x / rms(x), computed in float32 and rounded to the compute dtype once.
 
@@ -257,7 +262,7 @@ class Attention(nnx.Module):
 
     def _project(self, x: Array, name: str, heads: int) -> Array:
         dt = x.dtype
-        y = x @ getattr(self, f"{name}_proj")[...].astype(dt)
+        y = dense(x, getattr(self, f"{name}_proj")[...].astype(dt))
         if self.cfg.attention_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(dt)
         return y.reshape(*x.shape[:2], heads, self.cfg.head_dim)
@@ -268,7 +273,7 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(self._project(x, "k", cfg.num_key_value_heads)), cos, sin)
         v = self._project(x, "v", cfg.num_key_value_heads)
         out = attention(layer_idx, q, k, v)
-        return out.reshape(*x.shape[:2], -1) @ self.o_proj[...].astype(x.dtype)
+        return dense(out.reshape(*x.shape[:2], -1), self.o_proj[...].astype(x.dtype))
 
 
 class MLP(nnx.Module):
@@ -281,8 +286,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         dt = x.dtype
-        h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))
-        return h @ self.down_proj[...].astype(dt)
+        h = jax.nn.silu(dense(x, self.gate_proj[...].astype(dt))) * dense(x, self.up_proj[...].astype(dt))
+        return dense(h, self.down_proj[...].astype(dt))
 
 
 def expert_parallel_chunk(tokens: int = 4096) -> int:

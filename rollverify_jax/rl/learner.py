@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rollverify_jax.infra import distributed
 from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.models import lora
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import REMAT_POLICIES, CausalAttention, chunked_scores, score_tokens
 from rollverify_jax.rl import losses, packing
@@ -169,9 +170,25 @@ class TrainState:
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
-    """`(graphdef, params)`: the static structure and the trainable `nnx.Param` state of `model`."""
-    graphdef, params = nnx.split(model, nnx.Param)
+    """`(graphdef, params)`: the static structure and the trainable state of `model` (every `nnx.Param`, or the
+    LoRA adapters of an adapted model: `lora.split_trainable`)."""
+    graphdef, params, _ = lora.split_trainable(model)
     return graphdef, params
+
+
+def trainable_state(model: nnx.Module) -> nnx.State:
+    """What the optimizer updates: every `nnx.Param`, or an adapted model's `nnx.LoRAParam`s."""
+    return nnx.state(model, lora.trainable_filter(model))
+
+
+def frozen_state(model: nnx.Module) -> nnx.State:
+    """The weights an adapted model trains around (its base); empty for full fine-tuning."""
+    return lora.split_trainable(model)[2]
+
+
+def merge(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
+    """The model of `graphdef` from its trainable `params` and its `frozen` weights (None: there are none)."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
 def _init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State) -> Any:
@@ -199,7 +216,7 @@ def train_state_shardings(model: nnx.Module, optimizer: optax.GradientTransforma
     The optimizer moments are `nnx.State`s holding the same Variables (with `logical_axes`) as the params,
     so they get the params' shardings; optimizer counters and hyper-parameters are replicated.
     """
-    params = nnx.state(model, nnx.Param)
+    params = trainable_state(model)
     abstract_opt = jax.eval_shape(lambda p: _init_opt_state(optimizer, p), params)
     rep = mesh_lib.replicated(mesh)
     rules = model.cfg.rules()
@@ -211,16 +228,29 @@ def abstract_train_state(model: nnx.Module, optimizer: optax.GradientTransformat
     """`jax.ShapeDtypeStruct`s with shardings: the restore target for a checkpoint of the train state."""
     shardings = train_state_shardings(model, optimizer, mesh)
     # The params go in as arguments, so an abstract model (`nnx.eval_shape`, ShapeDtypeStruct leaves) works too.
-    abstract = jax.eval_shape(lambda p: _raw_state(p, optimizer, 0), nnx.state(model, nnx.Param))
+    abstract = jax.eval_shape(lambda p: _raw_state(p, optimizer, 0), trainable_state(model))
     return _map_with_shardings(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def abstract_params(model: nnx.Module, mesh: Mesh) -> nnx.State:
     """The params of `model` (concrete or abstract) as `jax.ShapeDtypeStruct`s in the train state's shardings: the
     restore target of a checkpoint's params alone (evaluation, export), with no optimizer state."""
-    params = nnx.state(model, nnx.Param)
-    shardings = _state_sharding(params, mesh, model.cfg.rules())
+    return _abstract_on(trainable_state(model), mesh, model.cfg.rules())
+
+
+def _abstract_on(params: nnx.State, mesh: Mesh, rules: dict[str, tuple[str, ...]]) -> nnx.State:
+    shardings = _state_sharding(params, mesh, rules)
     return _map_with_shardings(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+
+
+def place_frozen(model: nnx.Module, mesh: Mesh) -> nnx.State:
+    """`model`'s frozen weights on `mesh` by their logical axes, not copied where they are already placed so (the
+    engine on the same mesh holds the same arrays); ShapeDtypeStructs with shardings for an abstract model."""
+    frozen = frozen_state(model)
+    shardings = _state_sharding(frozen, mesh, model.cfg.rules())
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(frozen)):
+        return _abstract_on(frozen, mesh, model.cfg.rules())
+    return _map_with_shardings(jax.device_put, frozen, shardings)
 
 
 def _map_with_shardings(fn: Callable[[Any, NamedSharding], Any], tree: Any, shardings: Any) -> Any:
@@ -243,7 +273,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     model stays valid; refresh it after each step with `nnx.update(model, state.params)`.
     """
     shardings = train_state_shardings(model, optimizer, mesh)
-    params = nnx.state(model, nnx.Param)
+    params = trainable_state(model)
     params = _map_with_shardings(jax.device_put, params, shardings.params)  # may alias the model's buffers
     fresh = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), _init_opt_state(optimizer, p)),
                     out_shardings=(shardings.params, shardings.opt_state))
@@ -283,26 +313,28 @@ def _model_logp(model, tokens: jax.Array, positions: jax.Array | None, attention
 
 def _policy_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, attention_mask: jax.Array | None,
                  temperature: float, chunk: int | None = None, remat: str = "none",
-                 kernel: dict | None = None, scan: bool = False) -> tuple[jax.Array, jax.Array]:
+                 kernel: dict | None = None, scan: bool = False,
+                 frozen: nnx.State | None = None) -> tuple[jax.Array, jax.Array]:
     """``kernel``: CausalAttention's impl / flash / mesh (default: the jnp reference)."""
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params, frozen)
     valid = None if attention_mask is None else attention_mask.astype(bool)
     return _model_logp(model, tokens, None, CausalAttention(valid=valid, **(kernel or {})), temperature, chunk,
                        remat, scan)
 
 
-def _packed_rows_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
-                      segments: jax.Array, temperature: float, chunk: int | None = None, remat: str = "none",
-                      kernel: dict | None = None, scan: bool = False) -> tuple[jax.Array, jax.Array]:
+def _packed_rows_logp(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State, tokens: jax.Array,
+                      positions: jax.Array, segments: jax.Array, temperature: float, chunk: int | None = None,
+                      remat: str = "none", kernel: dict | None = None,
+                      scan: bool = False) -> tuple[jax.Array, jax.Array]:
     """(logp, entropy) [r, W] of packed rows (each token scored within its own segment)."""
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params, frozen)
     attention = CausalAttention(segments=segments, **(kernel or {}))
     return _model_logp(model, tokens, positions, attention, temperature, chunk, remat, scan)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax.Array,
-                     temperature: float = 1.0) -> jax.Array:
+                     temperature: float = 1.0, frozen: nnx.State | None = None) -> jax.Array:
     """log pi(tokens[t] | tokens[:t]) float32[B, T], aligned to tokens like `behavior_logp` (entry 0 is 0).
 
     The unpacked, unchunked pass over the whole [B, T] batch at once: a reference for tests and small batches.
@@ -310,7 +342,7 @@ def compute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Arra
     which at a real context does not hold [B, T, V] logits. `mask` [B, T] (bool or 0/1) marks real tokens:
     padding keys are masked out of attention and padded entries of the result are 0.
     """
-    logp, _ = _policy_logp(graphdef, params, tokens, mask, temperature)
+    logp, _ = _policy_logp(graphdef, params, tokens, mask, temperature, frozen=frozen)
     return jnp.where(mask.astype(bool), logp, 0.0)
 
 
@@ -538,8 +570,9 @@ def _step_metrics(metrics: Metrics, num_updates: int) -> Metrics:
 
 
 def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimizer: optax.GradientTransformation,
-                    mesh: Mesh, state_shardings: TrainState, flash: FlashConfig = DEFAULT_FLASH) -> TrainStep:
-    """`train_step(state, batch) -> (state, metrics)` on a packed batch (`packing.pack_for_learner`), jitted on
+                    mesh: Mesh, state_shardings: TrainState, flash: FlashConfig = DEFAULT_FLASH,
+                    frozen_shardings: Any = None) -> TrainStep:
+    """`train_step(state, batch, frozen) -> (state, metrics)` on a packed batch (`packing.pack_for_learner`), jitted on
     `mesh` with the state donated (one process; `Learner.train_step` places a batch over several).
 
     Each minibatch loops over the micro-batches of packed rows it fills; each micro-batch's loss is weighted by
@@ -549,15 +582,18 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
     `train/nonfinite_loss` / `train/nonfinite_grad` count which); `ops/token_mean` of the first minibatch of the
     first epoch (before any update of this step moved the policy); `learning_rate` of the last update;
     `train/num_updates`; `train/loss_tokens`. Calls with the same batch shapes reuse one executable. `flash`
-    picks the attention implementation (splash on TPU, cuDNN on GPU, the jnp reference on CPU).
+    picks the attention implementation (splash on TPU, cuDNN on GPU, the jnp reference on CPU). `frozen`: the
+    weights an adapted model trains around (an empty `nnx.State` for full fine-tuning), in `frozen_shardings`.
     """
+    frozen_shardings = nnx.State({}) if frozen_shardings is None else frozen_shardings
     cfg, loss_fn, agg = learner_cfg, losses.get_loss_fn(learner_cfg.loss_name), learner_cfg.loss.aggregation
 
-    def micro_loss(params, rows: tuple[jax.Array, ...], seqs: Batch, member: jax.Array, mask: jax.Array,
+    def micro_loss(params, frozen, rows: tuple[jax.Array, ...], seqs: Batch, member: jax.Array, mask: jax.Array,
                    weight: jax.Array):
         """Loss of the minibatch's sequences `member` [S] holds, scored on one micro-batch's packed `rows`
-        (tokens, positions, segments [r, W]); the other sequences keep ratio 1 and mask 0."""
-        logp, entropy = _packed_rows_logp(graphdef, params, *rows, cfg.logit_temperature, cfg.logits_chunk,
+        (tokens, positions, segments [r, W]); the other sequences keep ratio 1 and mask 0. The gradient is taken
+        with respect to `params` only (`frozen`: an adapted model's base)."""
+        logp, entropy = _packed_rows_logp(graphdef, params, frozen, *rows, cfg.logit_temperature, cfg.logits_chunk,
                                           cfg.remat, _kernel(flash, mesh), cfg.scan_layers)
         index, keep = seqs["unpack_index"], member[:, None]
         logp = jnp.where(keep, jnp.take(logp.reshape(-1), index, mode="clip"), seqs["behavior_logp"])
@@ -568,7 +604,7 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
-    def minibatch_grads(params, minibatch: Batch, shape: packing.PackShape) -> tuple[Any, Metrics]:
+    def minibatch_grads(params, frozen, minibatch: Batch, shape: packing.PackShape) -> tuple[Any, Metrics]:
         """Gradient and metrics of one minibatch, accumulated exactly over the micro-batches it fills."""
         mask = minibatch["loss_mask"].astype(jnp.float32).at[:, 0].set(0.0)  # [S, T]; token 0 has no prediction
         totals = _normaliser(mask, agg)
@@ -578,24 +614,24 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
             grads, acc = carry
             mask_j = mask * member[:, None]
             w = [a / b for a, b in zip(_normaliser(mask_j, agg), totals, strict=True)]
-            g, m = grad_fn(params, rows, seqs, member, mask_j, w[0])
+            g, m = grad_fn(params, frozen, rows, seqs, member, mask_j, w[0])
             return jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, acc, _weighted(m, *w))
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)  # accumulate in f32 (bf16 params)
         rows0 = tuple(jax.ShapeDtypeStruct((shape.rows_per_micro, shape.width), jnp.int32) for _ in range(3))
-        template = jax.eval_shape(micro_loss, params, rows0, seqs, minibatch["micro_index"] >= 0, mask, 1.0)[1]
+        template = jax.eval_shape(micro_loss, params, frozen, rows0, seqs, minibatch["micro_index"] >= 0, mask, 1.0)[1]
         carry = (zeros, jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), template))
         grads, metrics = _over_packed_micro_batches(minibatch, shape, mesh, body, carry)
         metrics["train/loss_tokens"] = mask.sum()
         return grads, metrics
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def train_step(state: TrainState, batch: Batch, frozen: nnx.State) -> tuple[TrainState, Metrics]:
         shape = _check_batch(batch, cfg)
         batch = {k: v for k, v in batch.items() if k in _TRAIN_KEYS}
         minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh), batch)
 
         def update(carry, minibatch):
-            grads, metrics = minibatch_grads(carry[0], minibatch, shape)
+            grads, metrics = minibatch_grads(carry[0], frozen, minibatch, shape)
             return _apply_update(optimizer, *carry, grads, metrics)
 
         def epoch(carry, _):
@@ -609,7 +645,7 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
         return new_state, _step_metrics(metrics, num_updates)
 
     batch_shardings = mesh_lib.batch_sharding(mesh, 1)  # prefix for every [B, ...] entry of the batch dict
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings, frozen_shardings),
                    out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))
 
 
@@ -619,8 +655,8 @@ def make_train_step(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, optimize
 
 
 def make_logprob_fn(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, mesh: Mesh, param_shardings: Any,
-                    flash: FlashConfig = DEFAULT_FLASH) -> LogProbStep:
-    """`logprobs(params, batch) -> float32[B, T]`, log pi(tokens[t] | tokens[:t]) of `params`, jitted on `mesh`.
+                    flash: FlashConfig = DEFAULT_FLASH, frozen_shardings: Any = None) -> LogProbStep:
+    """`logprobs(params, batch, frozen) -> float32[B, T]`, log pi(tokens[t] | tokens[:t]) of `params`, jitted on `mesh`.
 
     The train step's forward of the policy without its backward: the same packed rows of `pack_for_learner`,
     micro-batch by micro-batch through the same loop, with the same logits chunking, layer scan and attention
@@ -638,28 +674,30 @@ def make_logprob_fn(graphdef: nnx.GraphDef, learner_cfg: LearnerConfig, mesh: Me
     cfg = learner_cfg
     temperature = cfg.logit_temperature
 
-    def packed(params, minibatch: Batch, shape: packing.PackShape) -> jax.Array:
+    frozen_shardings = nnx.State({}) if frozen_shardings is None else frozen_shardings
+
+    def packed(params, frozen, minibatch: Batch, shape: packing.PackShape) -> jax.Array:
         index = minibatch["unpack_index"]  # [S, T] into the micro-batch's flat [r, W] block
 
         def body(member, rows, acc):
-            logp, _ = _packed_rows_logp(graphdef, params, *rows, temperature, cfg.logits_chunk, cfg.remat,
+            logp, _ = _packed_rows_logp(graphdef, params, frozen, *rows, temperature, cfg.logits_chunk, cfg.remat,
                                         _kernel(flash, mesh), cfg.scan_layers)
             return jnp.where(member[:, None], jnp.take(logp.reshape(-1), index, mode="clip"), acc)
 
         return _over_packed_micro_batches(minibatch, shape, mesh, body, jnp.zeros(index.shape, jnp.float32))
 
-    def logprobs(params, batch: Batch) -> jax.Array:
+    def logprobs(params, batch: Batch, frozen: nnx.State) -> jax.Array:
         shape = _check_batch(batch, cfg)
         if "attention_mask" not in batch:
             raise ValueError("the log-prob pass needs batch['attention_mask'] (True on real tokens).")
         keep = ("tokens", "attention_mask", *packing.ALL_KEYS)
         minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches, mesh),
                                    {k: v for k, v in batch.items() if k in keep})
-        parts = jax.lax.map(lambda mb: packed(params, mb, shape), minibatches)
+        parts = jax.lax.map(lambda mb: packed(params, frozen, mb, shape), minibatches)
         valid = batch["attention_mask"].astype(bool).at[:, 0].set(False)  # token 0 has no prediction
         return jnp.where(valid, _unsplit(parts), 0.0)
 
-    return jax.jit(logprobs, in_shardings=(param_shardings, mesh_lib.batch_sharding(mesh, 1)),
+    return jax.jit(logprobs, in_shardings=(param_shardings, mesh_lib.batch_sharding(mesh, 1), frozen_shardings),
                    out_shardings=mesh_lib.batch_sharding(mesh, 2))
 
 
@@ -675,6 +713,9 @@ class Learner:
     pass. The run trains with these and the deviceless compile lowers these, so what is sized is what runs.
 
     `mesh` is the learner's alone: an engine may sample on another one (`rollout.engine.EnginePlan`).
+
+    An adapted model (LoRA) trains its adapters: the train state holds them and their optimizer state only, and
+    `frozen` holds the base weights once, an argument of both programs that is never donated or updated.
     """
 
     cfg: LearnerConfig
@@ -683,8 +724,9 @@ class Learner:
     mesh: Mesh
     shardings: TrainState  # NamedSharding per leaf
     abstract_state: TrainState  # ShapeDtypeStructs with shardings: the checkpoint restore target
-    step_program: TrainStep  # jitted: (state, batch) -> (state, metrics), the state donated
-    logprob_program: LogProbStep  # jitted: (params, batch) -> float32[B, T]
+    step_program: TrainStep  # jitted: (state, batch, frozen) -> (state, metrics), the state donated
+    logprob_program: LogProbStep  # jitted: (params, batch, frozen) -> float32[B, T]
+    frozen: nnx.State  # an adapted model's base on the mesh (ShapeDtypeStructs for an abstract model); else empty
 
     @classmethod
     def create(cls, model: nnx.Module, learner_cfg: LearnerConfig, optimizer_cfg: OptimizerConfig, mesh: Mesh,
@@ -693,10 +735,15 @@ class Learner:
         optimizer = make_optimizer(optimizer_cfg)
         graphdef, _ = split_params(model)
         shardings = train_state_shardings(model, optimizer, mesh)
+        frozen = place_frozen(model, mesh)
+        frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
         return cls(cfg=learner_cfg, optimizer=optimizer, graphdef=graphdef, mesh=mesh, shardings=shardings,
                    abstract_state=abstract_train_state(model, optimizer, mesh),
-                   step_program=make_train_step(graphdef, learner_cfg, optimizer, mesh, shardings, flash),
-                   logprob_program=make_logprob_fn(graphdef, learner_cfg, mesh, shardings.params, flash))
+                   step_program=make_train_step(graphdef, learner_cfg, optimizer, mesh, shardings, flash,
+                                                frozen_shardings),
+                   logprob_program=make_logprob_fn(graphdef, learner_cfg, mesh, shardings.params, flash,
+                                                   frozen_shardings),
+                   frozen=frozen)
 
     def init_state(self, model: nnx.Module, seed: int = 0) -> TrainState:
         """The initial train state of a concrete `model` on the learner's mesh (`init_train_state`)."""
@@ -704,11 +751,11 @@ class Learner:
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One call of the train step (`make_train_step`) on a packed host batch."""
-        return self.step_program(state, self._place(batch))
+        return self.step_program(state, self._place(batch), self.frozen)
 
     def logprob_fn(self, params: nnx.State, batch: Batch) -> jax.Array:
         """The log-prob pass (`make_logprob_fn`) of `params` on a packed host batch."""
-        return self.logprob_program(params, self._place(batch))
+        return self.logprob_program(params, self._place(batch), self.frozen)
 
     def _place(self, batch: Batch) -> Batch:
         # Several processes: jit takes no numpy array for a sharding that spans other hosts' devices. Every host
@@ -734,8 +781,12 @@ class Learner:
 
     def lower_train_step(self, rows: int, width: int) -> jax.stages.Lowered:
         """The train step lowered for the abstract state and `abstract_batch(rows, width)`."""
-        return self.step_program.lower(self.abstract_state, self.abstract_batch(rows, width))
+        return self.step_program.lower(self.abstract_state, self.abstract_batch(rows, width), self._abstract_frozen())
 
     def lower_logprobs(self, rows: int, width: int) -> jax.stages.Lowered:
         """The log-prob pass lowered for params of the train state's shapes and `abstract_batch(rows, width)`."""
-        return self.logprob_program.lower(self.abstract_state.params, self.abstract_batch(rows, width))
+        return self.logprob_program.lower(self.abstract_state.params, self.abstract_batch(rows, width),
+                                          self._abstract_frozen())
+
+    def _abstract_frozen(self) -> nnx.State:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rollverify_jax import schedule_rules
 from rollverify_jax.infra import distributed, transfer
 from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.models import lora
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
 from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
 from rollverify_jax.rollout import paged_cache
@@ -479,13 +480,15 @@ def _generate_fn(static: EngineStatic, params, state: DecodeState, num_steps: in
     dispatch (or every running one has), so the host can refill them without waiting for the other steps; the
     steps not run emit nothing (token and log-prob 0). The steps that run sample what the fixed loop samples
     (each token's key is its request's seed and index)."""
-    model = nnx.merge(static.graphdef, params)
     whole = state
     if live_slots is not None:
         state = dataclasses.replace(state, **{f: getattr(state, f)[:live_slots] for f in _SLOT_FIELDS})
     table = state.page_table if live_pages is None else state.page_table[:, :live_pages]
 
     def step(state: DecodeState, _):
+        # Merged inside the loop body: an adapted model's forward (qwix) writes to its modules, which must belong
+        # to the trace that runs it.
+        model = nnx.merge(static.graphdef, params)
         attn = _DecodeAttention(state.pages, table, state.lengths, state.active, static.layout, static.attention)
         hidden, _ = model.hidden_states(state.tokens[:, None], positions=state.lengths[:, None], attention=attn,
                                         mesh=static.layout.mesh)
@@ -586,7 +589,7 @@ def rollout_graphdef(model: Qwen3ForCausalLM, compute_dtype: str | None = None) 
     if compute_dtype is None or compute_dtype == model.cfg.dtype:
         return graphdef
     cfg = dataclasses.replace(model.cfg, dtype=compute_dtype)
-    return nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))[0]
+    return nnx.split(lora.structure(cfg, lora.lora_config_of(model)))[0]
 
 
 def serving_param_shardings(params: nnx.State, mesh: Mesh, serving_layout: str = "train",
@@ -818,7 +821,9 @@ class Engine:
         self.config, self.sampling, self.flash, self.attention = config, plan.sampling, plan.flash, plan.attention
         self.model_config, self.graphdef, self.mesh = model.cfg, plan.graphdef, plan.mesh
         self.eos_ids, self.stop_ids, self.layout = self.plan.eos_ids, self.plan.stop_ids, self.plan.layout
-        self.params = self._place_params(nnx.state(model))
+        _, trainable, frozen = lora.split_trainable(model)
+        self._frozen = self._place_params(frozen)  # an adapted model's base: never republished
+        self._install(self._place_params(trainable))
         self.allocator = paged_cache.PageAllocator(self.plan.num_pages, config.page_size, config.num_slots,
                                                    config.max_seq_len, self.layout.num_shards)
         self.state = _zeros_like(abstract_decode_state(model.cfg, config, self.layout, self.allocator.num_pages))
@@ -841,13 +846,19 @@ class Engine:
 
     def swap_params(self, placed: nnx.State, version: int) -> None:
         """Installs a whole copy made by ``place_params`` as the weights of policy ``version``."""
-        self.params = placed
+        self._install(placed)
         self.set_version(version)
+
+    def _install(self, placed: nnx.State) -> None:
+        # The programs take one params tree: an adapted model's base joined with its adapters (no copy).
+        self.trainable = placed
+        self.params = nnx.merge_state(self._frozen, placed) if jax.tree.leaves(self._frozen) else placed
 
     def update_params(self, params: nnx.State, version: int) -> None:
         """New policy weights (e.g. after a train step) and their version number. A serving copy replaces the
-        old one, never beside it (the old one is dropped first)."""
-        self.params = None
+        old one, never beside it (the old one is dropped first). ``params``: what the learner trains (every
+        weight, or an adapted model's adapters: the base stays)."""
+        self.params = self.trainable = None
         self.swap_params(self._place_params(params), version)
 
     def set_version(self, version: int) -> None:

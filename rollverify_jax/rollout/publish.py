@@ -59,7 +59,7 @@ class WeightPublisher:
         if error is None:
             try:
                 jax.block_until_ready(staged.params)
-                _check_whole(staged.params, self.engine.params)
+                _check_whole(staged.params, self.engine.trainable)
             except Exception as e:  # noqa: BLE001
                 error = e
         wait = time.perf_counter() - t0

@@ -16,8 +16,8 @@ from rollverify_jax.data.datasets import PromptIterator, records_fingerprint
 from rollverify_jax.data.prompts import PromptRenderer, load_prompts
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.infra import storage
-from rollverify_jax.models import Tokenizer, init_model, load_pretrained, model_config
-from rollverify_jax.models.hf import config_to_hf, read_config
+from rollverify_jax.models import Tokenizer, init_model, load_pretrained, lora, model_config
+from rollverify_jax.models.hf import config_to_hf, read_config, weights_sha256
 from rollverify_jax.models.qwen3 import Qwen3Config, expert_parallel_chunk
 from rollverify_jax.rl import learner as learner_lib
 from rollverify_jax.rl.partial_rollout import RolloutManager
@@ -71,15 +71,24 @@ def load_policy(spec: RunSpec, train, mesh):
         raise
 
 
-def model_fingerprint(model) -> dict:
-    """The architecture a checkpoint's ``meta`` item holds, checked on restore."""
-    return config_fingerprint(model.cfg)
+def model_fingerprint(model, policy_path: str | None = None) -> dict:
+    """What a checkpoint's ``meta`` item holds, checked on restore (``config_fingerprint`` of ``model``)."""
+    return config_fingerprint(model.cfg, lora.lora_config_of(model), policy_path)
 
 
-def config_fingerprint(cfg: Qwen3Config) -> dict:
+def config_fingerprint(cfg: Qwen3Config, lora_cfg: lora.LoraConfig | None = None,
+                       policy_path: str | None = None) -> dict:
+    """The architecture and, for an adapted model (an enabled ``lora_cfg``), the adapters' config and the identity
+    of the base they train on (``policy_path``'s weights' hash, compared, and the path, kept for the record):
+    adapters restored onto another base would run silently."""
     raw = config_to_hf(cfg)
-    return {k: raw[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
-                                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    out = {k: raw[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    if lora_cfg is not None and lora_cfg.enabled:
+        out.update(lora_rank=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_target_modules=lora_cfg.target_modules,
+                   lora_base_path=policy_path,
+                   lora_base_sha256=weights_sha256(policy_path) if policy_path is not None else None)
+    return out
 
 
 def policy_config(spec: RunSpec) -> Qwen3Config:
@@ -105,7 +114,7 @@ def resume_settings(spec: RunSpec) -> tuple[dict, dict]:
     tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=cfg.vocab_size)
     records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"),
                            prompt_renderer(spec.train, tokenizer), spec.max_prompt_len())
-    return config_fingerprint(cfg), run_settings(spec, input_identity(spec, records, tokenizer),
+    return config_fingerprint(cfg, spec.lora, spec.train.policy_path), run_settings(spec, input_identity(spec, records, tokenizer),
                                                  spec.engine.compute_dtype or cfg.dtype)
 
 
@@ -128,7 +137,7 @@ def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None, mesh
     if hf_checkpoint:
         train = dataclasses.replace(train, policy_path=str(checkpoint),
                                     tokenizer_path=train.tokenizer_path or train.policy_path)
-    model = load_policy(spec, train, model_mesh or mesh)
+    model = lora.adapt(load_policy(spec, train, model_mesh or mesh), spec.lora)  # LoraConfig.rank 0: as loaded
     tok_path = train.tokenizer_path or train.policy_path
     if tok_path is None:
         raise ValueError("TrainConfig.tokenizer_path is required when policy_path is None.")
@@ -179,7 +188,8 @@ def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: ep
                              serving.prompts.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify,
                              asynchronous=spec.async_rollout)
     asynchronous = spec.rollout.mode == schedule_rules.ASYNC_MODE
-    checkpointer = Checkpointer(workdir, spec.checkpoint, model_fingerprint=model_fingerprint(model))
+    checkpointer = Checkpointer(workdir, spec.checkpoint,
+                              model_fingerprint=model_fingerprint(model, spec.train.policy_path))
     trainer = Trainer(spec=spec, serving=serving, evaluator=evaluator, workdir=workdir, graphdef=learner.graphdef,
                       train_state=train_state, train_step=learner.train_step, manager=manager, iterator=iterator,
                       checkpointer=checkpointer, ref_params=ref_params, logprob_fn=learner.logprob_fn, learner=learner,
@@ -230,7 +240,8 @@ def restore_params(model, mesh, checkpoint: storage.PathLike, spec: RunSpec) -> 
     ``model``'s params (an abstract model from ``nnx.eval_shape`` works): no optimizer state, no host state."""
     root, step = resolve_checkpoint(checkpoint)
     abstract = learner_lib.abstract_params(model, mesh)
-    with Checkpointer(root, spec.checkpoint, model_fingerprint=model_fingerprint(model), read_only=True) as ckpt:
+    with Checkpointer(root, spec.checkpoint, model_fingerprint=model_fingerprint(model, spec.train.policy_path),
+                      read_only=True) as ckpt:
         step = step if step is not None else ckpt.latest_step()
         if step is None:
             raise FileNotFoundError(f"No checkpoint under {checkpoint}; pass a workdir, a checkpoint step "

@@ -142,10 +142,16 @@ def decode_extra(obj: Any) -> Any:
     return obj
 
 
+# Fingerprint entries kept for the record, not compared: where an adapter run's base was read (a moved copy of the
+# same weights, whose hash is compared, resumes).
+_RECORD_ONLY = frozenset({"lora_base_path"})
+
+
 def _fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     missing = "<absent>"
     return [f"{k}: checkpoint={saved.get(k, missing)!r}, current={current.get(k, missing)!r}"
-            for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)]
+            for k in sorted(set(saved) | set(current) - _RECORD_ONLY)
+            if saved.get(k, missing) != current.get(k, missing)]
 
 
 class RestoreError(ValueError):

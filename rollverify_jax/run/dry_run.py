@@ -46,7 +46,7 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
         raise ValueError(f"--dry_run_devices={num_devices} must be >= 1.")
     mesh, engine_mesh, hosts = abstract_meshes(spec, num_devices)
     # what training builds, laid out abstractly: the engine on the rollout mesh in the asynchronous mode
-    run = programs.programs(spec, programs.abstract_model(cfg), mesh, engine_mesh)
+    run = programs.programs(spec, programs.abstract_model(cfg, spec.lora), mesh, engine_mesh)
     per_device = per_device_bytes(run.learner.abstract_state.params)
     spec.check_mesh(dict(mesh.shape))
     rows = rollout.batch_groups * rollout.group_size
@@ -68,7 +68,10 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     meshes = ({"rollout_mesh": dict(engine_mesh.shape), "hosts": hosts,
                "rollout_devices_per_host": engine_mesh.size // hosts, "train_devices_per_host": mesh.size // hosts}
               if rollout.mode == schedule_rules.ASYNC_MODE else {})
-    return {"params": cfg.num_params(), "param_bytes_per_device": per_device, "mesh": dict(mesh.shape), **meshes,
+    lora_part = ({"lora_rank": spec.lora.rank, "trainable_params": sum(x.size for x in
+                  jax.tree.leaves(run.learner.abstract_state.params)),
+                  "frozen_param_bytes_per_device": per_device_bytes(run.learner.frozen)} if spec.lora.enabled else {})
+    return {"params": cfg.num_params(), "param_bytes_per_device": per_device, **lora_part, "mesh": dict(mesh.shape), **meshes,
             "rows_per_step": rows, "kv_bytes_per_sequence": kv_per_seq,
             "kv_bytes_all_slots": kv_per_seq * engine.num_slots,
             "full_length_sequences_in_kv_budget":

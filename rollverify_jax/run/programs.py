@@ -20,9 +20,10 @@ from jax.sharding import Mesh
 
 from rollverify_jax import schedule_rules
 from rollverify_jax.infra import mesh as mesh_lib
-from rollverify_jax.models import Qwen3Config, Qwen3ForCausalLM, model_config
+from rollverify_jax.models import Qwen3Config, Qwen3ForCausalLM, lora, model_config
 from rollverify_jax.models.flash_attention import FlashConfig
 from rollverify_jax.models.hf import config_from_hf
+from rollverify_jax.models.lora import LoraConfig
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl.learner import Learner
 from rollverify_jax.rollout.engine import EnginePlan
@@ -69,9 +70,10 @@ def make_meshes(spec: RunSpec, devices: Sequence[jax.Device] | None = None) -> t
             mesh_lib.make_mesh(spec.async_rollout.rollout_mesh, spec.mesh.get("axis_types", "auto"), rollout))
 
 
-def abstract_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
-    """A model of ``cfg`` whose arrays are ShapeDtypeStructs (``nnx.eval_shape``): nothing is allocated."""
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: Qwen3Config, lora_cfg: LoraConfig | None = None) -> Qwen3ForCausalLM:
+    """A model of ``cfg`` whose arrays are ShapeDtypeStructs (``nnx.eval_shape``): nothing is allocated. With an
+    enabled ``lora_cfg``, the adapted model (``models.lora``)."""
+    return lora.structure(cfg, lora_cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +134,7 @@ def compile_run(spec: RunSpec, topology: str | None = None) -> dict:
              if spec.rollout.mode == schedule_rules.ASYNC_MODE else "")
     print(f"{topology}: {len(devices)} x {devices[0].device_kind} on {hosts} host(s), mesh {dict(mesh.shape)}{split}, "
           f"{cfg.num_params() / 1e9:.2f}B parameters", flush=True)
-    model = abstract_model(cfg)
+    model = abstract_model(cfg, spec.lora)
     flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
     run = programs(spec, model, mesh, engine_mesh, flash=flash)
     # A tool-use run extends every slot's reply at once: the reply cap plus 16 tokens of frame and closing tag.
@@ -150,7 +152,7 @@ def plan_for(spec: RunSpec, topology: str | None = None):
     the programs that build it: (plan, learner, engine plan, abstract model)."""
     devices = fit.get_topology_devices(topology or spec.aot.topology)
     mesh, engine_mesh = make_meshes(spec, devices=devices)
-    model = abstract_model(architecture(spec))
+    model = abstract_model(architecture(spec), spec.lora)
     flash = dataclasses.replace(spec.flash, impl=spec.flash.resolved_impl("tpu"))
     run = programs(spec, model, mesh, engine_mesh, flash=flash)
     return (shape_plan.plan_run(spec, run.engine, spec.eval.sampling(spec.sampling), run.learner.abstract_state,

@@ -318,7 +318,7 @@ def compile_ahead(plan: ShapePlan, engine, learner=None, train_state=None, batch
             batch = learner.abstract_batch(batch_rows, cfg.max_seq_len)
             if jax.process_count() == 1:  # the step gets host arrays (Learner._place), which carry no sharding
                 batch = {k: host(*v.shape, dtype=v.dtype) for k, v in batch.items()}
-            return lambda: learner.step_program.lower(train_state, batch)
+            return lambda: learner.step_program.lower(train_state, batch, learner.frozen)
         return None
 
     todo = [(p, fn) for p in plan.programs if (fn := lowering(p)) is not None]

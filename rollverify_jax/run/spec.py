@@ -30,6 +30,7 @@ from rollverify_jax.infra import compile_cache, distributed, spec_json, storage
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import qwen3
 from rollverify_jax.models.flash_attention import FlashConfig
+from rollverify_jax.models.lora import LoraConfig
 from rollverify_jax.rl import advantages as adv_lib
 from rollverify_jax.rl.filters import FilterConfig
 from rollverify_jax.rl.learner import LearnerConfig, OptimizerConfig
@@ -187,6 +188,7 @@ PARTS: dict[str, tuple[str, Any]] = {
     "loss": ("LossConfig", LossConfig),
     "learner": ("LearnerConfig", LearnerConfig),
     "optimizer": ("OptimizerConfig", OptimizerConfig),
+    "lora": ("LoraConfig", LoraConfig),
     "checkpoint": ("CheckpointConfig", CheckpointConfig),
     "eval": ("EvalConfig", EvalConfig),
     "metrics": ("MetricsConfig", MetricsConfig),
@@ -369,6 +371,7 @@ class RunSpec:
     loss: LossConfig
     learner: LearnerConfig  # scoring at the sampler's temperature; its ``loss`` is ``loss``
     optimizer: OptimizerConfig
+    lora: LoraConfig  # rank > 0: train low-rank adapters on a frozen base instead of every weight
     checkpoint: CheckpointConfig
     eval: EvalConfig
     metrics: MetricsConfig

@@ -78,10 +78,11 @@ def sample_lengths(rng: np.random.Generator, rows: int, width: int, max_new: int
 
 
 def packed_train_estimate(cfg, learner_cfg, rows: int, width: int, max_new: int, aot: AotConfig, batch_devices: int,
-                          batches: int = 16, seed: int = 0) -> dict:
+                          batches: int = 16, seed: int = 0, adapter_params: int | None = None) -> dict:
     """What the train step computes at the length model: the packing of ``batches`` sampled batches (the host
     code that packs real batches), its useful share of positions and its FLOPs against the unpacked layout
-    (every sequence a full row of its own, as `LearnerConfig.pack_sequences = False` lays it out)."""
+    (every sequence a full row of its own, as `LearnerConfig.pack_sequences = False` lays it out).
+    ``adapter_params``: a LoRA run's trainable parameters (``analytic_train_flops``)."""
     rng = np.random.default_rng(seed)
     useful = full = tail = micro = 0
     n = learner_cfg.num_minibatches
@@ -94,9 +95,9 @@ def packed_train_estimate(cfg, learner_cfg, rows: int, width: int, max_new: int,
         f, t, m = packing.planned_positions(plans, shape)
         useful, full, tail, micro = useful + int(lengths.sum()), full + f, tail + t, micro + m
     tail_width = learner_cfg.tail_row_width or 0
-    flops = (analytic_train_flops(cfg, full / batches, width, "none")
-             + analytic_train_flops(cfg, tail / batches, tail_width, "none"))  # model FLOPs, no recompute
-    unpacked = analytic_train_flops(cfg, rows * width, width, "none")
+    flops = (analytic_train_flops(cfg, full / batches, width, "none", adapter_params)
+             + analytic_train_flops(cfg, tail / batches, tail_width, "none", adapter_params))  # no recompute
+    unpacked = analytic_train_flops(cfg, rows * width, width, "none", adapter_params)
     return {"train_useful_token_fraction": useful / (full + tail),
             "train_positions_per_step": (full + tail) / batches,
             "train_micro_batches_per_update": micro / (batches * n),
@@ -104,9 +105,11 @@ def packed_train_estimate(cfg, learner_cfg, rows: int, width: int, max_new: int,
             "train_speedup_vs_unpacked": unpacked / flops}
 
 
-def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
+def analytic_train_flops(cfg, tokens: int, width: int, remat: str, adapter_params: int | None = None) -> float:
     """Matmul FLOPs of one pass over ``tokens`` tokens in rows of ``width``: forward 2N, backward 4N per token
-    for the active parameters, plus causal attention; full remat adds a second forward of the layers."""
+    for the active parameters, plus causal attention (backward twice the forward); full remat adds a second
+    forward of the layers. With ``adapter_params`` (LoRA: the base frozen) the backward of the base weights is
+    the input gradient alone, 2N, and the adapters cost 6 FLOPs per parameter per token."""
     active = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     if cfg.num_experts:
         per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -114,8 +117,10 @@ def analytic_train_flops(cfg, tokens: int, width: int, remat: str) -> float:
         active -= sparse * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
     head = cfg.vocab_size * cfg.hidden_size
     attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * width  # causal: half of 4 T D H
-    forward = 2 * (active + head) * tokens + attn * tokens
-    return forward * (4 if remat == "full" else 3)
+    dense, attention = 2 * (active + head) * tokens, attn * tokens
+    dense_passes = 3 if adapter_params is None else 2
+    total = dense * dense_passes + 3 * attention + 6 * (adapter_params or 0) * tokens
+    return total + (dense + attention if remat == "full" else 0)
 
 
 def chip_for(device_kind: str) -> Chip:
@@ -165,25 +170,33 @@ def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology:
     state_bytes, kv_bytes = per_device_bytes(state), per_device_bytes(decode_state.pages)
     param_bytes = per_device_bytes(state.params)
     serving_bytes = per_device_bytes(params)
+    # LoRA: the frozen base, an argument of the learner's programs and (one mesh, its layout) the engine's own weights
+    frozen_bytes = per_device_bytes(learner.frozen)
+    adapter_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)) if frozen_bytes else None
+    publish_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
     # kl_coef > 0: the reference params (a copy of the initial params, the train state's layout) stay resident.
     ref_bytes = param_bytes if learner_cfg.loss.kl_coef > 0 else 0
     split = set(mesh.devices.flat).isdisjoint(plan.mesh.devices.flat)  # the asynchronous mode's two meshes
     if split:
         # The train chips hold the train state (and the reference); the rollout chips the serving weights, the
         # publish's staging copy (both at once while a publish is staged) and the KV pool.
-        copy_bytes, staging_bytes = serving_bytes, serving_bytes
-        sides = {"train": state_bytes + ref_bytes, "rollout": copy_bytes + staging_bytes + kv_bytes}
-        outside = {"train_step": ref_bytes, "logprobs": sides["train"] - param_bytes,
+        copy_bytes = serving_bytes
+        staging_bytes = serving_bytes - (per_device_bytes(plan.abstract_params(learner.frozen)) if frozen_bytes else 0)
+        sides = {"train": state_bytes + ref_bytes + frozen_bytes, "rollout": copy_bytes + staging_bytes + kv_bytes}
+        outside = {"train_step": ref_bytes, "logprobs": sides["train"] - param_bytes - frozen_bytes,
                    **dict.fromkeys(("prefill", "decode", "extend"), staging_bytes)}
     else:
         # A serving layout other than the train state's is a copy the engine holds through the train step too.
         copy_bytes, staging_bytes = (serving_bytes if copied else 0), 0
-        resident = state_bytes + kv_bytes + copy_bytes + ref_bytes
+        resident = state_bytes + kv_bytes + copy_bytes + ref_bytes + (0 if copied else frozen_bytes)
         engine_outside = state_bytes - (0 if copied else param_bytes)  # the train state the engine does not take
         outside = {"train_step": kv_bytes + copy_bytes + ref_bytes, "prefill": engine_outside + ref_bytes,
                    "decode": engine_outside + ref_bytes, "extend": engine_outside + ref_bytes,
                    # its params argument is one of the resident sets (the reference's or the train state's)
-                   "logprobs": resident - param_bytes}
+                   "logprobs": resident - param_bytes - frozen_bytes}
+        if copied:  # the learner's base besides the engine's copy
+            outside = {k: v + (frozen_bytes if k in ("prefill", "decode", "extend") else 0) for k, v in outside.items()}
+            resident += frozen_bytes
     peaks = {k: p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"] + outside[k]
              for k, p in programs.items()}
     peak = max(peaks.values())
@@ -201,7 +214,7 @@ def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology:
                             "fits": max(own.values()) <= budget}
     train_devices = int(mesh.devices.size)
     train = packed_train_estimate(cfg, learner_cfg, rows, width, rollout.max_new_tokens, aot,
-                                  batch_devices(mesh.shape))
+                                  batch_devices(mesh.shape), adapter_params=adapter_params)
     decode = aot_decode.decode_report(
         decode_compiled, programs["decode"], cfg=cfg, engine_cfg=engine_cfg, rollout=rollout, aot=aot, chip=chip,
         layout=plan.layout, mesh=plan.mesh, attention=dict(plan.attention), device_kind=devices[0].device_kind,
@@ -213,7 +226,13 @@ def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology:
         "rows_per_step": rows, "hbm_bytes_per_device": chip.hbm_bytes,
         "budget_bytes_per_device": budget, "resident_bytes_per_device": resident,
         "resident": {"train_state": state_bytes, "params": param_bytes, "kv_pool": kv_bytes,
-                     "serving_params": copy_bytes, "staging_params": staging_bytes, "ref_params": ref_bytes},
+                     "serving_params": copy_bytes, "staging_params": staging_bytes, "ref_params": ref_bytes,
+                     "frozen_base": frozen_bytes},
+        # What a weight publish moves (whole slice): the trained params, a LoRA run's adapters alone (their share of
+        # the base's bytes, what a full-parameter publish would move).
+        "publish_bytes": publish_bytes, "model_param_bytes": model_param_bytes,
+        **({"lora": {"trainable_params": adapter_params, "publish_fraction": publish_bytes / (model_param_bytes - publish_bytes)}}
+           if adapter_params else {}),
         **({"rollout_mesh": dict(plan.mesh.shape), "meshes": meshes} if split else {}),
         "logprobs_for": logprob_users,
         "peak_bytes_per_device": peak, "peak_program": max(peaks, key=peaks.get), "fits": peak <= budget,
@@ -242,6 +261,10 @@ def format_report(r: dict) -> str:
                      f"{p['argument_bytes'] / GiB:7.2f} GiB  outputs {p['output_bytes'] / GiB:7.2f} GiB  "
                      f"aliased {p['alias_bytes'] / GiB:7.2f} GiB  compile {p['compile_s']} s")
     res = r["resident"]
+    if r.get("lora"):
+        lines.append(f"  LoRA: {r['lora']['trainable_params'] / 1e6:.1f}M trainable parameters; the frozen base "
+                     f"{res['frozen_base'] / GiB:.2f} GiB per chip, held once; a publish moves "
+                     f"{r['publish_bytes'] / 2**20:.1f} MiB ({r['lora']['publish_fraction']:.2%} of the weights)")
     if meshes:
         train, rollout = meshes["train"], meshes["rollout"]
         lines.append(f"  train chips: resident {train['resident_bytes_per_device'] / GiB:.2f} GiB (train state "

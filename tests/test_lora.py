@@ -1,0 +1,192 @@
+"""LoRA (models/lora.py): qwix adapters on the policy, adapter-only training on a frozen base shared with the engine,
+exact behaviour log-probs, adapter-only publishing, merged and PEFT exports."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.infra.transfer import tree_bytes
+from rollverify_jax.models import lora, save_pretrained
+from rollverify_jax.models.lora import LoraConfig
+from rollverify_jax.models.qwen3 import init_model, model_config
+from rollverify_jax.rl import learner, packing
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rollout.publish import WeightPublisher
+
+CFG = LoraConfig(rank=4, alpha=8.0)
+PROJECTIONS = {("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
+    ("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.fixture(scope="module")
+def adapted(model):
+    return lora.adapt(model, CFG)
+
+
+def _moved(model, scale=0.05, seed=0):
+    """``model`` with its adapters moved off zero (a trained adapter: ``B A`` no longer 0)."""
+    graphdef, trainable, frozen = lora.split_trainable(model)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(trainable))))
+    trainable = jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), trainable)
+    return nnx.merge(graphdef, trainable, frozen)
+
+
+def _tokens(vocab, batch=2, length=12, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (batch, length)), jnp.int32)
+
+
+def test_adapters_cover_every_linear_layer_and_start_at_the_base(model, adapted):
+    layers = model.cfg.num_hidden_layers
+    assert set(lora.adapted_weights(adapted)) == {("layers", i, *p) for i in range(layers) for p in PROJECTIONS}
+    tokens = _tokens(model.cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(adapted(tokens)), np.asarray(model(tokens)))  # B = 0: the base, exactly
+    base = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(a is b for a, b in zip(jax.tree.leaves(lora.split_trainable(adapted)[2]), base, strict=True))
+    adapters = dict(nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam)))
+    a, b = adapters[("layers", 0, "mlp", "down_proj_lora_a")], adapters[("layers", 0, "mlp", "down_proj_lora_b")]
+    assert a.get_value().shape == (model.cfg.intermediate_size, 4) and b.get_value().shape == (4, model.cfg.hidden_size)
+    assert a.get_metadata()["logical_axes"] == ("mlp", None) and b.get_metadata()["logical_axes"] == (None, "embed")
+    assert not np.any(np.asarray(b.get_value())) and np.any(np.asarray(a.get_value()))
+
+
+def test_adapted_forward_is_base_plus_scaled_low_rank_update(adapted):
+    moved = _moved(adapted)
+    tokens = _tokens(moved.cfg.vocab_size)
+    merged = lora.merged_model(moved)  # W + (alpha / rank) A B, a plain model
+    assert lora.lora_config_of(merged) is None
+    np.testing.assert_allclose(np.asarray(moved(tokens)), np.asarray(merged(tokens)), atol=2e-5)
+    attn = moved.layers[1].self_attn  # the merged weight by hand: W + (alpha / rank) A B
+    want = attn.v_proj[...] + CFG.alpha / CFG.rank * attn.v_proj_lora_a[...] @ attn.v_proj_lora_b[...]
+    np.testing.assert_allclose(np.asarray(merged.layers[1].self_attn.v_proj[...]), np.asarray(want), atol=1e-6)
+    with pytest.raises(ValueError, match="merge an adapted one first"):
+        save_pretrained(moved, "/nonexistent/never-written")
+
+
+def test_moe_adapts_attention_and_dense_layers_but_not_experts_or_router():
+    cfg = model_config("tiny_moe")
+    adapted = lora.adapt(init_model(cfg, seed=0), CFG)
+    weights = set(lora.adapted_weights(adapted))
+    attention = {("layers", i, "self_attn", p) for i in range(cfg.num_hidden_layers)
+                 for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    dense_mlp = {("layers", 0, "mlp", p) for p in ("gate_proj", "up_proj", "down_proj")}  # mlp_only_layers=(0,)
+    assert weights == attention | dense_mlp
+    moved = _moved(adapted)
+    tokens = _tokens(cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(moved(tokens)), np.asarray(lora.merged_model(moved)(tokens)), atol=2e-5)
+
+
+@pytest.mark.parametrize("target, message", [("layers/\\d+/nothing", "matches no module"),
+                                              ("layers/(", "not a regular expression")])
+def test_a_bad_target_is_one_clear_error(model, target, message):
+    with pytest.raises(ValueError, match=message):
+        lora.adapt(model, LoraConfig(rank=2, target_modules=target))
+
+
+def test_adapters_are_sharded_like_the_weights_they_adapt(adapted):
+    mesh = mesh_lib.make_mesh((1, 2, 2), devices=jax.devices()[:4])
+    run = learner.Learner.create(adapted, learner.LearnerConfig(), learner.OptimizerConfig(), mesh)
+    specs = {k: v.spec for k, v in nnx.to_flat_state(run.shardings.params)}
+    frozen = {k: v.sharding.spec for k, v in nnx.to_flat_state(run.frozen)}
+    q = frozen[("layers", 0, "self_attn", "q_proj")]  # (embed -> fsdp, q_heads -> tensor)
+    assert q == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert specs[("layers", 0, "self_attn", "q_proj_lora_a")] == jax.sharding.PartitionSpec("fsdp", None)
+    assert specs[("layers", 0, "self_attn", "q_proj_lora_b")] == jax.sharding.PartitionSpec(None, "tensor")
+
+
+def _batch(model, rows=4, prompt=3, width=12, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = prompt + rng.integers(3, width - prompt, rows)
+    pos = np.arange(width)[None]
+    mask = pos < lengths[:, None]
+    tokens = np.where(mask, rng.integers(1, model.cfg.vocab_size, (rows, width)), 0).astype(np.int32)
+    graphdef, params, frozen = lora.split_trainable(model)
+    logp = np.asarray(learner.compute_logprobs(graphdef, params, tokens, mask, 1.0, frozen))
+    return {"tokens": tokens, "loss_mask": ((pos >= prompt) & mask).astype(np.float32),
+            "behavior_logp": logp - 0.1 * ((pos >= prompt) & mask), "advantages": rng.normal(size=rows).astype(np.float32),
+            "attention_mask": mask}
+
+
+def test_the_learner_trains_the_adapters_on_a_frozen_base(model, adapted):
+    mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    cfg = learner.LearnerConfig()
+    run = learner.Learner.create(adapted, cfg, learner.OptimizerConfig(learning_rate=1e-2), mesh)
+    state = run.init_state(adapted)
+    n_adapters = 2 * len(lora.adapted_weights(adapted))
+    assert len(jax.tree.leaves(state.params)) == n_adapters  # the train state: adapters and their moments only
+    moments = sorted(x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim)  # Adam's mu and nu of each adapter
+    assert moments == sorted(2 * [x.shape for x in jax.tree.leaves(state.params)])
+    base = [np.asarray(x) for x in jax.tree.leaves(run.frozen)]
+    batch = packing.pack_for_learner(_batch(adapted), cfg, mesh)
+    ref = np.asarray(run.logprob_fn(state.params, batch))  # the initial adapters: the base's log-probs
+    graphdef, params = learner.split_params(model)
+    want = learner.compute_logprobs(graphdef, params, batch["tokens"], batch["attention_mask"], 1.0)
+    np.testing.assert_allclose(ref, np.asarray(want), atol=2e-5)
+    new, metrics = run.train_step(state, batch)
+    assert float(metrics["grad_norm"]) > 0 and int(new.step) == 1
+    assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(nnx.state(new.params, lambda p, _: "_lora_b" in p[-1])))
+    for x, y in zip(base, jax.tree.leaves(run.frozen), strict=True):  # never donated, never moved
+        np.testing.assert_array_equal(x, np.asarray(y))
+    assert not np.allclose(np.asarray(run.logprob_fn(new.params, batch)), ref, atol=1e-4)
+
+
+def _sample(engine, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    sched = Scheduler(engine)
+    sched.submit([Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 64, size=5).astype(np.int32), seed=50 + i,
+                             max_new_tokens=10) for i in range(n)])
+    sched.run()
+    return sorted(sched.take_finished(), key=lambda t: t.uid)
+
+
+def test_engine_logprobs_equal_the_learners_on_the_adapted_model(adapted):
+    """What makes OPS exact under LoRA: the engine runs the adapters in its forward, with the learner's einsums."""
+    moved = _moved(adapted)
+    engine = Engine(moved, EngineConfig(num_slots=4, page_size=8, max_seq_len=32, steps_per_dispatch=4),
+                    SamplingConfig(temperature=1.0))
+    graphdef, params, frozen = lora.split_trainable(moved)
+    for t in _sample(engine):
+        seq = np.asarray([*t.prompt, *t.tokens], np.int32)[None]
+        logp = learner.compute_logprobs(graphdef, params, seq, np.ones_like(seq, bool), 1.0, frozen)
+        np.testing.assert_allclose(t.logps, np.asarray(logp)[0, len(t.prompt):], atol=2e-5)
+
+
+def test_a_publish_moves_the_adapters_alone(adapted):
+    engine = Engine(adapted, EngineConfig(num_slots=4, page_size=8, max_seq_len=32, steps_per_dispatch=4),
+                    SamplingConfig(temperature=1.0))
+    base = jax.tree.leaves(engine.params)
+    moved = _moved(adapted)
+    trainable = lora.split_trainable(moved)[1]
+    publisher = WeightPublisher(engine)
+    publisher.stage(trainable, 1)
+    metrics = publisher.swap()
+    assert metrics["publish/failed"] == 0 and metrics["publish/bytes"] == tree_bytes(trainable)
+    assert metrics["publish/bytes"] < tree_bytes(nnx.state(adapted, nnx.Param)) / 5
+    frozen_now = [x for x in jax.tree.leaves(engine.params) if any(x is y for y in base)]
+    assert len(frozen_now) == len(jax.tree.leaves(lora.split_trainable(adapted)[2]))  # the base: the same arrays
+    direct = Engine(moved, engine.config, engine.sampling)
+    assert [t.tokens for t in _sample(engine)] == [t.tokens for t in _sample(direct)]
+
+
+def test_a_peft_adapter_loads_onto_the_hf_base_and_runs_the_same_model(adapted, tmp_path):
+    moved = _moved(adapted)
+    base = nnx.merge(nnx.split(lora.structure(moved.cfg))[0], lora.split_trainable(moved)[2])
+    save_pretrained(base, tmp_path / "base")
+    lora.save_peft_adapter(moved, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == CFG.rank and config["lora_alpha"] == CFG.alpha and config["peft_type"] == "LORA"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    tokens = _tokens(moved.cfg.vocab_size)
+    with torch.no_grad():
+        got = hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(got, np.asarray(moved(tokens)), atol=1e-4)
+    adapted_modules = [n for n, m in hf.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    assert len(adapted_modules) == len(lora.adapted_weights(moved))
