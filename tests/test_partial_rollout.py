@@ -223,11 +223,13 @@ def test_resume_takes_paused_and_every_cached_finished_member_when_verifying(eng
     assert {t.uid for t in resumed} == expected
 
 
-def _carried_phase(engine, verify_finished: bool):
+def _carried_phase(engine, verify_finished: bool, switch: SwitchConfig | None = None):
     """A phase at version 1 after phases that completed more than B groups at version 0, with ds = 0 (every
-    verified token is cut). Returns (carried group ids, the phase)."""
+    verified token is cut). Returns (the manager, carried group ids, the phase)."""
     mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, batch_groups=1, group_size=1,
                    verify_finished=verify_finished)
+    if switch is not None:
+        mgr.switch_cfg, mgr.switch_state = switch, switch.init()
     for _ in range(6):
         mgr.run_phase()
         carried = [g.group_id for g in mgr.cache.groups.values() if g.complete]
@@ -242,13 +244,13 @@ def _carried_phase(engine, verify_finished: bool):
     finally:
         engine.set_version(0)
         mgr.scheduler.pause_all()
-    return carried, phase
+    return mgr, carried, phase
 
 
 def test_carried_groups_train_as_they_are_by_default(engine):
     """The paper verifies paused trajectories only: a carried group's version-0 tokens train unverified, and
     the acceptance counts paused trajectories alone (all cut at ds = 0), not the finished members."""
-    carried, phase = _carried_phase(engine, verify_finished=False)
+    _, carried, phase = _carried_phase(engine, verify_finished=False)
     assert phase.groups[0].group_id == carried[0]
     assert {v for t in phase.groups[0].finished.values() for v in t.versions} == {0}
     assert phase.metrics["verify/finished_verified"] == 0
@@ -280,11 +282,24 @@ def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine)
     """With verify_finished, a group completed beyond B is verified against the version it trains under.
     ds = 0 cuts every verified token, so every token trained in the next phase must have been sampled by the
     current version (unverified, a carried group would train its version-0 tokens)."""
-    _, phase = _carried_phase(engine, verify_finished=True)
+    _, _, phase = _carried_phase(engine, verify_finished=True)
     assert phase.groups
     assert all(t.versions and set(t.versions) == {1} for g in phase.groups for t in g.finished.values())
     assert phase.metrics["verify/finished_verified"] > 0
     assert phase.metrics["verify/finished_cut"] == phase.metrics["verify/finished_verified"]
+
+
+def test_with_verify_finished_the_acceptance_still_counts_paused_trajectories_only(engine):
+    """The acceptance rate (and the switch to on-policy that reads it) counts paused trajectories only, also with
+    verify_finished on: finished members cut at ds = 0 are counted apart, and a cycle that verified no paused one
+    pushes nothing into the switching window (counted in, they would read as a 0 acceptance and switch)."""
+    mgr, _, phase = _carried_phase(engine, verify_finished=True, switch=SwitchConfig(window=1, threshold=0.5))
+    m = phase.metrics
+    assert m["verify/finished_verified"] > 0 and m["verify/finished_cut"] == m["verify/finished_verified"]
+    assert m["verify/num_verified"] == m["verify/num_cut"] == m["verify/tokens_total"] == 0
+    assert m["verify/acceptance"] == 1.0
+    mgr.end_cycle(1, m)
+    assert not mgr.on_policy and int(mgr.switch_state.count) == 0
 
 
 def test_extra_complete_groups_train_in_the_step_that_completed_them(engine):
