@@ -9,7 +9,7 @@ from flax import nnx
 from shared import reference_keep
 
 from rollverify_jax.rl.filters import FilterConfig
-from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
+from rollverify_jax.rl.partial_rollout import AsyncConfig, RolloutConfig, RolloutManager
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
@@ -24,9 +24,11 @@ def engine(model):
 def _manager(engine, **kw):
     rng = np.random.default_rng(0)
     verify = VerifyConfig(**{k: kw.pop(k) for k in ("ds", "dt", "verify_finished") if k in kw})
+    asynchronous = kw.pop("asynchronous", None)
     cfg = RolloutConfig(**{"batch_groups": 2, "group_size": 2, "max_new_tokens": 40, **kw})
     return RolloutManager(cfg, Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
-                          lambda rec: rng.integers(4, 60, size=5), seed=1, switch=SwitchConfig(), verify=verify)
+                          lambda rec: rng.integers(4, 60, size=5), seed=1, switch=SwitchConfig(), verify=verify,
+                          asynchronous=asynchronous)
 
 
 def test_on_policy_phase_waits_for_exactly_b_groups(engine):
@@ -512,3 +514,36 @@ def test_trajectory_seeds_stay_in_int31_for_any_run_seed(engine):
                          lambda rec: np.ones(2, np.int32), seed=10**6, switch=SwitchConfig(), verify=VerifyConfig())
     seeds = [t.seed for t in mgr._new_group()]
     assert seeds == [(10**6 * 1_000_003 + uid) % (2**31 - 1) for uid in range(3)]
+
+
+@pytest.mark.parametrize("at_swap, max_staleness", [("verify", 0), ("reprefill", 1), ("keep_stale_kv", 1)])
+def test_async_cycles_hold_the_staleness_cap_and_treat_the_running_trajectories_as_at_swap_says(
+        engine, at_swap, max_staleness):
+    """The asynchronous mode's cycle as the trainer drives it (phase, overlap while the learner computes, swap to
+    the new version): admission stops at exactly (max_staleness + 1) x B groups admitted and not trained (the 8
+    slots would take more); at the swap 'verify' and 'reprefill' pause the running trajectories, to be re-prefilled
+    under the new version at the next phase (verified with 'verify' only), and 'keep_stale_kv' leaves them
+    decoding."""
+    cap = (max_staleness + 1) * 1
+    mgr = _manager(engine, mode="async", batch_groups=1, group_size=2,
+                   asynchronous=AsyncConfig(max_staleness=max_staleness, at_swap=at_swap, overlap_dispatches=2))
+    in_flight = []
+    real_step = mgr.scheduler.step
+    mgr.scheduler.step = lambda: (in_flight.append(mgr.next_group_id - mgr.groups_trained), real_step())[1]
+    verified = []
+    try:
+        for version in (1, 2, 3):
+            phase = mgr.run_phase()
+            assert len(phase.groups) == 1
+            verified.append(phase.metrics["verify/num_verified"])
+            mgr.overlap(2)
+            engine.set_version(version)
+            mgr.at_swap()
+            running = len(mgr.scheduler.slots)
+            assert (running > 0) == (at_swap == "keep_stale_kv"), running
+    finally:
+        mgr.scheduler.step = real_step
+        engine.set_version(0)
+        mgr.scheduler.pause_all()
+    assert max(in_flight) == cap
+    assert (sum(verified) > 0) == (at_swap == "verify")
