@@ -83,11 +83,24 @@ MUST_REFUSE = {
     "RolloutConfig.mode = 'rollverify'": "rollout.mode",  # the rollout mode
     "RolloutConfig.batch_groups = 4": "rollout.batch_groups",
     "RolloutConfig.group_size = 4": "rollout.group_size",
+    "RolloutConfig.max_new_tokens = 64": "rollout.max_new_tokens",
+    "RolloutConfig.queue_groups = 2": "rollout.queue_groups",  # which groups a phase admits, so completes
+    "RolloutConfig.extra_complete_groups = 'train'": "rollout.extra_complete_groups",
+    "AsyncConfig.max_staleness = 2": "async_rollout.max_staleness",  # the asynchronous mode
+    "AsyncConfig.at_swap = 'reprefill'": "async_rollout.at_swap",
+    "AsyncConfig.overlap_dispatches = 2": "async_rollout.overlap_dispatches",
     "VerifyConfig.ds = 0.05": "verify.ds",  # verification thresholds
     "VerifyConfig.dt = 1.5": "verify.dt",
-    "SwitchConfig.threshold = 0.3": "switch.threshold",
+    "VerifyConfig.verify_finished = True": "verify.verify_finished",
+    "SwitchConfig.threshold = 0.3": "switch.threshold",  # switching
+    "SwitchConfig.window = 4": "switch.window",
+    "SwitchConfig.enabled = False": "switch.enabled",
+    "FilterConfig.ops_threshold = 0.2": "filter.ops_threshold",  # the baselines' filter
+    "FilterConfig.s_max = 2": "filter.s_max",
     "SamplingConfig.temperature = 0.7": "sampling.temperature",  # sampling
     "SamplingConfig.top_p = 0.9": "sampling.top_p",
+    "SamplingConfig.top_k = 20": "sampling.top_k",
+    "TrainConfig.skip_uniform_groups = True": "train.skip_uniform_groups",
     "EngineConfig.num_slots = 32": "engine.num_slots",  # which trajectories a phase finishes
     "EngineConfig.kv_dtype = 'bfloat16'": "engine.kv_dtype",  # what is sampled
     "TrainConfig.param_dtype = 'bfloat16'": "train.param_dtype",
@@ -139,6 +152,13 @@ def test_a_changed_run_defining_setting_refuses_a_resume(base_settings, binding,
         check_resume_settings(saved, settings_of(binding), allow=False)
     check_resume_settings(saved, settings_of(binding), allow=True)  # --allow_changed_settings: listed, continued
     assert "resuming with changed settings (--allow_changed_settings):\n" in capsys.readouterr().out
+
+
+def test_a_changed_model_override_refuses_a_resume(spec_of):
+    """A random policy's architecture (a model_config override) is run-defining like every other part."""
+    saved = spec_of("model_config.num_hidden_layers = 3").settings()
+    with pytest.raises(ValueError, match=r"  model\.num_hidden_layers: checkpoint 3, now 2"):
+        check_resume_settings(saved, spec_of("model_config.num_hidden_layers = 2").settings(), allow=False)
 
 
 def test_a_changed_execution_setting_resumes_with_one_warning_each(base_settings, capsys):
