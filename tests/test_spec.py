@@ -259,6 +259,40 @@ class _SeenScorer:
         return [float(t.endswith(a)) for t, a in zip(texts, answers, strict=True)], {}
 
 
+def test_the_trainers_scoring_grades_each_group_against_its_own_answer(spec_of):
+    """``Trainer.score`` as a step calls it, on the run's own parts (the policy's tokenizer decodes, the spec's
+    RewardScorer grades, a data source by its own reward): groups with different answers (of different lengths)
+    and rewards, handed over in an order other than their admission (group ids 2, 0, 1, members out of uid order).
+    The three responses are the same in every group, so an answer, record or reward of another group shows."""
+    from types import SimpleNamespace
+
+    from rollverify_jax.data.rewards import RewardScorer
+    from rollverify_jax.models.tokenizer import Tokenizer
+    from rollverify_jax.run.trainer import Trainer
+
+    spec = spec_of(f"TrainConfig.policy_path = '{POLICY}'", "RewardScorer.name = 'exact'",
+                   "RewardScorer.by_data_source = {'dapo_src': 'dapo'}")
+    tokenizer = Tokenizer.from_dir(POLICY)
+    responses = [tokenizer.encode(f"Answer: {a}") for a in ("305", "7", "12")]
+    groups = []
+    for gid, answer, source in ((2, "305", "dapo_src"), (0, "7", "synthetic"), (1, "12", "synthetic")):
+        group = Group(group_id=gid, size=3, record={"prompt": f"p{gid}", "answer": answer, "data_source": source})
+        for j in (2, 0, 1):  # inserted out of uid order
+            t = Trajectory(uid=10 * gid + j, group_id=gid, prompt=np.zeros(2, np.int32), seed=j, max_new_tokens=16)
+            t.tokens = list(responses[j])
+            group.finished[t.uid] = t
+        groups.append(group)
+    serving = SimpleNamespace(tokenizer=tokenizer, scorer=RewardScorer(**spec.reward), tools=None)
+    try:
+        scored = Trainer.score(SimpleNamespace(spec=spec, serving=serving), groups)
+    finally:
+        serving.scorer.close()
+    assert [t.uid for t in scored.trajs] == [20, 21, 22, 0, 1, 2, 10, 11, 12]
+    np.testing.assert_array_equal(scored.rewards, [1, -1, -1, 0, 1, 0, 0, 0, 1])  # dapo: -1 when wrong
+    assert [r["answer"] for r in scored.records] == ["305"] * 3 + ["7"] * 3 + ["12"] * 3
+    np.testing.assert_array_equal(np.sign(scored.advantages), [1, -1, -1, -1, 1, -1, -1, -1, 1])
+
+
 def test_the_reward_sees_the_whole_interaction_of_a_multi_turn_trajectory():
     """score hands the reward each trajectory's record with num_turns and tool_calls in its extra_info (verl's
     count, from the trajectory's tool replies) for a tool agent's record or with multi_turn; a single-turn record is
