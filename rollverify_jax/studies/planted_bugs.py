@@ -210,6 +210,7 @@ def main() -> None:
         print(report([(bug, None, 0.0, "") for bug in bugs], "dry run"))
         return
     for bug in bugs:
+        check_tests(bug)  # a test that is not there fails pytest too: it must not count as a catch
         with tempfile.TemporaryDirectory(prefix="planted_") as tmp:
             tree = Path(tmp) / "repo"
             _copy_repo(tree)
