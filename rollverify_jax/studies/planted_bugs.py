@@ -209,6 +209,9 @@ def main() -> None:
             check_tests(bug)
         print(report([(bug, None, 0.0, "") for bug in bugs], "dry run"))
         return
+    # The commit the run starts at (the tree it copies for each bug is the working tree: leave it alone meanwhile).
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     for bug in bugs:
         check_tests(bug)  # a test that is not there fails pytest too: it must not count as a catch
         with tempfile.TemporaryDirectory(prefix="planted_") as tmp:
@@ -218,8 +221,6 @@ def main() -> None:
             caught, seconds, summary = run_tests(tree, bug.tests)
         rows.append((bug, caught, seconds, summary))
         print(f"{'CAUGHT' if caught else 'MISSED'}  {bug.name}  ({seconds:.0f} s: {summary})", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     if args.merge:
         text = merged(Path(args.out).read_text(), rows, commit)
     else:
