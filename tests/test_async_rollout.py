@@ -67,7 +67,11 @@ def test_a_failed_or_partial_publish_leaves_the_previous_version(capsys):
     def broken(params):  # a transfer that dies half-way
         raise RuntimeError("connection reset while copying 'w'")
 
-    for place in (broken, lambda p: {"w": engine.place_params(p)["w"]}):  # raised; a copy missing an array
+    placed = engine.place_params  # raised; a copy missing an array; of another dtype, shape or device
+    for place in (broken, lambda p: {"w": placed(p)["w"]},
+                  lambda p: {**placed(p), "w": placed(p)["w"].astype(jnp.bfloat16)},
+                  lambda p: {**placed(p), "b": placed({"b": jnp.ones(5)})["b"]},
+                  lambda p: jax.device_put(p, jax.devices()[0])):
         publisher.place = place
         publisher.stage(new, version=1)
         m = publisher.swap()

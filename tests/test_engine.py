@@ -171,6 +171,46 @@ def test_shared_prompt_pages_are_copies_of_the_prefilled_ones(model, sampling_en
     assert np.abs(out[0][1]).sum() > 0
 
 
+def _busy_engine_run(engine, max_new: list[int]) -> tuple[list[Trajectory], list[tuple[list[int], list[int]]]]:
+    """Four unrelated requests fill the 4 slots (``max_new`` each: the short ones free their slots after the first
+    dispatch, the long ones keep decoding), then a group of two members with one prompt is admitted into the slots
+    freed. Returns the finished trajectories (uid order) and each shared admission's (slots, source)."""
+    rng = np.random.default_rng(11)
+    runners = [Trajectory(uid=i, group_id=i, prompt=rng.integers(4, 64, size=9 + i).astype(np.int32), seed=500 + i,
+                          max_new_tokens=m) for i, m in enumerate(max_new)]
+    prompt = rng.integers(4, 64, size=13).astype(np.int32)  # 12 prefilled tokens: 2 pages of 8
+    group = [Trajectory(uid=4 + j, group_id=9, prompt=prompt, seed=600 + j, max_new_tokens=12) for j in range(2)]
+    shared = []
+    admit = engine.admit
+
+    def spy(seqs, slots, plens, gen_index, seeds, max_new, source=None):
+        if source is not None and any(s != i for i, s in enumerate(source)):
+            shared.append((list(slots), list(source)))
+        return admit(seqs, slots, plens, gen_index, seeds, max_new, source)
+    engine.admit = spy
+    try:
+        return _run(engine, runners + group), shared
+    finally:
+        del engine.admit
+
+
+@pytest.mark.parametrize("max_new, slots", [([24, 2, 24, 2], [1, 3]), ([24, 24, 2, 2], [2, 3])])
+def test_a_group_admitted_into_freed_slots_of_a_busy_engine_decodes_as_if_alone(sampling_engine, max_new, slots):
+    """A group's members share one prefill of their prompt and get copies of its pages: admitted into slots that are
+    not 0..n-1 (non-contiguous ones; ones whose admission index names a running slot) while other sequences decode,
+    each member samples exactly what it samples admitted alone, and the running sequences exactly what they sample
+    alone (so their caches were not written over)."""
+    crowd, shared = _busy_engine_run(sampling_engine, max_new)
+    assert shared == [(slots, [0, 0])], "the group should be admitted together into the freed slots"
+    for t in crowd:
+        alone = Trajectory(uid=t.uid, group_id=t.group_id, prompt=t.prompt, seed=t.seed,
+                           max_new_tokens=t.max_new_tokens)
+        alone = _run(sampling_engine, [alone])[0]
+        assert t.tokens == alone.tokens, t.uid
+        np.testing.assert_allclose(t.logps, alone.logps, atol=1e-5)
+    assert min(t.num_tokens for t in crowd[4:]) >= 4 and crowd[0].num_tokens > 8  # decoded on after the admission
+
+
 def test_warmup_runs_a_first_admission_and_activates_nothing(model, sampling_engine):
     """Warmup runs the prefill of a full batch of new prompts, an activation and a decode dispatch, and leaves
     every slot inactive and every page free: a run afterwards samples as on a fresh engine."""

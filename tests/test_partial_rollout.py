@@ -9,7 +9,7 @@ from flax import nnx
 from shared import reference_keep
 
 from rollverify_jax.rl.filters import FilterConfig
-from rollverify_jax.rl.partial_rollout import RolloutConfig, RolloutManager
+from rollverify_jax.rl.partial_rollout import AsyncConfig, RolloutConfig, RolloutManager
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.verify import SwitchConfig, VerifyConfig
 
@@ -24,9 +24,11 @@ def engine(model):
 def _manager(engine, **kw):
     rng = np.random.default_rng(0)
     verify = VerifyConfig(**{k: kw.pop(k) for k in ("ds", "dt", "verify_finished") if k in kw})
+    asynchronous = kw.pop("asynchronous", None)
     cfg = RolloutConfig(**{"batch_groups": 2, "group_size": 2, "max_new_tokens": 40, **kw})
     return RolloutManager(cfg, Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
-                          lambda rec: rng.integers(4, 60, size=5), seed=1, switch=SwitchConfig(), verify=verify)
+                          lambda rec: rng.integers(4, 60, size=5), seed=1, switch=SwitchConfig(), verify=verify,
+                          asynchronous=asynchronous)
 
 
 def test_on_policy_phase_waits_for_exactly_b_groups(engine):
@@ -223,11 +225,13 @@ def test_resume_takes_paused_and_every_cached_finished_member_when_verifying(eng
     assert {t.uid for t in resumed} == expected
 
 
-def _carried_phase(engine, verify_finished: bool):
+def _carried_phase(engine, verify_finished: bool, switch: SwitchConfig | None = None):
     """A phase at version 1 after phases that completed more than B groups at version 0, with ds = 0 (every
-    verified token is cut). Returns (carried group ids, the phase)."""
+    verified token is cut). Returns (the manager, carried group ids, the phase)."""
     mgr = _manager(engine, mode="rollverify", ds=1e9, dt=1e9, batch_groups=1, group_size=1,
                    verify_finished=verify_finished)
+    if switch is not None:
+        mgr.switch_cfg, mgr.switch_state = switch, switch.init()
     for _ in range(6):
         mgr.run_phase()
         carried = [g.group_id for g in mgr.cache.groups.values() if g.complete]
@@ -242,13 +246,13 @@ def _carried_phase(engine, verify_finished: bool):
     finally:
         engine.set_version(0)
         mgr.scheduler.pause_all()
-    return carried, phase
+    return mgr, carried, phase
 
 
 def test_carried_groups_train_as_they_are_by_default(engine):
     """The paper verifies paused trajectories only: a carried group's version-0 tokens train unverified, and
     the acceptance counts paused trajectories alone (all cut at ds = 0), not the finished members."""
-    carried, phase = _carried_phase(engine, verify_finished=False)
+    _, carried, phase = _carried_phase(engine, verify_finished=False)
     assert phase.groups[0].group_id == carried[0]
     assert {v for t in phase.groups[0].finished.values() for v in t.versions} == {0}
     assert phase.metrics["verify/finished_verified"] == 0
@@ -280,11 +284,24 @@ def test_complete_groups_carried_beyond_b_are_verified_before_they_train(engine)
     """With verify_finished, a group completed beyond B is verified against the version it trains under.
     ds = 0 cuts every verified token, so every token trained in the next phase must have been sampled by the
     current version (unverified, a carried group would train its version-0 tokens)."""
-    _, phase = _carried_phase(engine, verify_finished=True)
+    _, _, phase = _carried_phase(engine, verify_finished=True)
     assert phase.groups
     assert all(t.versions and set(t.versions) == {1} for g in phase.groups for t in g.finished.values())
     assert phase.metrics["verify/finished_verified"] > 0
     assert phase.metrics["verify/finished_cut"] == phase.metrics["verify/finished_verified"]
+
+
+def test_with_verify_finished_the_acceptance_still_counts_paused_trajectories_only(engine):
+    """The acceptance rate (and the switch to on-policy that reads it) counts paused trajectories only, also with
+    verify_finished on: finished members cut at ds = 0 are counted apart, and a cycle that verified no paused one
+    pushes nothing into the switching window (counted in, they would read as a 0 acceptance and switch)."""
+    mgr, _, phase = _carried_phase(engine, verify_finished=True, switch=SwitchConfig(window=1, threshold=0.5))
+    m = phase.metrics
+    assert m["verify/finished_verified"] > 0 and m["verify/finished_cut"] == m["verify/finished_verified"]
+    assert m["verify/num_verified"] == m["verify/num_cut"] == m["verify/tokens_total"] == 0
+    assert m["verify/acceptance"] == 1.0
+    mgr.end_cycle(1, m)
+    assert not mgr.on_policy and int(mgr.switch_state.count) == 0
 
 
 def test_extra_complete_groups_train_in_the_step_that_completed_them(engine):
@@ -497,3 +514,36 @@ def test_trajectory_seeds_stay_in_int31_for_any_run_seed(engine):
                          lambda rec: np.ones(2, np.int32), seed=10**6, switch=SwitchConfig(), verify=VerifyConfig())
     seeds = [t.seed for t in mgr._new_group()]
     assert seeds == [(10**6 * 1_000_003 + uid) % (2**31 - 1) for uid in range(3)]
+
+
+@pytest.mark.parametrize("at_swap, max_staleness", [("verify", 0), ("reprefill", 1), ("keep_stale_kv", 1)])
+def test_async_cycles_hold_the_staleness_cap_and_treat_the_running_trajectories_as_at_swap_says(
+        engine, at_swap, max_staleness):
+    """The asynchronous mode's cycle as the trainer drives it (phase, overlap while the learner computes, swap to
+    the new version): admission stops at exactly (max_staleness + 1) x B groups admitted and not trained (the 8
+    slots would take more); at the swap 'verify' and 'reprefill' pause the running trajectories, to be re-prefilled
+    under the new version at the next phase (verified with 'verify' only), and 'keep_stale_kv' leaves them
+    decoding."""
+    cap = (max_staleness + 1) * 1
+    mgr = _manager(engine, mode="async", batch_groups=1, group_size=2,
+                   asynchronous=AsyncConfig(max_staleness=max_staleness, at_swap=at_swap, overlap_dispatches=2))
+    in_flight = []
+    real_step = mgr.scheduler.step
+    mgr.scheduler.step = lambda: (in_flight.append(mgr.next_group_id - mgr.groups_trained), real_step())[1]
+    verified = []
+    try:
+        for version in (1, 2, 3):
+            phase = mgr.run_phase()
+            assert len(phase.groups) == 1
+            verified.append(phase.metrics["verify/num_verified"])
+            mgr.overlap(2)
+            engine.set_version(version)
+            mgr.at_swap()
+            running = len(mgr.scheduler.slots)
+            assert (running > 0) == (at_swap == "keep_stale_kv"), running
+    finally:
+        mgr.scheduler.step = real_step
+        engine.set_version(0)
+        mgr.scheduler.pause_all()
+    assert max(in_flight) == cap
+    assert (sum(verified) > 0) == (at_swap == "verify")

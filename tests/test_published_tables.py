@@ -269,6 +269,26 @@ def test_planted_bugs_dry_run_plants_every_bug_and_prints_the_published_table(mo
     assert len(table_rows(printed, headers(printed)[0])) == len(planted_bugs.BUGS)
 
 
+def test_planted_bugs_merge_remeasures_some_rows_and_keeps_the_others():
+    """``--only ... --merge``: the rows run now are replaced (each naming its commit), every other published row is
+    kept as it is, and the count is of the whole table."""
+    from rollverify_jax.studies import planted_bugs
+
+    published = (DOCS / "planted_bugs.md").read_text()
+    old_rows = table_rows(published, headers(published)[0])
+    first, last = planted_bugs.BUGS[0], planted_bugs.BUGS[-1]
+    text = planted_bugs.merged(published, [(first, False, 3.0, "5 passed"), (last, True, 4.0, "1 failed")], "abc1234")
+    rows = table_rows(text, headers(text)[0])
+    assert headers(text) == headers(published) and len(rows) == len(planted_bugs.BUGS)
+    assert rows[0] == (f"| {first.name} | `{first.path}` | `test_verifier.py` | **no** | 5 passed (3 s; measured at "
+                       "`abc1234`) |")
+    assert rows[-1].startswith(f"| {last.name} |") and "| yes | 1 failed (4 s; measured at `abc1234`) |" in rows[-1]
+    kept = {r.split(" | ")[0]: r for r in old_rows}
+    for bug, row in zip(planted_bugs.BUGS[1:-1], rows[1:-1], strict=True):
+        assert row == kept.get(f"| {bug.name}", planted_bugs._row(bug, None, 0.0, "")), bug.name
+    assert text.endswith(f"Caught: {sum(' | yes | ' in r for r in rows)} of {len(rows)}.\n")
+
+
 def test_mutation_report_writes_the_published_table(tmp_path):
     """The report of mutmut's results (statuses by mutant) has docs/mutation.md's columns and one row per
     module; equivalent mutants (named in tests/mutation_equivalents) and survivors are listed with their diff."""

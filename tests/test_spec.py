@@ -83,11 +83,24 @@ MUST_REFUSE = {
     "RolloutConfig.mode = 'rollverify'": "rollout.mode",  # the rollout mode
     "RolloutConfig.batch_groups = 4": "rollout.batch_groups",
     "RolloutConfig.group_size = 4": "rollout.group_size",
+    "RolloutConfig.max_new_tokens = 64": "rollout.max_new_tokens",
+    "RolloutConfig.queue_groups = 2": "rollout.queue_groups",  # which groups a phase admits, so completes
+    "RolloutConfig.extra_complete_groups = 'train'": "rollout.extra_complete_groups",
+    "AsyncConfig.max_staleness = 2": "async_rollout.max_staleness",  # the asynchronous mode
+    "AsyncConfig.at_swap = 'reprefill'": "async_rollout.at_swap",
+    "AsyncConfig.overlap_dispatches = 2": "async_rollout.overlap_dispatches",
     "VerifyConfig.ds = 0.05": "verify.ds",  # verification thresholds
     "VerifyConfig.dt = 1.5": "verify.dt",
-    "SwitchConfig.threshold = 0.3": "switch.threshold",
+    "VerifyConfig.verify_finished = True": "verify.verify_finished",
+    "SwitchConfig.threshold = 0.3": "switch.threshold",  # switching
+    "SwitchConfig.window = 4": "switch.window",
+    "SwitchConfig.enabled = False": "switch.enabled",
+    "FilterConfig.ops_threshold = 0.2": "filter.ops_threshold",  # the baselines' filter
+    "FilterConfig.s_max = 2": "filter.s_max",
     "SamplingConfig.temperature = 0.7": "sampling.temperature",  # sampling
     "SamplingConfig.top_p = 0.9": "sampling.top_p",
+    "SamplingConfig.top_k = 20": "sampling.top_k",
+    "TrainConfig.skip_uniform_groups = True": "train.skip_uniform_groups",
     "EngineConfig.num_slots = 32": "engine.num_slots",  # which trajectories a phase finishes
     "EngineConfig.kv_dtype = 'bfloat16'": "engine.kv_dtype",  # what is sampled
     "TrainConfig.param_dtype = 'bfloat16'": "train.param_dtype",
@@ -139,6 +152,13 @@ def test_a_changed_run_defining_setting_refuses_a_resume(base_settings, binding,
         check_resume_settings(saved, settings_of(binding), allow=False)
     check_resume_settings(saved, settings_of(binding), allow=True)  # --allow_changed_settings: listed, continued
     assert "resuming with changed settings (--allow_changed_settings):\n" in capsys.readouterr().out
+
+
+def test_a_changed_model_override_refuses_a_resume(spec_of):
+    """A random policy's architecture (a model_config override) is run-defining like every other part."""
+    saved = spec_of("model_config.num_hidden_layers = 3").settings()
+    with pytest.raises(ValueError, match=r"  model\.num_hidden_layers: checkpoint 3, now 2"):
+        check_resume_settings(saved, spec_of("model_config.num_hidden_layers = 2").settings(), allow=False)
 
 
 def test_a_changed_execution_setting_resumes_with_one_warning_each(base_settings, capsys):
@@ -237,6 +257,40 @@ class _SeenScorer:
     def score(self, texts, answers, lengths, records=None):
         self.records += records
         return [float(t.endswith(a)) for t, a in zip(texts, answers, strict=True)], {}
+
+
+def test_the_trainers_scoring_grades_each_group_against_its_own_answer(spec_of):
+    """``Trainer.score`` as a step calls it, on the run's own parts (the policy's tokenizer decodes, the spec's
+    RewardScorer grades, a data source by its own reward): groups with different answers (of different lengths)
+    and rewards, handed over in an order other than their admission (group ids 2, 0, 1, members out of uid order).
+    The three responses are the same in every group, so an answer, record or reward of another group shows."""
+    from types import SimpleNamespace
+
+    from rollverify_jax.data.rewards import RewardScorer
+    from rollverify_jax.models.tokenizer import Tokenizer
+    from rollverify_jax.run.trainer import Trainer
+
+    spec = spec_of(f"TrainConfig.policy_path = '{POLICY}'", "RewardScorer.name = 'exact'",
+                   "RewardScorer.by_data_source = {'dapo_src': 'dapo'}")
+    tokenizer = Tokenizer.from_dir(POLICY)
+    responses = [tokenizer.encode(f"Answer: {a}") for a in ("305", "7", "12")]
+    groups = []
+    for gid, answer, source in ((2, "305", "dapo_src"), (0, "7", "synthetic"), (1, "12", "synthetic")):
+        group = Group(group_id=gid, size=3, record={"prompt": f"p{gid}", "answer": answer, "data_source": source})
+        for j in (2, 0, 1):  # inserted out of uid order
+            t = Trajectory(uid=10 * gid + j, group_id=gid, prompt=np.zeros(2, np.int32), seed=j, max_new_tokens=16)
+            t.tokens = list(responses[j])
+            group.finished[t.uid] = t
+        groups.append(group)
+    serving = SimpleNamespace(tokenizer=tokenizer, scorer=RewardScorer(**spec.reward), tools=None)
+    try:
+        scored = Trainer.score(SimpleNamespace(spec=spec, serving=serving), groups)
+    finally:
+        serving.scorer.close()
+    assert [t.uid for t in scored.trajs] == [20, 21, 22, 0, 1, 2, 10, 11, 12]
+    np.testing.assert_array_equal(scored.rewards, [1, -1, -1, 0, 1, 0, 0, 0, 1])  # dapo: -1 when wrong
+    assert [r["answer"] for r in scored.records] == ["305"] * 3 + ["7"] * 3 + ["12"] * 3
+    np.testing.assert_array_equal(np.sign(scored.advantages), [1, -1, -1, -1, 1, -1, -1, -1, 1])
 
 
 def test_the_reward_sees_the_whole_interaction_of_a_multi_turn_trajectory():

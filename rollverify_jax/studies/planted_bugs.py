@@ -5,6 +5,7 @@ tree is never touched), the tests that cover that code run against the copy, and
 they fail. The table goes to stdout and to ``docs/planted_bugs.md``.
 
     python -m rollverify_jax.studies.planted_bugs [--only NAME ...] [--out docs/planted_bugs.md]
+    python -m rollverify_jax.studies.planted_bugs --only NAME ... --merge   # re-measure some rows, keep the others
     python -m rollverify_jax.studies.planted_bugs --dry_run   # every bug still plants; the table, nothing run
 """
 
@@ -33,6 +34,7 @@ class Bug:
 
 
 T = "tests/test_train.py::"
+P = "tests/test_partial_rollout.py::"
 BUGS = [
     Bug("verifier: token stage `>=` -> `>`", "rollverify_jax/verify/verifier.py",
         "& (ops >= dt)", "& (ops > dt)", ("tests/test_verifier.py",)),
@@ -88,6 +90,65 @@ BUGS = [
         ("tests/test_datasets.py",)),
     Bug("a hung grader is never killed (no deadline for its worker)", "rollverify_jax/data/rewards.py",
         "timeout=self.timeout_s + self.hard_timeout_grace_s)", "timeout=None)", ("tests/test_rewards.py",)),
+    # Issue 50: the code added since the first 20 (packed and shared prefill, tool use, the run spec, the workdir
+    # lock, restore errors, evaluation, reward plug-ins, the packed learner, the asynchronous mode, scoring).
+    Bug("a group's shared prompt K/V is copied into the pages of its admission index, not its slot",
+        "rollverify_jax/rollout/engine.py", "table[slots[source[i]], p], table[slots[i], p])",
+        "table[slots[source[i]], p], table[i, p])", ("tests/test_engine.py",)),
+    Bug("packed prefill: sequences sharing a row attend to each other (one segment)",
+        "rollverify_jax/rollout/engine.py",
+        "tokens[r, cols], positions[r, cols], segments[r, cols] = seq[:-1], pos, segment",
+        "tokens[r, cols], positions[r, cols], segments[r, cols] = seq[:-1], pos, 1", ("tests/test_engine.py",)),
+    Bug("verify_finished: re-verified finished members counted in the acceptance rate",
+        "rollverify_jax/rl/partial_rollout.py",
+        "verified = _verify_summary(sched.verified)",
+        "verified = _verify_summary(sched.verified + sched.verified_finished)",
+        (P + "test_with_verify_finished_the_acceptance_still_counts_paused_trajectories_only",)),
+    Bug("async: the staleness cap admits one batch more", "rollverify_jax/rl/partial_rollout.py",
+        "cap = (self.async_cfg.max_staleness + 1) * self.config.batch_groups",
+        "cap = (self.async_cfg.max_staleness + 2) * self.config.batch_groups",
+        (P + "test_async_cycles_hold_the_staleness_cap_and_treat_the_running_trajectories_as_at_swap_says",)),
+    Bug("async: 'reprefill' verifies at the swap like 'verify'", "rollverify_jax/rl/partial_rollout.py",
+        'self.asynchronous and self.async_cfg.at_swap == "verify")',
+        'self.asynchronous and self.async_cfg.at_swap != "keep_stale_kv")',
+        (P + "test_async_cycles_hold_the_staleness_cap_and_treat_the_running_trajectories_as_at_swap_says",)),
+    Bug("async: a staged copy of another dtype is installed", "rollverify_jax/rollout/publish.py",
+        "if s is None or s.shape != w.shape or s.dtype != w.dtype or s.sharding != w.sharding:",
+        "if s is None or s.shape != w.shape or s.sharding != w.sharding:",
+        ("tests/test_async_rollout.py::test_a_failed_or_partial_publish_leaves_the_previous_version",)),
+    Bug("async: the learner's weights are published as the previous version", "rollverify_jax/run/trainer.py",
+        "self.publisher.stage(self.train_state.params, self.step)",
+        "self.publisher.stage(self.train_state.params, self.step - 1)",
+        ("tests/test_async_rollout.py::test_an_async_run_publishes_verifies_and_resumes_exactly",)),
+    Bug("resume fingerprint: the reward is bookkeeping (a resume with another reward goes on)",
+        "rollverify_jax/run/spec.py", 'NOT_COMPARED_PARTS = frozenset({"checkpoint",',
+        'NOT_COMPARED_PARTS = frozenset({"reward", "checkpoint",', ("tests/test_spec.py",)),
+    Bug("resume fingerprint: execution settings left out (a changed kernel is not reported)",
+        "rollverify_jax/run/spec.py", "if name not in NOT_COMPARED:",
+        "if name not in NOT_COMPARED and name not in EXECUTION_SETTINGS:", ("tests/test_spec.py",)),
+    Bug("scoring: each response graded by another record's data-source reward", "rollverify_jax/data/rewards.py",
+        "record = records[i] if records is not None else None",
+        "record = records[-1 - i] if records is not None else None", ("tests/test_spec.py",)),
+    Bug("reward plug-ins: a verl reward gets no extra_info", "rollverify_jax/data/plugins.py",
+        '"ground_truth": answer, "extra_info": context.get("extra_info")}',
+        '"ground_truth": answer, "extra_info": None}',
+        ("tests/test_rewards.py::test_verl_and_trl_rewards_per_data_source",)),
+    Bug("tool use: one tool call past max_calls gets a reply", "rollverify_jax/rollout/tool_use.py",
+        "return t.tool_calls < self.config.max_calls and", "return t.tool_calls <= self.config.max_calls and",
+        ("tests/test_tool_use.py::test_a_call_past_the_budget_ends_the_trajectory",)),
+    Bug("packed learner: RoPE positions run on across a packed row", "rollverify_jax/rl/packing.py",
+        "out[keys[1]][flat_row, cols] = np.arange(m)", "out[keys[1]][flat_row, cols] = np.arange(offset, offset + m)",
+        ("tests/test_packing.py",)),
+    Bug("workdir lock: a lock whose pid was reused is never taken over", "rollverify_jax/run/workdir_lock.py",
+        'if started[0] > float(holder.get("started", 0)) + 1.0:',
+        'if started[0] > float(holder.get("started", 0)) + 1e9:',
+        ("tests/test_workdir_lock.py",)),
+    Bug("restore: any tensorstore error is taken for damage (the step is moved aside)",
+        "rollverify_jax/run/checkpoint.py",
+        "if code in _DAMAGE_CODES:", "if code is not None:", ("tests/test_checkpoint.py",)),
+    Bug("evaluation: maj@k votes over all n samples", "rollverify_jax/run/evaluation.py",
+        "for j, answer in enumerate(row[:k]):", "for j, answer in enumerate(row):",
+        ("tests/test_evaluate.py::test_pass_at_k_is_the_unbiased_estimator_and_maj_at_k_votes_on_extracted_answers",)),
 ]
 
 
@@ -137,6 +198,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "planted_bugs.md"))
     ap.add_argument("--dry_run", action="store_true", help="plant each bug in memory and check its tests exist; "
                     "print the table without running them (nothing written)")
+    ap.add_argument("--merge", action="store_true", help="with --only: write the table with the bugs run now "
+                    "re-measured (each row names its commit) and every other row as --out already has it")
     args = ap.parse_args()
     bugs = [b for b in BUGS if not args.only or any(s in b.name for s in args.only)]
     rows = []
@@ -146,7 +209,11 @@ def main() -> None:
             check_tests(bug)
         print(report([(bug, None, 0.0, "") for bug in bugs], "dry run"))
         return
+    # The commit the run starts at (the tree it copies for each bug is the working tree: leave it alone meanwhile).
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     for bug in bugs:
+        check_tests(bug)  # a test that is not there fails pytest too: it must not count as a catch
         with tempfile.TemporaryDirectory(prefix="planted_") as tmp:
             tree = Path(tmp) / "repo"
             _copy_repo(tree)
@@ -154,13 +221,35 @@ def main() -> None:
             caught, seconds, summary = run_tests(tree, bug.tests)
         rows.append((bug, caught, seconds, summary))
         print(f"{'CAUGHT' if caught else 'MISSED'}  {bug.name}  ({seconds:.0f} s: {summary})", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    text = report(rows, commit)
-    if not args.only:
+    if args.merge:
+        text = merged(Path(args.out).read_text(), rows, commit)
+    else:
+        text = report(rows, commit)
+    if not args.only or args.merge:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
     print(f"caught {sum(bool(c) for _, c, _, _ in rows)} of {len(rows)}")
+
+
+def _row(bug: Bug, caught: bool | None, seconds: float, summary: str, at: str = "") -> str:
+    tests = ", ".join(f"`{t.replace('tests/', '')}`" for t in bug.tests)
+    said = "-" if caught is None else f"{summary.replace('|', '/')} ({seconds:.0f} s{at})"
+    shown = "not run" if caught is None else "yes" if caught else "**no**"
+    return f"| {bug.name} | `{bug.path}` | {tests} | {shown} | {said} |"
+
+
+def merged(old: str, rows: list[tuple[Bug, bool | None, float, str]], commit: str) -> str:
+    """The table ``old`` (docs/planted_bugs.md) with ``rows`` re-measured at ``commit`` (said in each row) and
+    every other bug's row kept as it was (not run: a bug it does not have yet), in ``BUGS`` order."""
+    kept = {line.split(" | ")[0][2:]: line for line in old.splitlines()
+            if line.startswith("| ") and not line.startswith(("| planted bug ", "| --- "))}
+    now = {bug.name: _row(bug, caught, seconds, summary, f"; measured at `{commit}`")
+           for bug, caught, seconds, summary in rows}
+    lines = [now.get(b.name) or kept.get(b.name) or _row(b, None, 0.0, "") for b in BUGS]
+    header = old.split("| planted bug |")[0].rstrip("\n").splitlines()
+    caught = sum(" | yes | " in line for line in lines)
+    return "\n".join([*header, "", "| planted bug | file | tests run | caught | pytest says |",
+                      "| --- | --- | --- | --- | --- |", *lines, "", f"Caught: {caught} of {len(lines)}.", ""])
 
 
 def report(rows: list[tuple[Bug, bool | None, float, str]], commit: str) -> str:
@@ -171,11 +260,7 @@ def report(rows: list[tuple[Bug, bool | None, float, str]], commit: str) -> str:
              "Each bug is a one-line edit planted in a scratch copy of the repository; the tests listed run",
              "against it, and the bug is caught when they fail.", "",
              "| planted bug | file | tests run | caught | pytest says |", "| --- | --- | --- | --- | --- |"]
-    for bug, caught, seconds, summary in rows:
-        tests = ", ".join(f"`{t.replace('tests/', '')}`" for t in bug.tests)
-        said = "-" if caught is None else f"{summary.replace('|', '/')} ({seconds:.0f} s)"
-        shown = "not run" if caught is None else "yes" if caught else "**no**"
-        lines.append(f"| {bug.name} | `{bug.path}` | {tests} | {shown} | {said} |")
+    lines += [_row(bug, caught, seconds, summary) for bug, caught, seconds, summary in rows]
     lines += ["", f"Caught: {sum(bool(c) for _, c, _, _ in rows)} of {len(rows)}.", ""]
     return "\n".join(lines)
 
