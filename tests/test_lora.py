@@ -2,6 +2,7 @@
 exact behaviour log-probs, adapter-only publishing, merged and PEFT exports."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +12,22 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from shared import train_run
+from test_train import LENGTH_REWARD, _assert_same_rows, _Killed
 
+from rollverify_jax import export
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.infra.transfer import tree_bytes
-from rollverify_jax.models import lora, save_pretrained
+from rollverify_jax.models import load_pretrained, lora, save_pretrained
+from rollverify_jax.models.hf import read_config
 from rollverify_jax.models.lora import LoraConfig
 from rollverify_jax.models.qwen3 import init_model, model_config
 from rollverify_jax.rl import learner, packing
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout.publish import WeightPublisher
+from rollverify_jax.run import builder
+from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
 
 CFG = LoraConfig(rank=4, alpha=8.0)
 PROJECTIONS = {("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
@@ -190,3 +198,70 @@ def test_a_peft_adapter_loads_onto_the_hf_base_and_runs_the_same_model(adapted, 
     np.testing.assert_allclose(got, np.asarray(moved(tokens)), atol=1e-4)
     adapted_modules = [n for n, m in hf.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
     assert len(adapted_modules) == len(lora.adapted_weights(moved))
+
+
+LORA_RUN = ("LoraConfig.rank = 4", "LoraConfig.alpha = 8.0", "OptimizerConfig.learning_rate = 1e-2",
+            "EvalConfig.at_start = False", *LENGTH_REWARD)  # rewards that differ within a group: the loss moves
+
+
+def _lora_params(workdir, policy, adapted):
+    """(step, adapters) of a LoRA run's latest checkpoint (its fingerprint names the base)."""
+    fingerprint = builder.config_fingerprint(read_config(policy), LoraConfig(rank=4, alpha=8.0), str(policy))
+    with Checkpointer(workdir, CheckpointConfig(async_save=False), model_fingerprint=fingerprint) as ckpt:
+        step = ckpt.latest_step()
+        mesh = mesh_lib.make_mesh((1, 1, 1), devices=jax.devices()[:1])  # where the model under test lives
+        return step, ckpt.restore_params(step, learner.abstract_params(adapted, mesh))
+
+
+def test_a_lora_run_resumes_exactly_exports_merged_and_peft_and_refuses_another_base(policy, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Killed in step 2's rollout, a LoRA run resumes to the uninterrupted run's metrics and adapters bit for bit;
+    its checkpoint holds the adapters and their optimizer state only. The export merges them into the base
+    (transformers loads it) or writes them alone (peft loads them onto the base): the same logits either way. A
+    resume on a base whose weights changed in place is refused, naming the base's hash."""
+    policy = shutil.copytree(policy, tmp_path / "base")  # its weights are replaced at the end
+    full = train_run(policy, tmp_path / "full", "rollverify", 2, LORA_RUN)
+    assert any(abs(m["loss"]) > 1e-6 for m in full) and full[0]["ops/token_mean"] < 1e-5  # on-policy at step 1
+    phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
+
+    def dying_step(self):
+        if len(phases) == 2 and self.stats.dispatches >= 2:
+            raise _Killed
+        return step(self)
+
+    monkeypatch.setattr(RolloutManager, "run_phase", lambda self: (phases.append(1), run_phase(self))[1])
+    monkeypatch.setattr(Scheduler, "step", dying_step)
+    with pytest.raises(_Killed):
+        train_run(policy, tmp_path / "split", "rollverify", 2, LORA_RUN)
+    monkeypatch.setattr(Scheduler, "step", step)
+    resumed = train_run(policy, tmp_path / "split", "rollverify", 2, LORA_RUN)
+    _assert_same_rows(full, resumed)
+    base = load_pretrained(policy)
+    adapted = lora.adapt(base, LoraConfig(rank=4, alpha=8.0))
+    (step_a, a), (step_b, b) = _lora_params(tmp_path / "full", policy, adapted), \
+        _lora_params(tmp_path / "split", policy, adapted)
+    assert step_a == step_b == 2
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert sum(x.size for x in jax.tree.leaves(a)) < sum(x.size for x in jax.tree.leaves(nnx.state(base))) / 5
+    graphdef, _, frozen = lora.split_trainable(adapted)
+    adapted = nnx.merge(graphdef, a, frozen)
+    tokens = _tokens(base.cfg.vocab_size)
+    want = np.asarray(adapted(tokens))
+    export.main([f"--checkpoint={tmp_path / 'full'}", f"--out={tmp_path / 'merged'}"])
+    export.main([f"--checkpoint={tmp_path / 'full'}", f"--out={tmp_path / 'adapter'}", "--adapter_only"])
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+        peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+        for got in (merged, peft_model):
+            np.testing.assert_allclose(got(torch.tensor(np.asarray(tokens))).logits.numpy(), want, atol=1e-4)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+
+    save_pretrained(init_model(base.cfg, seed=11), policy)  # same path and architecture, other weights
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_run(policy, tmp_path / "full", "rollverify", 3, LORA_RUN)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "lora_base_sha256" in err, err
