@@ -23,8 +23,8 @@ from rollverify_jax.models.hf import read_config
 from rollverify_jax.models.lora import LoraConfig
 from rollverify_jax.models.qwen3 import init_model, model_config
 from rollverify_jax.rl import learner, packing
-from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rl.partial_rollout import RolloutManager
+from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout.publish import WeightPublisher
 from rollverify_jax.run import builder
 from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
