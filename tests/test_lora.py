@@ -118,7 +118,8 @@ def _batch(model, rows=4, prompt=3, width=12, seed=0):
     graphdef, params, frozen = lora.split_trainable(model)
     logp = np.asarray(learner.compute_logprobs(graphdef, params, tokens, mask, 1.0, frozen))
     return {"tokens": tokens, "loss_mask": ((pos >= prompt) & mask).astype(np.float32),
-            "behavior_logp": logp - 0.1 * ((pos >= prompt) & mask), "advantages": rng.normal(size=rows).astype(np.float32),
+            "behavior_logp": logp - 0.1 * ((pos >= prompt) & mask),
+            "advantages": rng.normal(size=rows).astype(np.float32),
             "attention_mask": mask}
 
 

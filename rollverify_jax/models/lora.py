@@ -63,7 +63,8 @@ class LoraConfig:
         try:
             re.compile(self.target_modules)
         except re.error as e:
-            raise ValueError(f"LoraConfig.target_modules={self.target_modules!r} is not a regular expression: {e}.")
+            raise ValueError(f"LoraConfig.target_modules={self.target_modules!r} is not a regular expression: "
+                             f"{e}.") from None
 
     @property
     def enabled(self) -> bool:

@@ -114,8 +114,8 @@ def resume_settings(spec: RunSpec) -> tuple[dict, dict]:
     tokenizer = Tokenizer.from_dir(tok_path, model_vocab_size=cfg.vocab_size)
     records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"),
                            prompt_renderer(spec.train, tokenizer), spec.max_prompt_len())
-    return config_fingerprint(cfg, spec.lora, spec.train.policy_path), run_settings(spec, input_identity(spec, records, tokenizer),
-                                                 spec.engine.compute_dtype or cfg.dtype)
+    settings = run_settings(spec, input_identity(spec, records, tokenizer), spec.engine.compute_dtype or cfg.dtype)
+    return config_fingerprint(cfg, spec.lora, spec.train.policy_path), settings
 
 
 def build_policy(spec: RunSpec, checkpoint: storage.PathLike | None = None, mesh: Mesh | None = None,

@@ -71,7 +71,8 @@ def dry_run(spec: RunSpec, num_devices: int | None = None) -> dict:
     lora_part = ({"lora_rank": spec.lora.rank, "trainable_params": sum(x.size for x in
                   jax.tree.leaves(run.learner.abstract_state.params)),
                   "frozen_param_bytes_per_device": per_device_bytes(run.learner.frozen)} if spec.lora.enabled else {})
-    return {"params": cfg.num_params(), "param_bytes_per_device": per_device, **lora_part, "mesh": dict(mesh.shape), **meshes,
+    return {"params": cfg.num_params(), "param_bytes_per_device": per_device, **lora_part, "mesh": dict(mesh.shape),
+            **meshes,
             "rows_per_step": rows, "kv_bytes_per_sequence": kv_per_seq,
             "kv_bytes_all_slots": kv_per_seq * engine.num_slots,
             "full_length_sequences_in_kv_budget":

@@ -231,7 +231,8 @@ def compile_programs(learner, plan, model, rollout, aot: AotConfig, *, topology:
         # What a weight publish moves (whole slice): the trained params, a LoRA run's adapters alone (their share of
         # the base's bytes, what a full-parameter publish would move).
         "publish_bytes": publish_bytes, "model_param_bytes": model_param_bytes,
-        **({"lora": {"trainable_params": adapter_params, "publish_fraction": publish_bytes / (model_param_bytes - publish_bytes)}}
+        **({"lora": {"trainable_params": adapter_params,
+                     "publish_fraction": publish_bytes / (model_param_bytes - publish_bytes)}}
            if adapter_params else {}),
         **({"rollout_mesh": dict(plan.mesh.shape), "meshes": meshes} if split else {}),
         "logprobs_for": logprob_users,
