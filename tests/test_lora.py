@@ -155,50 +155,27 @@ def _sample(engine, n=4, seed=0):
     return sorted(sched.take_finished(), key=lambda t: t.uid)
 
 
-def test_engine_logprobs_equal_the_learners_on_the_adapted_model(adapted):
-    """What makes OPS exact under LoRA: the engine runs the adapters in its forward, with the learner's einsums."""
-    moved = _moved(adapted)
-    engine = Engine(moved, EngineConfig(num_slots=4, page_size=8, max_seq_len=32, steps_per_dispatch=4),
-                    SamplingConfig(temperature=1.0))
-    graphdef, params, frozen = lora.split_trainable(moved)
-    for t in _sample(engine):
-        seq = np.asarray([*t.prompt, *t.tokens], np.int32)[None]
-        logp = learner.compute_logprobs(graphdef, params, seq, np.ones_like(seq, bool), 1.0, frozen)
-        np.testing.assert_allclose(t.logps, np.asarray(logp)[0, len(t.prompt):], atol=2e-5)
-
-
-def test_a_publish_moves_the_adapters_alone(adapted):
+def test_a_publish_moves_the_adapters_alone_and_the_engine_samples_the_learners_policy(adapted):
+    """The engine keeps its base (the same arrays) and takes the published adapters; it runs them in its forward
+    with the learner's einsums, so its behaviour log-probs are the learner's on the adapted model: what makes OPS
+    exact under LoRA."""
     engine = Engine(adapted, EngineConfig(num_slots=4, page_size=8, max_seq_len=32, steps_per_dispatch=4),
                     SamplingConfig(temperature=1.0))
     base = jax.tree.leaves(engine.params)
     moved = _moved(adapted)
-    trainable = lora.split_trainable(moved)[1]
+    graphdef, trainable, frozen = lora.split_trainable(moved)
     publisher = WeightPublisher(engine)
     publisher.stage(trainable, 1)
     metrics = publisher.swap()
     assert metrics["publish/failed"] == 0 and metrics["publish/bytes"] == tree_bytes(trainable)
     assert metrics["publish/bytes"] < tree_bytes(nnx.state(adapted, nnx.Param)) / 5
-    frozen_now = [x for x in jax.tree.leaves(engine.params) if any(x is y for y in base)]
-    assert len(frozen_now) == len(jax.tree.leaves(lora.split_trainable(adapted)[2]))  # the base: the same arrays
-    direct = Engine(moved, engine.config, engine.sampling)
-    assert [t.tokens for t in _sample(engine)] == [t.tokens for t in _sample(direct)]
-
-
-def test_a_peft_adapter_loads_onto_the_hf_base_and_runs_the_same_model(adapted, tmp_path):
-    moved = _moved(adapted)
-    base = nnx.merge(nnx.split(lora.structure(moved.cfg))[0], lora.split_trainable(moved)[2])
-    save_pretrained(base, tmp_path / "base")
-    lora.save_peft_adapter(moved, tmp_path / "adapter", base_model=str(tmp_path / "base"))
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == CFG.rank and config["lora_alpha"] == CFG.alpha and config["peft_type"] == "LORA"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
-    hf = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
-    tokens = _tokens(moved.cfg.vocab_size)
-    with torch.no_grad():
-        got = hf(torch.tensor(np.asarray(tokens))).logits.numpy()
-    np.testing.assert_allclose(got, np.asarray(moved(tokens)), atol=1e-4)
-    adapted_modules = [n for n, m in hf.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    assert len(adapted_modules) == len(lora.adapted_weights(moved))
+    kept = [x for x in jax.tree.leaves(engine.params) if any(x is y for y in base)]
+    assert len(kept) == len(jax.tree.leaves(frozen))  # the base: the same arrays, never republished
+    for t in _sample(engine):
+        seq = np.asarray([*t.prompt, *t.tokens], np.int32)[None]
+        logp = learner.compute_logprobs(graphdef, trainable, seq, np.ones_like(seq, bool), 1.0, frozen)
+        np.testing.assert_allclose(t.logps, np.asarray(logp)[0, len(t.prompt):], atol=2e-5)
+        assert t.versions == [1] * t.num_tokens
 
 
 LORA_RUN = ("LoraConfig.rank = 4", "LoraConfig.alpha = 8.0", "OptimizerConfig.learning_rate = 1e-2",
@@ -259,6 +236,10 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_peft_and_refuses_another_
             np.testing.assert_allclose(got(torch.tensor(np.asarray(tokens))).logits.numpy(), want, atol=1e-4)
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
                                                                         "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["base_model_name_or_path"] == str(policy)
+    adapted_modules = [n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    assert len(adapted_modules) == len(lora.adapted_weights(adapted))  # every adapted weight, no other
 
     save_pretrained(init_model(base.cfg, seed=11), policy)  # same path and architecture, other weights
     capsys.readouterr()

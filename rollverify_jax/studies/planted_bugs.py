@@ -149,6 +149,20 @@ BUGS = [
     Bug("evaluation: maj@k votes over all n samples", "rollverify_jax/run/evaluation.py",
         "for j, answer in enumerate(row[:k]):", "for j, answer in enumerate(row):",
         ("tests/test_evaluate.py::test_pass_at_k_is_the_unbiased_estimator_and_maj_at_k_votes_on_extracted_answers",)),
+    Bug("LoRA: B starts random (an adapted model no longer starts at its base)", "rollverify_jax/models/lora.py",
+        "            value = jnp.zeros(shape, dtype)",
+        "            value = init_a(jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)",
+        ("tests/test_lora.py::test_adapters_cover_every_linear_layer_and_start_at_the_base",)),
+    Bug("LoRA: adapter A sharded along the weight's output axis", "rollverify_jax/models/lora.py",
+        "(LORA_A, (axes[0], None))", "(LORA_A, (axes[1], None))",
+        ("tests/test_lora.py::test_adapters_are_sharded_like_the_weights_they_adapt",)),
+    Bug("LoRA: the merge scales by rank / alpha", "rollverify_jax/models/lora.py",
+        "(w.astype(jnp.float32) + cfg.scale * (a @ b))", "(w.astype(jnp.float32) + (a @ b) / cfg.scale)",
+        ("tests/test_lora.py::test_adapted_forward_is_base_plus_scaled_low_rank_update",)),
+    Bug("LoRA: the checkpoint forgets the base's hash", "rollverify_jax/run/builder.py",
+        "lora_base_sha256=weights_sha256(policy_path) if policy_path is not None else None)",
+        "lora_base_sha256=None)",
+        ("tests/test_lora.py::test_a_lora_run_resumes_exactly_exports_merged_and_peft_and_refuses_another_base",)),
 ]
 
 
