@@ -222,6 +222,7 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_peft_and_refuses_another_
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert sum(x.size for x in jax.tree.leaves(a)) < sum(x.size for x in jax.tree.leaves(nnx.state(base))) / 5
+    assert all(m["publish/bytes"] == tree_bytes(a) for m in full)  # what the engine took: the adapters alone
     graphdef, _, frozen = lora.split_trainable(adapted)
     adapted = nnx.merge(graphdef, a, frozen)
     tokens = _tokens(base.cfg.vocab_size)

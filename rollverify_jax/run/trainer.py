@@ -19,6 +19,7 @@ from rollverify_jax.data.datasets import PromptIterator
 from rollverify_jax.data.prompts import PromptRenderer
 from rollverify_jax.data.rewards import RewardScorer
 from rollverify_jax.infra import distributed
+from rollverify_jax.infra.transfer import tree_bytes
 from rollverify_jax.models import Qwen3ForCausalLM, Tokenizer
 from rollverify_jax.rl import step as step_lib
 from rollverify_jax.rl.partial_rollout import PhaseResult, RolloutManager
@@ -123,7 +124,9 @@ class Trainer:
             self.train_state, metrics = self.train_step(self.train_state, batch)
             self.step += 1
             self.serving.engine.update_params(self.train_state.params, version=self.step)
-            return {k: float(v) for k, v in distributed.fetch(metrics).items()}
+            # What the engine takes from the learner: every weight, or a LoRA run's adapters alone.
+            return {**{k: float(v) for k, v in distributed.fetch(metrics).items()},
+                    "publish/bytes": float(tree_bytes(self.train_state.params))}
         t0 = time.perf_counter()
         self.train_state, metrics = self.train_step(self.train_state, batch)
         self.step += 1
