@@ -186,7 +186,7 @@ def export(spec: RunSpec, checkpoint: storage.PathLike, out: storage.PathLike, o
     step, params = restore_params(model, mesh, checkpoint, spec)
     graphdef, _, frozen = lora.split_trainable(model)
     if spec.lora.enabled and not adapter_only:  # the base the adapters were trained on (its hash was checked)
-        frozen = lora.split_trainable(lora.adapt(load_policy(spec, spec.train, mesh), spec.lora))[2]
+        frozen = nnx.state(load_policy(spec, spec.train, mesh), nnx.Param)
     trained = nnx.merge(graphdef, params, frozen)
 
     def save(path: Path) -> None:

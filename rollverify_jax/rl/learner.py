@@ -154,7 +154,8 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 class TrainState:
     """Everything the update changes: a pytree, so it is jitted, donated and checkpointed as one.
 
-    params: `nnx.State` of the model's `nnx.Param`s (Variables keep their `logical_axes` metadata).
+    params: `nnx.State` of what trains: the model's `nnx.Param`s, or a LoRA model's adapters (`nnx.LoRAParam`s);
+        Variables keep their `logical_axes` metadata.
     opt_state: optax state; its moment trees mirror `params` and share their shardings.
     step: int32[] number of optimizer updates so far.
     rng: uint32 key data of the run's PRNG (`jax.random.key_data`); the learner does not consume it.
@@ -246,11 +247,10 @@ def _abstract_on(params: nnx.State, mesh: Mesh, rules: dict[str, tuple[str, ...]
 def place_frozen(model: nnx.Module, mesh: Mesh) -> nnx.State:
     """`model`'s frozen weights on `mesh` by their logical axes, not copied where they are already placed so (the
     engine on the same mesh holds the same arrays); ShapeDtypeStructs with shardings for an abstract model."""
-    frozen = frozen_state(model)
-    shardings = _state_sharding(frozen, mesh, model.cfg.rules())
+    frozen, rules = frozen_state(model), model.cfg.rules()
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(frozen)):
-        return _abstract_on(frozen, mesh, model.cfg.rules())
-    return _map_with_shardings(jax.device_put, frozen, shardings)
+        return _abstract_on(frozen, mesh, rules)
+    return _map_with_shardings(jax.device_put, frozen, _state_sharding(frozen, mesh, rules))
 
 
 def _map_with_shardings(fn: Callable[[Any, NamedSharding], Any], tree: Any, shardings: Any) -> Any:
