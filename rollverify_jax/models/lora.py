@@ -82,33 +82,37 @@ def _provider(cfg: LoraConfig) -> qwix.LoraProvider:
                                             op_names=("einsum",))])
 
 
-def _with_adapter_axes(model: nnx.Module) -> None:
-    """Gives each adapter the logical axes of its weight's side (A: the input's, B: the output's), so adapters are
-    sharded like the weight they adapt; the rank dimension is replicated. (qwix copies a weight's sharding
-    metadata only under Flax's own names; the model's is ``logical_axes``.)"""
-    for _, module in nnx.iter_modules(model):
-        for name in list(vars(module)):
-            if not name.endswith(LORA_A):
-                continue
-            weight = name[: -len(LORA_A)]
-            axes = getattr(module, weight).get_metadata().get("logical_axes")
-            for suffix, side in ((LORA_A, (axes[0], None)), (LORA_B, (None, axes[1]))):
-                adapter = getattr(module, weight + suffix)
-                setattr(module, weight + suffix, nnx.LoRAParam(adapter.get_value(), logical_axes=side))
+def _add_adapters(model: nnx.Module, cfg: LoraConfig) -> None:
+    """Adds an adapter pair beside each weight a matching module applies with ``qwen3.dense`` (its
+    ``DENSE_WEIGHTS``), in the shapes qwix's einsum interception takes for ``...i,io->...o``: ``A`` [in, rank],
+    ``B`` [rank, out], each with its weight's side of the logical axes (the rank dimension replicated), so adapters
+    are sharded like the weight they adapt. The values are placeholders: ``adapt`` draws them.
+
+    qwix would create the same pairs itself in one traced forward, but reads each weight's sharding on the way,
+    which on a tracer costs a walk over every equation traced so far: 5 minutes for Qwen3-0.6B, more for 8B
+    (tests/test_lora.py checks that both ways give the same structure)."""
+    for path, module in nnx.iter_modules(model):
+        if not re.fullmatch(cfg.target_modules, "/".join(map(str, path))):
+            continue
+        for weight in getattr(type(module), "DENSE_WEIGHTS", ()):
+            var = getattr(module, weight)
+            (fan_in, fan_out), dtype = var.shape, var.dtype
+            axes = var.get_metadata()["logical_axes"]
+            setattr(module, weight + LORA_A, nnx.LoRAParam(jax.ShapeDtypeStruct((fan_in, cfg.rank), dtype),
+                                                           logical_axes=(axes[0], None)))
+            setattr(module, weight + LORA_B, nnx.LoRAParam(jax.ShapeDtypeStruct((cfg.rank, fan_out), dtype),
+                                                           logical_axes=(None, axes[1])))
 
 
 @functools.cache
 def _adapted_structure(model_cfg: Qwen3Config, cfg: LoraConfig) -> Qwen3ForCausalLM:
-    """An abstract (shape-only) adapted model of ``model_cfg``: qwix runs one traced forward to place the adapters."""
-    def build():
-        base = Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0))
-        tokens = jnp.zeros((1, 2), jnp.int32)
-        adapted = qwix.apply_lora_to_model(base, _provider(cfg), tokens, methods=("hidden_states",),
-                                           rngs=nnx.Rngs(cfg.seed))
-        _with_adapter_axes(adapted)
-        adapted.lora_config = cfg  # static: what `structure` rebuilds the adapted graph from
-        return adapted
-    model = nnx.eval_shape(build)
+    """An abstract (shape-only) adapted model of ``model_cfg``: qwix's intercepted model (its ``hidden_states``
+    applies the adapters of every matching module) with the adapter pairs in place."""
+    base = nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0)))
+    model = qwix.apply_lora_to_model(base, _provider(cfg), skip_nnx_init=True, methods=("hidden_states",),
+                                     rngs=nnx.Rngs(cfg.seed))
+    _add_adapters(model, cfg)
+    model.lora_config = cfg  # static: what `structure` rebuilds the adapted graph from
     if not adapted_weights(model):
         raise ValueError(f"LoraConfig.target_modules={cfg.target_modules!r} matches no module with a projection "
                          r"weight; module paths look like 'layers/0/self_attn' or 'layers/0/mlp' (default "

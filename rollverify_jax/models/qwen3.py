@@ -245,6 +245,8 @@ dot_product_attention = flash_attention.reference_attention
 
 
 class Attention(nnx.Module):
+    DENSE_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the weights it applies with `dense` (LoRA's targets)
+
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
         pd = resolve_dtype(cfg.param_dtype)
         h, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -278,6 +280,8 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    DENSE_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # the weights it applies with `dense` (LoRA's targets)
 
     def __init__(self, hidden: int, inner: int, *, param_dtype, rngs: nnx.Rngs):
         self.gate_proj = _param(rngs, (hidden, inner), ("embed", "mlp"), param_dtype)
