@@ -31,12 +31,13 @@ RULES = ("two_stage", "coupled")  # VerifyConfig.rule
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
-    """RollVerify's verification settings. rule: 'two_stage' (the paper's: OPS thresholds ds, dt; near
-    on-policy) or 'coupled' (exact: keep the tokens the new policy samples with each token's own Gumbel noise,
-    docs/method.md; ds and dt unused). ds: segment threshold on mean OPS; dt: token threshold on OPS;
+    """RollVerify's verification settings. ds: segment threshold on mean OPS; dt: token threshold on OPS;
     verify_finished: also re-verify finished trajectories still in the cache (members waiting for their group,
     and complete groups carried to a later batch), each re-prefilled in a slot every cycle. Off by default, as
-    the paper verifies paused (unfinished) trajectories only. The acceptance window is `SwitchConfig`."""
+    the paper verifies paused (unfinished) trajectories only. The acceptance window is `SwitchConfig`.
+    rule: 'two_stage' (the paper's rule on the OPS thresholds ds and dt: a near on-policy prefix) or 'coupled'
+    (exact: the prefix the new policy samples with each token's own Gumbel noise, docs/method.md; ds and dt
+    unused)."""
 
     ds: float = DEFAULT_DS
     dt: float = DEFAULT_DT
