@@ -160,8 +160,8 @@ def main() -> None:
         print(line, flush=True)
         cost.append(line)
     body = ("\n".join(rows) + f"\n\nSame weights for decode and resume ({args.slots} trajectories x {args.new} tokens "
-            "after a 24-32-token random prompt, EOS off, T = 1), so every disagreement of the coupled check (the resume "
-            "prefill's `sampled_argmax` with each token's own Gumbel noise against the token decode sampled) is "
+            "after a 24-32-token random prompt, EOS off, T = 1), so every disagreement of the coupled check (the "
+            "resume prefill's `sampled_argmax` with each token's own Gumbel noise against the token decode sampled) is "
             "numerical noise between the two paths; a trajectory with one is cut by the rule (a false cut). dtypes "
             "as in the OPS noise floor section.\n\n" + "\n".join(cost) +
             f"\n\nThe resume prefill of the same {args.slots} x {args.new}-token trajectories (`logits_chunk = 64`, "

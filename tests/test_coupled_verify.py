@@ -166,12 +166,8 @@ def test_coupled_rule_is_exact_in_distribution_and_the_others_are_not():
     TV 0.01 of B's exact one (the sampling floor at this size is ~0.006); SPEC-RL's rule (accept min(1, pi/mu),
     redraw from pi) is not. The two-stage rule's distance is reported (docs/results/coupled_verify.md)."""
     policy = load_pretrained(POLICY)
-    prompt = np.arange(4, 12, dtype=np.int32)
-    graphdef, state = nnx.split(policy)
-    rng = np.random.default_rng(1)
-    b_state = jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(x.dtype), state)
-    a = coupling.TwoTokenLogits.of(policy, prompt)
-    b = coupling.TwoTokenLogits.of(nnx.merge(graphdef, b_state), prompt)
+    a = coupling.TwoTokenLogits.of(policy, coupling.PROMPT)
+    b = coupling.TwoTokenLogits.of(coupling.moved(policy, 0.02), coupling.PROMPT)
     cfg = SamplingConfig(1.0)
     seeds = np.arange(100_000, dtype=np.uint32)
     coupled, keep = coupling.verify_rule("coupled", a, b, seeds, cfg)
