@@ -11,7 +11,7 @@ from flax import nnx
 
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
-from rollverify_jax.rollout.sampling import _filter, request_keys, sample_tokens, sampled_argmax
+from rollverify_jax.rollout.sampling import _filter, request_keys, sample_tokens, sampled_argmax, samples
 from rollverify_jax.studies import coupling
 from rollverify_jax.verify import VerifyConfig, coupled_keep, coupled_verify_with_stats
 from tests.shared import POLICY
@@ -60,6 +60,20 @@ def test_the_sampler_is_argmax_of_processed_logits_plus_the_tokens_own_gumbel_no
     np.testing.assert_array_equal(sample_tokens(logits, seeds, index, cfg)[0], ref)
     np.testing.assert_array_equal(sampled_argmax(logits.reshape(8, 8, 40), seeds.reshape(8, 8), index.reshape(8, 8),
                                                  cfg).reshape(-1), ref)
+    # the prefill's check (two plain reductions) is the same test as argmax == token, for the token sampled and
+    # for every other one
+    for tokens in (ref, (ref + 1) % 40, jnp.zeros_like(ref)):
+        np.testing.assert_array_equal(samples(logits, tokens, seeds, index, cfg), ref == tokens)
+
+
+def test_the_check_breaks_ties_as_argmax_does():
+    """Greedy (no noise) on tied logits: argmax takes the first of the tied tokens; so does the check."""
+    logits = jnp.asarray([[0.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0]], jnp.float32)
+    greedy = SamplingConfig(greedy=True)
+    zeros = jnp.zeros((2,), jnp.uint32)
+    for token in range(4):
+        tokens = jnp.full((2,), token, jnp.int32)
+        np.testing.assert_array_equal(samples(logits, tokens, zeros, zeros, greedy), [token == 1, token == 0])
 
 
 def test_a_trajectory_samples_the_same_alone_in_a_crowd_and_paused_at_any_point(engine):

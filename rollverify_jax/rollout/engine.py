@@ -32,7 +32,7 @@ from rollverify_jax.models.qwen3 import (
 )
 from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
-from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens, sampled_argmax
+from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens, samples
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
 SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
@@ -358,11 +358,12 @@ def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: Packed
 
 def _sampled_match(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: jax.Array, index: jax.Array,
                    sampling: SamplingConfig, chunk: int | None) -> jax.Array:
-    """bool[R, W]: ``sampled_argmax`` of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] with the noise of
-    (seeds, index) [R, W] equals ``targets`` [R, W]. ``chunk`` positions at a time (None: all), so no [R, W, V]
-    array is live where the log-probs avoid one; the logits are float32 (``logits_from_hidden``) as in decode."""
+    """bool[R, W]: ``sampled_argmax`` of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] with the noise of (seeds,
+    index) [R, W] equals ``targets`` [R, W] (``sampling.samples``). ``chunk`` positions at a time (None: all), so
+    no [R, W, V] array is live where the log-probs avoid one; the logits are float32 (``logits_from_hidden``) as in
+    decode."""
     def one(h, y, s, i):
-        return sampled_argmax(logits_from_hidden(h, w), s, i, sampling) == y
+        return samples(logits_from_hidden(h, w), y, s, i, sampling)
     if chunk is None:
         return one(hidden, targets, seeds, index)
     r, n, _ = hidden.shape

@@ -61,16 +61,32 @@ def gumbel_noise(seeds: jax.Array, token_index: jax.Array, vocab: int) -> jax.Ar
     return noise.reshape(*shape, vocab)
 
 
-def sampled_argmax(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """int32[...]: the token the sampler draws from ``logits`` [..., V] with the noise of (seed, index) [...]:
-    ``argmax(filter(logits / T) + Gumbel(key(seed, index)))`` (top-k / top-p applied as always), or the plain
-    argmax when greedy. This is ``jax.random.categorical`` written out (it is argmax(logits + gumbel) with the
-    same draw), so decode and the coupled verification compute the one same function."""
+def perturbed_scores(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """float32[..., V]: what the sampler takes the argmax of, for ``logits`` [..., V] and the noise of (seed, index)
+    [...]: ``filter(logits / T) + Gumbel(key(seed, index))`` (top-k / top-p applied as always), or the logits
+    themselves when greedy."""
     logits = logits.astype(jnp.float32)
     if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = _filter(logits / cfg.temperature, cfg)
-    return jnp.argmax(filtered + gumbel_noise(seeds, token_index, logits.shape[-1]), axis=-1).astype(jnp.int32)
+        return logits
+    return _filter(logits / cfg.temperature, cfg) + gumbel_noise(seeds, token_index, logits.shape[-1])
+
+
+def sampled_argmax(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """int32[...]: the token the sampler draws, ``argmax(perturbed_scores)``: ``jax.random.categorical`` of the
+    processed logits written out (it is argmax(logits + gumbel) with the same draw), so decode and the coupled
+    verification compute one function of the same noise."""
+    return jnp.argmax(perturbed_scores(logits, seeds, token_index, cfg), axis=-1).astype(jnp.int32)
+
+
+def samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
+            cfg: SamplingConfig) -> jax.Array:
+    """bool[...]: ``sampled_argmax(logits, seeds, token_index, cfg) == tokens``, computed as the first index
+    holding the maximum (two plain reductions, where ``argmax``'s index-carrying reduction is several times slower
+    on CPU); equal to it for every input without NaN (a NaN score never matches: the token is cut)."""
+    scores = perturbed_scores(logits, seeds, token_index, cfg)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(scores == top, jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape[-1]), axis=-1)
+    return first == tokens
 
 
 def sample_tokens(logits: jax.Array, seeds: jax.Array, token_index: jax.Array,
