@@ -193,3 +193,36 @@ def test_coupled_rule_is_exact_in_distribution_and_the_others_are_not():
     print("TV to B's exact distribution at 100k samples:", tv)
     assert tv["coupled"] < 0.01
     assert tv["spec_rl"] > 0.05
+
+
+def test_the_shape_plan_compiles_the_coupled_resume_prefill_ahead(engine):
+    """A coupled run plans its resume prefill (one program per prefill bucket, beside the admission's) instead of
+    the two-stage verifier; compiled ahead, a resume at that bucket compiles nothing."""
+    import gin
+
+    from rollverify_jax.run import shape_plan
+    from rollverify_jax.run.spec import RunSpec, parse_gin
+
+    def plan_of(config):
+        parse_gin([config], [])
+        try:
+            return shape_plan.plan_run(RunSpec.from_gin(), engine.plan)
+        finally:
+            gin.clear_config()
+    coupled, two_stage = plan_of("configs/studies/coupled_tiny.gin"), plan_of("configs/tiny_rollverify.gin")
+    assert len(coupled.of("coupled_prefill")) == len(coupled.of("prefill")) > 0 and not coupled.of("verify")
+    assert two_stage.of("verify") and not two_stage.of("coupled_prefill")
+    trajs = _requests(3, seed=21)
+    sched = _submit(engine, [_copy(t) for t in trajs], coupled=True)
+    sched.run(max_dispatches=2)
+    cached = sched.pause_all()
+    seqs = [np.concatenate([t.prompt, np.asarray(t.tokens, np.int32)]) for t in cached]
+    shape = engine.pack(seqs, list(range(len(seqs))), [len(t.prompt) for t in cached]).tokens.shape
+    (program,) = [p for p in coupled.of("coupled_prefill") if tuple(v for _, v in p.dims) == shape]
+    jax.clear_caches()  # an earlier test may have compiled it at first use
+    shape_plan.compile_ahead(shape_plan.ShapePlan((program,)), engine, progress=False)
+    with shape_plan.CompileLog() as log:
+        sched.resume(cached, keep=_coupled_keep_fn([]))
+        sched.step()
+    assert "_prefill_fn" not in log.names and ("coupled_prefill", shape) in engine.dispatched
+    sched.pause_all()

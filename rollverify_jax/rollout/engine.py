@@ -1011,7 +1011,7 @@ class Engine:
         = the current params with response token j's noise (seed i, index j) sample that token (the coupled
         verification rule; another program than the two-stage rule's, compiled at its first use)."""
         packed = self.pack(sequences, slots, prompt_lens, source)
-        self.dispatched.add(("prefill", packed.tokens.shape))
+        self.dispatched.add(("prefill" if coupled_seeds is None else "coupled_prefill", packed.tokens.shape))
         if coupled_seeds is None:
             self.state, response_logp = _prefill_jit(self._static(), self.params, self.state, packed,
                                                      np.asarray(with_logp))
