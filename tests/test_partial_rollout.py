@@ -23,10 +23,11 @@ def engine(model):
 
 def _manager(engine, **kw):
     rng = np.random.default_rng(0)
-    verify = VerifyConfig(**{k: kw.pop(k) for k in ("ds", "dt", "verify_finished") if k in kw})
+    verify = VerifyConfig(**{k: kw.pop(k) for k in ("ds", "dt", "verify_finished", "rule") if k in kw})
     asynchronous = kw.pop("asynchronous", None)
     cfg = RolloutConfig(**{"batch_groups": 2, "group_size": 2, "max_new_tokens": 40, **kw})
-    return RolloutManager(cfg, Scheduler(engine), lambda: {"prompt": "x", "answer": "1"},
+    return RolloutManager(cfg, Scheduler(engine, coupled=verify.rule == "coupled"),
+                          lambda: {"prompt": "x", "answer": "1"},
                           lambda rec: rng.integers(4, 60, size=5), seed=1, switch=SwitchConfig(), verify=verify,
                           asynchronous=asynchronous)
 
@@ -83,6 +84,22 @@ def test_rollverify_verifies_cached_tokens_and_reports_acceptance(engine):
     phase = _phase_that_verifies(mgr)
     assert phase.metrics["verify/tokens_total"] > 0
     assert phase.metrics["verify/acceptance"] == 1.0
+
+
+def test_coupled_rule_keeps_every_token_under_unchanged_weights_and_logs_as_the_two_stage_rule(engine):
+    """VerifyConfig.rule = 'coupled': the weights did not change, so the new policy samples every cached token
+    with its own noise: nothing is cut (acceptance 1), whatever the version numbers say; the same metrics are
+    logged. A scheduler that does not compute the check is refused."""
+    mgr = _manager(engine, mode="rollverify", rule="coupled")
+    mgr.run_phase()
+    phase = _phase_that_verifies(mgr)
+    m = phase.metrics
+    assert m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 1.0 and m["verify/num_cut"] == 0
+    assert m["verify/token_stage_cuts"] == 0 and any(k.startswith("verify/segments_checked/") for k in m)
+    mgr.scheduler.pause_all()
+    with pytest.raises(ValueError, match="coupled=True"):
+        RolloutManager(RolloutConfig(), Scheduler(engine), dict, lambda rec: np.arange(4, 9), switch=SwitchConfig(),
+                       verify=VerifyConfig(rule="coupled"))
 
 
 def _phase_that_verifies(mgr):

@@ -68,6 +68,7 @@ BASE = (f"TrainConfig.policy_path = '{POLICY}'", "TrainConfig.train_dataset_kwar
 # as the run's own settings (Trainer.settings, with the data's and tokenizer's hashes) compare them; the value is
 # a key the refusal must name.
 MUST_REFUSE = {
+    "VerifyConfig.rule = 'coupled'": "verify.rule",  # the verification rule (exact vs two-stage)
     "RewardScorer.name = 'dapo'": "reward.name",  # the reward function
     "RewardScorer.overlong_buffer = 16": "reward.overlong_buffer",  # DAPO's overlong penalty
     "RewardScorer.by_data_source = {'openai/gsm8k': 'exact'}": "reward.by_data_source",  # the per-source map

@@ -22,7 +22,7 @@ from rollverify_jax.rollout.stats import RolloutStats
 from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig
 from rollverify_jax.run.checkpoint import decode_extra, encode_extra
 from rollverify_jax.tools import SandboxConfig, ToolRegistry, ToolResult, ToolStatus
-from rollverify_jax.verify import two_stage_verify
+from rollverify_jax.verify import coupled_keep, two_stage_verify
 
 CALL_END = 63  # the tiny random policy samples it now and then: each time, a tool call ends its turn
 EOS = 3
@@ -246,6 +246,44 @@ def test_verification_reads_policy_tokens_only(engine):
         for i in np.flatnonzero(lengths):
             np.testing.assert_allclose(new[i, : lengths[i]], behavior[i, : lengths[i]], atol=1e-4)
     _finish(sched)
+
+
+def test_the_coupled_rule_skips_replies_and_its_resume_under_new_weights_samples_as_from_scratch(model, engine):
+    """The coupled rule over tool turns: under the same weights every policy token is kept (reply tokens, which the
+    policy did not sample and its check would reject, are skipped); under moved weights, trajectories paused with
+    replies in them, verified and completed equal the new weights' rollout from scratch, tool turns included."""
+    def coupled(new_logp, behavior, versions, lengths, match=None):
+        return coupled_keep(match, lengths)
+
+    sched = Scheduler(engine, GatedRunner(), coupled=True)
+    sched.submit(_requests())
+    sched.run(max_dispatches=7)
+    paused = sched.pause_all()
+    assert any(t.env_spans for t in paused)
+    sched.resume(paused, keep=coupled)
+    sched.run(max_dispatches=1)
+    assert sched.verified and all(k == n for k, n in sched.verified)
+    sched.pause_all()
+    original = nnx.state(model)
+    rng = np.random.default_rng(3)
+    moved = jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(x.dtype), original)
+    try:
+        engine.update_params(moved, version=1)
+        fresh = _run_all(engine, _requests())
+        engine.update_params(original, version=0)
+        sched = Scheduler(engine, GatedRunner(), coupled=True)
+        sched.submit(_requests())
+        sched.run(max_dispatches=7)
+        paused = sched.pause_all() + sched.take_finished()  # finished ones are verified too
+        engine.update_params(moved, version=1)
+        sched.resume(paused, keep=coupled)
+        done = {**{t.uid: t for t in sched.take_finished()}, **_finish(sched)}
+    finally:
+        engine.update_params(original, version=0)
+    assert 0 < sum(k for k, _ in sched.verified) < sum(n for _, n in sched.verified)  # some kept, some cut
+    assert any(t.env_spans for t in fresh.values())
+    for uid, t in fresh.items():
+        assert done[uid].tokens == t.tokens and done[uid].env_spans == t.env_spans, uid
 
 
 def test_a_cut_lands_on_a_policy_token_and_removes_every_later_turn(engine):

@@ -23,6 +23,7 @@ from rollverify_jax.verify import (
     SwitchConfig,
     SwitchState,
     VerifyConfig,
+    coupled_verify_with_stats,
     trajectory_staleness,
     two_stage_verify_with_stats,
     verify_stats,
@@ -115,6 +116,9 @@ class RolloutManager:
         self.asynchronous = config.mode == schedule_rules.ASYNC_MODE
         self.groups_trained = 0  # groups handed to the learner: the asynchronous mode's staleness cap counts them
         self.verify_cfg = verify
+        if scheduler.coupled != (verify.rule == "coupled"):
+            raise ValueError(f"VerifyConfig.rule={verify.rule!r} needs a Scheduler built with "
+                             f"coupled={verify.rule == 'coupled'} (its resume prefill computes what the rule reads).")
         self.switch_cfg = switch
         self.switch_state: SwitchState = self.switch_cfg.init()
         self.scheduler = scheduler
@@ -157,11 +161,15 @@ class RolloutManager:
                                     max_new_tokens=self.config.max_new_tokens))
         return trajs
 
-    def _keep_fn(self, new_logp, behavior_logp, versions, lengths):
-        """Two-stage verification on the resume prefill's log-probs (timed as verification), noting where it cut."""
+    def _keep_fn(self, new_logp, behavior_logp, versions, lengths, match=None):
+        """Verification on the resume prefill (timed as verification), noting where it cut: the two-stage rule on
+        its log-probs, or the coupled rule on its ``match`` (the scheduler's, with ``VerifyConfig.rule='coupled'``)."""
         t0 = time.perf_counter()
-        keep, cuts = two_stage_verify_with_stats(new_logp, behavior_logp, versions, lengths, self.verify_cfg.ds,
-                                                 self.verify_cfg.dt, self.scheduler.engine.version)
+        if self.verify_cfg.rule == "coupled":
+            keep, cuts = coupled_verify_with_stats(match, versions, lengths, self.scheduler.engine.version)
+        else:
+            keep, cuts = two_stage_verify_with_stats(new_logp, behavior_logp, versions, lengths, self.verify_cfg.ds,
+                                                     self.verify_cfg.dt, self.scheduler.engine.version)
         self.cut_stats.merge(cuts)
         self.verify_time += time.perf_counter() - t0
         return keep

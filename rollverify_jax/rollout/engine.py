@@ -24,10 +24,16 @@ from rollverify_jax.infra import distributed, transfer
 from rollverify_jax.infra import mesh as mesh_lib
 from rollverify_jax.models import lora
 from rollverify_jax.models.flash_attention import DEFAULT_FLASH, FlashConfig
-from rollverify_jax.models.qwen3 import CausalAttention, Qwen3ForCausalLM, chunked_scores, resolve_dtype
+from rollverify_jax.models.qwen3 import (
+    CausalAttention,
+    Qwen3ForCausalLM,
+    chunked_scores,
+    logits_from_hidden,
+    resolve_dtype,
+)
 from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
-from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens
+from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens, samples
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
 SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
@@ -309,10 +315,15 @@ def _copy_pages(pages: jax.Array, src: jax.Array, dst: jax.Array, count: jax.Arr
     return jax.lax.fori_loop(0, jnp.minimum(-(-count // block), blocks), body, pages)
 
 
-def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: jax.Array):
+def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: jax.Array,
+                coupled: tuple[jax.Array, jax.Array] | None = None):
     """Writes the packed sequences' K/V into their pages (and copies shared prompts' pages), and with
     ``with_logp`` (a runtime flag: one program serves new prompts and resumes) returns each sequence's
-    response log pi at the sampling temperature: float32[n, W], entry j = response token j (else zeros)."""
+    response log pi at the sampling temperature: float32[n, W], entry j = response token j (else zeros).
+    ``coupled`` = (seeds uint32[R, W], token index int32[R, W]) of each packed position's target (the coupled
+    verification rule; None: not computed, the program is the two-stage rule's): it also returns bool[n, W],
+    entry j = whether the current params, with token j's own Gumbel noise, would have sampled response token j
+    (``sampling.sampled_argmax``), computed ``logits_chunk`` positions at a time like the log-probs."""
     model = nnx.merge(static.graphdef, params)
     tokens = packed.tokens
     attn = _PrefillAttention(state.pages, packed, static.kernel(), static.layout)
@@ -335,9 +346,36 @@ def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: Packed
                                         static.logits_chunk)[0]
         # Response token j of sequence i is predicted at its position prompt_len + j - 1.
         idx = jnp.clip((packed.start + packed.prompt_lens - 1)[:, None] + jnp.arange(width)[None], 0, width - 1)
-        return token_logp[packed.row[:, None], idx]  # past a sequence's end: ignored
-    response_logp = jax.lax.cond(with_logp, scores, lambda h: jnp.zeros((n, width), jnp.float32), hidden)
-    return state, response_logp
+        if coupled is None:
+            return token_logp[packed.row[:, None], idx]  # past a sequence's end: ignored
+        match = _sampled_match(hidden, model.output_weights(), packed.targets, *coupled, static.sampling,
+                               static.logits_chunk)
+        return token_logp[packed.row[:, None], idx], match[packed.row[:, None], idx]
+    if coupled is None:
+        response_logp = jax.lax.cond(with_logp, scores, lambda h: jnp.zeros((n, width), jnp.float32), hidden)
+        return state, response_logp
+    return state, scores(hidden)
+
+
+def _sampled_match(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: jax.Array, index: jax.Array,
+                   sampling: SamplingConfig, chunk: int | None) -> jax.Array:
+    """bool[R, W]: ``sampled_argmax`` of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] with the noise of (seeds,
+    index) [R, W] equals ``targets`` [R, W] (``sampling.samples``). ``chunk`` positions at a time (None: all), so
+    no [R, W, V] array is live where the log-probs avoid one; the logits are float32 (``logits_from_hidden``) as in
+    decode."""
+    def one(h, y, s, i):
+        return samples(logits_from_hidden(h, w), y, s, i, sampling)
+    if chunk is None:
+        return one(hidden, targets, seeds, index)
+    r, n, _ = hidden.shape
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+
+    def split(x):
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(r, n_chunks, chunk, *x.shape[2:]).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: one(*xs), (split(hidden), split(targets), split(seeds), split(index)))
+    return out.swapaxes(0, 1).reshape(r, -1)[:, :n]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -975,16 +1013,38 @@ class Engine:
         return [sorted(i for row in layout[k: k + most] for i in row) for k in range(0, len(layout), most)]
 
     def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
-                with_logp: bool = True, source: list[int] | None = None) -> jax.Array:
+                with_logp: bool = True, source: list[int] | None = None, coupled_seeds: list[int] | None = None):
         """Runs every sequence but its last token through the current params in one call, packed (``pack``),
         writing K/V into the pages already allocated to ``slots`` (a ``source`` member gets a copy of its
         source's pages). Returns (on device) each sequence's response log pi, float32[S, W] (entry j: response
-        token j), which verification needs; ``with_logp`` False skips that full-vocabulary pass (zeros)."""
+        token j), which verification needs; ``with_logp`` False skips that full-vocabulary pass (zeros).
+        ``coupled_seeds`` (one sampling seed per sequence): returns (log pi, match bool[S, W]) instead, match[i, j]
+        = the current params with response token j's noise (seed i, index j) sample that token (the coupled
+        verification rule; another program than the two-stage rule's, compiled at its first use)."""
         packed = self.pack(sequences, slots, prompt_lens, source)
-        self.dispatched.add(("prefill", packed.tokens.shape))
-        self.state, response_logp = _prefill_jit(self._static(), self.params, self.state, packed,
-                                                 np.asarray(with_logp))
-        return response_logp
+        self.dispatched.add(("prefill" if coupled_seeds is None else "coupled_prefill", packed.tokens.shape))
+        if coupled_seeds is None:
+            self.state, response_logp = _prefill_jit(self._static(), self.params, self.state, packed,
+                                                     np.asarray(with_logp))
+            return response_logp
+        self.state, out = _prefill_jit(self._static(), self.params, self.state, packed, np.asarray(True),
+                                       self._coupled_keys(packed, sequences, prompt_lens, coupled_seeds, source))
+        return out
+
+    @staticmethod
+    def _coupled_keys(packed: PackedPrefill, sequences, prompt_lens, seeds, source=None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """(seed uint32[R, W], response index int32[R, W]) of each packed position's target: the key its token
+        was sampled with. Sequences that copy another's pages hold no rows (new prompts: nothing to check)."""
+        key_seeds = np.zeros(packed.tokens.shape, np.uint32)
+        key_index = np.zeros(packed.tokens.shape, np.int32)
+        for i, seq in enumerate(sequences):
+            r, a, m = int(packed.row[i]), int(packed.start[i]), len(seq) - 1
+            if m <= 0 or (source is not None and source[i] != i):
+                continue
+            key_seeds[r, a: a + m] = seeds[i]
+            key_index[r, a: a + m] = np.arange(1, m + 1) - prompt_lens[i]  # target p + 1 is response index p + 1 - P
+        return key_seeds, key_index
 
     def activate(self, slots: list[int], sequences: list[np.ndarray], gen_index: list[int], seeds: list[int],
                  max_new: list[int]) -> None:

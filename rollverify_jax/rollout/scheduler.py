@@ -25,8 +25,9 @@ from rollverify_jax.rollout.environment import Environment, Request
 from rollverify_jax.rollout.stats import RolloutStats
 from rollverify_jax.rollout.trajectory import Trajectory
 
-# keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]
-KeepFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+# keep_fn(new_logp [n, L], behavior_logp [n, L], versions [n, L], lengths [n]) -> keep [n]; a coupled scheduler
+# also passes match=bool[n, L] (whether the current params, with each token's own noise, sample that token).
+KeepFn = Callable[..., np.ndarray]
 
 
 def validate_request(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -> None:
@@ -83,11 +84,16 @@ class Scheduler:
     (its device time is the rollout's, its steps are counted in ``RolloutStats.decode_steps_dropped``) and drops
     its tokens, so paused trajectories end where the host last read them."""
 
-    def __init__(self, engine: Engine, env: Environment | None = None):
+    def __init__(self, engine: Engine, env: Environment | None = None, coupled: bool = False):
         """``env``: multi-turn rollouts; a turn that stops (at one of ``engine.stop_ids``) where ``env`` replies
-        waits in its slot for the reply, which is appended without re-prefilling the history."""
+        waits in its slot for the reply, which is appended without re-prefilling the history. ``coupled``: the
+        coupled verification rule (``VerifyConfig.rule``): a resume prefill also says, per cached token, whether
+        the current params sample it with its own noise (``keep_fn``'s ``match``), and a cut keeps the
+        trajectory's key stream (no fresh draw), so the suffix decoded after it is what the current params sample
+        from scratch with the same keys."""
         self.engine = engine
         self.env = env
+        self.coupled = coupled
         self.waits: dict[int, _Wait] = {}
         self.dispatch_ahead = engine.config.dispatch_ahead
         self._inflight: _InFlight | None = None
@@ -198,8 +204,12 @@ class Scheduler:
             self.slots.update(zip(slots, trajs, strict=True))
             return
         self.stats.prefill_tokens += sum(len(s) - 1 for s in seqs)
-        response_logp = engine.prefill(seqs, slots, plens, with_logp=verify)
-        keeps = self._verify(batch, response_logp) if verify else [t.num_tokens for t in trajs]
+        match = None
+        if verify and self.coupled:
+            response_logp, match = engine.prefill(seqs, slots, plens, coupled_seeds=[t.sample_seed for t in trajs])
+        else:
+            response_logp = engine.prefill(seqs, slots, plens, with_logp=verify)
+        keeps = self._verify(batch, response_logp, match) if verify else [t.num_tokens for t in trajs]
         go, done = [], []
         for (slot, _), t, k in zip(batch, trajs, keeps, strict=True):
             if t.finished and k >= t.num_tokens:
@@ -207,7 +217,7 @@ class Scheduler:
                 continue
             if k < t.num_tokens:
                 self._cut_suffix[t.uid] = (int(k), t.tokens[int(k):])
-            t.truncate(int(k))
+            t.truncate(int(k), fresh_draw=not self.coupled)
             if self.env is not None and self.env.awaits_reply(t):  # paused while parked: ask again
                 self._park(slot, t, len(t.prompt) + t.num_tokens - 1)  # its last token is not cached
             else:
@@ -283,7 +293,7 @@ class Scheduler:
         self.stats.prefill_time += time.perf_counter() - t0
         self._activate([(s, w.traj) for s, w in ready], tok, logp)
 
-    def _verify(self, batch: list[tuple[int, _Pending]], response_logp) -> np.ndarray:
+    def _verify(self, batch: list[tuple[int, _Pending]], response_logp, match=None) -> np.ndarray:
         """Keep lengths per admitted trajectory (everything for new prompts and ``keep=None``). Verification sees
         the policy's tokens only (``Trajectory.policy_view``): an environment reply's tokens are left out of the
         OPS, the segments and the acceptance, and a cut lands on a policy token (everything after it, later turns
@@ -300,11 +310,19 @@ class Scheduler:
         logp = distributed.fetch(response_logp)  # whole on every host: each decides the same cuts
         new_logp_all = np.zeros((max(logp.shape[0], self.engine.config.num_slots), logp.shape[1]), np.float32)
         new_logp_all[: logp.shape[0]] = logp
+        extra = {}
+        if match is not None:
+            match = distributed.fetch(match)
+            extra["match"] = match_all = np.zeros(new_logp_all.shape, bool)
+            match_all[: match.shape[0]] = match
         views = {i: batch[i][1].traj.policy_view() for i in rows}
         for i, view in views.items():
-            if view.has_env:  # the row holds the policy's tokens only, in order
+            if view.has_env:  # the row holds the policy's tokens only, in order (environment tokens: not sampled)
                 new_logp_all[i] = 0.0
                 new_logp_all[i, : len(view)] = logp[i, view.positions]
+                if match is not None:
+                    match_all[i] = False
+                    match_all[i, : len(view)] = match[i, view.positions]
         for idx in by_fn.values():
             behavior = np.zeros(new_logp_all.shape, np.float32)
             versions = np.zeros(new_logp_all.shape, np.int32)
@@ -315,7 +333,7 @@ class Scheduler:
                 behavior[i, :n] = view.logps
                 versions[i, :n] = view.versions
                 lengths[i] = n
-            keep = np.asarray(batch[idx[0]][1].keep_fn(new_logp_all, behavior, versions, lengths))[idx]
+            keep = np.asarray(batch[idx[0]][1].keep_fn(new_logp_all, behavior, versions, lengths, **extra))[idx]
             keep = np.clip(keep, 0, lengths[idx])
             for i, k, n in zip(idx, keep.tolist(), lengths[idx].tolist(), strict=True):
                 t = batch[i][1].traj

@@ -103,14 +103,15 @@ class Trajectory:
             return self.seed
         return int(np.random.SeedSequence([self.seed, self.draws]).generate_state(1)[0])
 
-    def truncate(self, keep: int) -> None:
+    def truncate(self, keep: int, fresh_draw: bool = True) -> None:
         """Keeps y_1..y_keep (with their original log mu and versions); a cut trajectory is unfinished and
-        regenerates its suffix with a new draw."""
+        regenerates its suffix with a new draw (``fresh_draw``; the coupled verification rule keeps the key
+        stream instead: its cut is where the new policy's sample with the same keys departs)."""
         if keep < len(self.tokens):
             del self.tokens[keep:], self.logps[keep:], self.versions[keep:]
             self.env_spans = [(a, min(b, keep)) for a, b in self.env_spans if a < keep]
             self.finished = False
-            self.draws += 1
+            self.draws += int(fresh_draw)
 
     def to_dict(self) -> dict:
         """The trajectory as plain values and arrays (a checkpoint's paused cache, ``rl.buffer``)."""

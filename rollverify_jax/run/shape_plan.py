@@ -9,7 +9,9 @@ length and lognormal response lengths).
 
 What a plan lists is a program key: (family, jit function name, bucket dims). Families: 'prefill' (rows, width:
 new prompts and resumes share it, its log-prob pass is a runtime branch), 'activate', 'decode' (slots, pages),
-'extend' (width; tool use only), 'verify' (width), 'train_step', 'logprob' (when ``logprob_pass_users`` names a
+'extend' (width; tool use only), 'verify' (width; the two-stage rule's jitted verifier), 'coupled_prefill' (rows,
+width: the coupled rule's resume prefill, its argmax check beside the log-probs), 'train_step', 'logprob' (when
+``logprob_pass_users`` names a
 user), 'helper' (the engine's fixed-shape bookkeeping programs) and 'setup' (one-time programs at start: the
 decode state's allocation, the params' placement, the sampling key).
 """
@@ -158,7 +160,10 @@ def plan_run(spec, engine_plan, eval_sampling=None, train_state=None, logprob_us
     if eval_sampling is not None and eval_sampling != engine_plan.sampling:
         out += engine_programs(engine_plan, tool_use=tool, max_reply_tokens=reply, tag="eval_")
     out += [PlannedProgram("helper", name) for name in HELPERS]
-    if spec.rollout.mode in VERIFY_MODES:
+    if spec.rollout.mode in VERIFY_MODES and spec.verify.rule == "coupled":  # its check runs in the resume prefill
+        out += [PlannedProgram("coupled_prefill", "_prefill_fn", (("rows", r), ("width", w)))
+                for w in engine_plan.prefill_widths() for r in engine_plan.prefill_rows(w)]
+    elif spec.rollout.mode in VERIFY_MODES:
         out += [PlannedProgram("verify", "_verify_arrays", (("width", w),)) for w in engine_plan.prefill_widths()]
     out += learner_programs(spec)
     if train_state is not None:
@@ -289,10 +294,12 @@ def compile_ahead(plan: ShapePlan, engine, learner=None, train_state=None, batch
 
     def lowering(p: PlannedProgram):
         d = dict(p.dims)
-        if p.family == "prefill":
-            packed = engine_lib.PackedPrefill(*[host(d["rows"], d["width"])] * 6, *[host(n)] * 3,
-                                              *[host(engine.plan.copy_capacity(d["width"]))] * 2, host())
-            return lambda: engine_lib._prefill_jit.lower(static, params, state, packed, host(dtype=bool))
+        if p.family in ("prefill", "coupled_prefill"):
+            r, w = d["rows"], d["width"]
+            packed = engine_lib.PackedPrefill(*[host(r, w)] * 6, *[host(n)] * 3,
+                                              *[host(engine.plan.copy_capacity(w))] * 2, host())
+            keys = (host(r, w, dtype=np.uint32), host(r, w)) if p.family == "coupled_prefill" else None
+            return lambda: engine_lib._prefill_jit.lower(static, params, state, packed, host(dtype=bool), keys)
         if p.family == "decode":
             slots = None if d["slots"] == n else d["slots"]
             return lambda: engine_lib._generate_jit.lower(static, params, state, cfg.steps_per_dispatch,

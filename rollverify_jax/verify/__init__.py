@@ -22,18 +22,24 @@ from rollverify_jax.verify.switching import (
     window_mean,
 )
 from rollverify_jax.verify.verifier import (
+    RULES,
     CutStats,
     VerifyConfig,
+    coupled_keep,
+    coupled_verify_with_stats,
     two_stage_verify,
     two_stage_verify_with_stats,
     verify_stats,
 )
 
 __all__ = [
+    "RULES",
     "CutStats",
     "SwitchConfig",
     "SwitchState",
     "VerifyConfig",
+    "coupled_keep",
+    "coupled_verify_with_stats",
     "init_switch_state",
     "log_ratio",
     "ops_of_log_ratio",

@@ -26,19 +26,28 @@ DEFAULT_DS = 0.01  # segment-stage threshold on mean OPS
 DEFAULT_DT = 2.0  # token-stage threshold on OPS
 
 
+RULES = ("two_stage", "coupled")  # VerifyConfig.rule
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
     """RollVerify's verification settings. ds: segment threshold on mean OPS; dt: token threshold on OPS;
     verify_finished: also re-verify finished trajectories still in the cache (members waiting for their group,
     and complete groups carried to a later batch), each re-prefilled in a slot every cycle. Off by default, as
-    the paper verifies paused (unfinished) trajectories only. The acceptance window is `SwitchConfig`."""
+    the paper verifies paused (unfinished) trajectories only. The acceptance window is `SwitchConfig`.
+    rule: 'two_stage' (the paper's rule on the OPS thresholds ds and dt: a near on-policy prefix) or 'coupled'
+    (exact: the prefix the new policy samples with each token's own Gumbel noise, docs/method.md; ds and dt
+    unused)."""
 
     ds: float = DEFAULT_DS
     dt: float = DEFAULT_DT
     verify_finished: bool = False
+    rule: str = "two_stage"
 
     def __post_init__(self):
         _check_thresholds(self.ds, self.dt)
+        if self.rule not in RULES:
+            raise ValueError(f"VerifyConfig.rule={self.rule!r}: use one of {', '.join(map(repr, RULES))}.")
 
 
 def _check_thresholds(ds, dt) -> None:
@@ -139,6 +148,32 @@ def two_stage_verify_with_stats(new_logp, behavior_logp, versions, lengths, ds: 
     keep, keep1, starts = jax.device_get(
         _two_stage_verify_detail(*_device_inputs(new_logp, behavior_logp, versions, lengths, ds, dt)))
     return keep, CutStats.of(keep, keep1, starts, np.asarray(versions), np.asarray(lengths), current_version)
+
+
+def coupled_keep(match, lengths) -> np.ndarray:
+    """The coupled rule's keep lengths, int64[N]: the first token ``t < lengths_i`` the new policy would not have
+    sampled with its own noise (``match[i, t]`` False) cuts there, else the whole response is kept. ``match``:
+    bool[N, L] (the resume prefill's ``sampled_argmax`` check), ``lengths``: [N]."""
+    match, lengths = np.asarray(match, bool), np.asarray(lengths, np.int64)
+    if match.ndim != 2 or lengths.shape != match.shape[:1]:
+        raise ValueError(f"coupled_keep: match must be [N, L] and lengths [N], got {match.shape} and {lengths.shape}.")
+    pos = np.arange(match.shape[1])[None, :]
+    miss = ~match & (pos < lengths[:, None])
+    return np.where(miss.any(axis=1), miss.argmax(axis=1), lengths).astype(np.int64)
+
+
+def coupled_verify_with_stats(match, versions, lengths, current_version: int) -> tuple[np.ndarray, CutStats]:
+    """``coupled_keep`` plus where it cut (``CutStats``, per segment age as for the two-stage rule: a cut falls in
+    one segment, which counts as the failing one; ``token_cuts`` counts cuts after a segment's first token)."""
+    keep = coupled_keep(match, lengths)
+    versions, lengths = np.asarray(versions), np.asarray(lengths, np.int64)
+    pos = np.arange(versions.shape[1])[None, :]
+    valid = pos < lengths[:, None]
+    starts = valid & np.concatenate([np.ones_like(versions[:, :1], bool), versions[:, 1:] != versions[:, :-1]], 1)
+    # the segment-level keep: the start of the segment that holds the cut (n when nothing is cut)
+    seg_keep = np.max(np.where(starts & (pos <= keep[:, None]), pos, 0), axis=1)
+    keep1 = np.where(keep < lengths, seg_keep, lengths)
+    return keep, CutStats.of(keep, keep1, starts, versions, lengths, current_version)
 
 
 @dataclasses.dataclass
