@@ -20,7 +20,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
