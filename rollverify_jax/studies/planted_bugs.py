@@ -154,7 +154,7 @@ BUGS = [
         "            value = init_a(jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)",
         ("tests/test_lora.py::test_adapters_cover_every_linear_layer_and_start_at_the_base",)),
     Bug("LoRA: adapter A sharded along the weight's output axis", "rollverify_jax/models/lora.py",
-        "(LORA_A, (axes[0], None))", "(LORA_A, (axes[1], None))",
+        "logical_axes=(axes[0], None)", "logical_axes=(axes[1], None)",
         ("tests/test_lora.py::test_adapters_are_sharded_like_the_weights_they_adapt",)),
     Bug("LoRA: the merge scales by rank / alpha", "rollverify_jax/models/lora.py",
         "(w.astype(jnp.float32) + cfg.scale * (a @ b))", "(w.astype(jnp.float32) + (a @ b) / cfg.scale)",
