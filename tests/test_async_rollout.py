@@ -44,23 +44,24 @@ def test_async_config_refuses_bad_settings(kwargs, match):
 
 
 class _Engine:
-    """What a publisher touches of an engine: its serving params, version, placement and swap."""
+    """What a publisher touches of an engine: the trained part of its serving params (all of them, or a LoRA run's
+    adapters), version, placement and swap."""
 
     def __init__(self):
-        self.params = {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}
+        self.trainable = {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}
         self.version = 0
 
     def place_params(self, params):
         return jax.device_put(params, jax.devices()[1])
 
     def swap_params(self, placed, version):
-        self.params, self.version = placed, version
+        self.trainable, self.version = placed, version
 
 
 def test_a_failed_or_partial_publish_leaves_the_previous_version(capsys):
     engine = _Engine()
-    engine.params = engine.place_params(engine.params)
-    serving = engine.params
+    engine.trainable = engine.place_params(engine.trainable)
+    serving = engine.trainable
     publisher = WeightPublisher(engine)
     new = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
 
@@ -76,14 +77,14 @@ def test_a_failed_or_partial_publish_leaves_the_previous_version(capsys):
         publisher.stage(new, version=1)
         m = publisher.swap()
         assert m["publish/failed"] == 1 and m["publish/version"] == 0
-        assert engine.version == 0 and engine.params is serving
+        assert engine.version == 0 and engine.trainable is serving
         line = capsys.readouterr().out.strip()
         assert line.count("\n") == 0 and "publish of policy version 1 failed" in line and "stays on version 0" in line
     publisher.place = engine.place_params
     publisher.stage(new, version=2)
     m = publisher.swap()
     assert m["publish/failed"] == 0 and m["publish/version"] == 2 and m["publish/bytes"] == 20 * 4
-    assert engine.version == 2 and float(engine.params["w"].sum()) == 16.0
+    assert engine.version == 2 and float(engine.trainable["w"].sum()) == 16.0
     assert publisher.swap() == {}  # nothing staged: nothing to swap
 
 
