@@ -173,8 +173,9 @@ def test_scanned_layers_equal_the_unrolled_ones(preset, remat):
 
 def test_the_scan_carry_split_by_position_gives_the_same_values_and_gradients():
     """('sequence', 'tensor') in the logical-axis rules: the residual stream the layer scan keeps for the backward
-    pass is laid out split by position over 'tensor' (configs/qwen3_8b_dapo_lora_v5e8.gin needs it to fit), and the
-    values and gradients are the unconstrained scan's. Without the rule no constraint is added."""
+    pass, and each unrolled layer's output, are laid out split by position over 'tensor'
+    (configs/qwen3_8b_dapo_lora_v5e8.gin needs it to fit), and the values and gradients are the unconstrained
+    scan's. Without the rule no constraint is added."""
     from rollverify_jax.infra import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh((1, 2, 4))
@@ -197,3 +198,7 @@ def test_the_scan_carry_split_by_position_gives_the_same_values_and_gradients():
     assert "sharding_constraint" not in str(jax.make_jaxpr(loss, static_argnums=1)(params, graphdef))
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
     _assert_grads_close(g1, g0)
+    # the unrolled forward (the engine's prefill) splits each layer's output the same way, same values
+    unrolled = lambda g: nnx.merge(g, params).hidden_states(tokens, mesh=mesh)[0]  # noqa: E731
+    assert "sharding_constraint" in str(jax.make_jaxpr(unrolled, static_argnums=0)(split_def))
+    np.testing.assert_allclose(np.asarray(jax.jit(unrolled, static_argnums=0)(split_def)), np.asarray(h0), atol=2e-5)
