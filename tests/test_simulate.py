@@ -367,7 +367,7 @@ def test_train_cost_without_padding_is_the_per_token_cost():
     # sequences, and the position terms give the per-token formula the roofline charged before the layout:
     # passes * (F * sum L + a / 2 * sum L^2) / (chips * peak * mfu). Without a layout it is that for any lengths.
     roof = RooflineCosts(num_devices=2, peak_flops=1e12, mfu=0.4, train_mfu=0.4, train_passes=4.0,
-                         train_flops_per_token=1e9, attn_flops_per_token_ctx=1e6)
+                         train_attn_passes=4.0, train_flops_per_token=1e9, attn_flops_per_token_ctx=1e6)
     c = roof.cost_model()
 
     def per_token(lengths):
