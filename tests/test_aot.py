@@ -208,3 +208,44 @@ def test_async_compiles_each_side_on_its_own_mesh_and_reports_both(async_report)
     assert r["peak_bytes_per_device"] == max(train["peak_bytes_per_device"], rollout["peak_bytes_per_device"])
     text = fit.format_report(r)
     assert "rollout mesh" in text and "train mesh" in text and "staging copy" in text
+
+
+@pytest.fixture(scope="module")
+def lora_report(tmp_path_factory):
+    """The tiny run with rank-16 LoRA (configs/tiny_rollverify_lora.gin) at the same shapes: the engine runs the
+    adapted model, so its programs take the base and the adapters."""
+    out = tmp_path_factory.mktemp("aot") / "lora.json"
+    aot.main(["--gin_file=configs/tiny_rollverify_lora.gin", *(f"--gin_param={p}" for p in PARAMS), f"--json={out}"])
+    return json.loads(out.read_text())
+
+
+def test_lora_compiles_the_adapted_engine_and_counts_the_frozen_base_once(lora_report):
+    """A LoRA run's fit report: the engine's prefill and decode compile on the adapted graph (they took the plain
+    model's before: 'Incorrect number of leaves'); the frozen base is resident once, an argument of the train step
+    and of the engine's programs (no serving copy in the train layout); the train state and a publish hold the
+    adapters alone."""
+    r = lora_report
+    res, lora = r["resident"], r["lora"]
+    assert set(r["programs"]) == {"train_step", "prefill", "decode"}
+    assert res["frozen_base"] > res["params"] > 0 and res["serving_params"] == 0
+    assert r["resident_bytes_per_device"] == res["train_state"] + res["kv_pool"] + res["frozen_base"]
+    train, decode = r["programs"]["train_step"], r["programs"]["decode"]
+    assert train["argument_bytes"] >= res["train_state"] + res["frozen_base"]
+    assert decode["argument_bytes"] >= res["frozen_base"] + res["params"] + res["kv_pool"]
+    # each program's peak: what it allocates plus the resident bytes it does not take (the KV pool; the moments)
+    peaks = r["peak_bytes_by_program"]
+    assert peaks["train_step"] == (train["argument_bytes"] + train["output_bytes"] - train["alias_bytes"]
+                                   + train["temp_bytes"] + res["kv_pool"])
+    assert peaks["decode"] == (decode["argument_bytes"] + decode["output_bytes"] - decode["alias_bytes"]
+                               + decode["temp_bytes"] + res["train_state"] - res["params"])
+    # the publish moves the adapters (2 x 16 x (in + out) per adapted weight, float32 in the tiny config)
+    from rollverify_jax.models.qwen3 import model_config
+
+    cfg = model_config(**{"preset": "tiny", "num_hidden_layers": 2, "num_attention_heads": 2,
+                          "num_key_value_heads": 1, "head_dim": 128})
+    h, q, kv, m = cfg.hidden_size, 2 * 128, 128, cfg.intermediate_size
+    per_layer = 16 * ((h + q) * 2 + (h + kv) * 2 + 2 * (h + m) + (m + h))
+    assert lora["trainable_params"] == 2 * per_layer
+    assert r["publish_bytes"] == 4 * lora["trainable_params"] < r["model_param_bytes"]
+    assert lora["publish_fraction"] == pytest.approx(r["publish_bytes"] / (r["model_param_bytes"] - r["publish_bytes"]))
+    assert "LoRA:" in fit.format_report(r) and r["fits"]

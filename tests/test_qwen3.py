@@ -169,3 +169,36 @@ def test_scanned_layers_equal_the_unrolled_ones(preset, remat):
     for a, b in zip(r1, r0, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
     _assert_grads_close(g1, g0)
+
+
+def test_the_scan_carry_split_by_position_gives_the_same_values_and_gradients():
+    """('sequence', 'tensor') in the logical-axis rules: the residual stream the layer scan keeps for the backward
+    pass, and each unrolled layer's output, are laid out split by position over 'tensor'
+    (configs/qwen3_8b_dapo_lora_v5e8.gin needs it to fit), and the values and gradients are the unconstrained
+    scan's. Without the rule no constraint is added."""
+    from rollverify_jax.infra import mesh as mesh_lib
+
+    mesh = mesh_lib.make_mesh((1, 2, 4))
+    model = init_model(model_config("tiny", num_hidden_layers=2), seed=5)
+    graphdef, params = nnx.split(model)
+    rules = (*mesh_lib.DEFAULT_RULES[:-1], ("sequence", "tensor"))
+    split_def = nnx.graphdef(nnx.eval_shape(lambda: Qwen3ForCausalLM(model.cfg.replace(axis_rules=rules),
+                                                                    rngs=nnx.Rngs(0))))
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 64)
+
+    def loss(p, g):
+        h, _ = nnx.merge(g, p).hidden_states(tokens, remat="full", mesh=mesh, scan=True)
+        return jnp.sum(h ** 2), h
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, h0), g0 = grad(params, graphdef)
+    (_, h1), g1 = grad(params, split_def)
+    text = str(jax.make_jaxpr(loss, static_argnums=1)(params, split_def))
+    assert "sharding_constraint" in text and "'tensor'" in text
+    assert "sharding_constraint" not in str(jax.make_jaxpr(loss, static_argnums=1)(params, graphdef))
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=2e-5)
+    _assert_grads_close(g1, g0)
+    # the unrolled forward (the engine's prefill) splits each layer's output the same way, same values
+    unrolled = lambda g: nnx.merge(g, params).hidden_states(tokens, mesh=mesh)[0]  # noqa: E731
+    assert "sharding_constraint" in str(jax.make_jaxpr(unrolled, static_argnums=0)(split_def))
+    np.testing.assert_allclose(np.asarray(jax.jit(unrolled, static_argnums=0)(split_def)), np.asarray(h0), atol=2e-5)

@@ -367,7 +367,7 @@ def test_train_cost_without_padding_is_the_per_token_cost():
     # sequences, and the position terms give the per-token formula the roofline charged before the layout:
     # passes * (F * sum L + a / 2 * sum L^2) / (chips * peak * mfu). Without a layout it is that for any lengths.
     roof = RooflineCosts(num_devices=2, peak_flops=1e12, mfu=0.4, train_mfu=0.4, train_passes=4.0,
-                         train_flops_per_token=1e9, attn_flops_per_token_ctx=1e6)
+                         train_attn_passes=4.0, train_flops_per_token=1e9, attn_flops_per_token_ctx=1e6)
     c = roof.cost_model()
 
     def per_token(lengths):
@@ -398,10 +398,12 @@ def test_train_cost_without_padding_is_the_per_token_cost():
 
 @pytest.mark.parametrize("config,sim_config", [("qwen3_8b_dapo", "qwen3_8b_v5p"),
                                                ("qwen3_8b_64k_dapo", "qwen3_8b_64k_v5p"),
-                                               ("qwen3_30b_a3b_dapo", "qwen3_30b_a3b_v5p")])
+                                               ("qwen3_30b_a3b_dapo", "qwen3_30b_a3b_v5p"),
+                                               ("qwen3_8b_dapo_lora_v5e8", "qwen3_8b_lora_v5e8")])
 def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
     # The simulator's train step at a real config (its LearnerConfig read from the config itself) costs what
-    # `fit.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model.
+    # `fit.packed_train_estimate` estimates at AotConfig.train_mfu, batch by batch at the aot length model; for
+    # LoRA without the frozen base's weight gradients (2 passes of the weights, 3 of attention).
     from rollverify_jax.run.programs import architecture
     from rollverify_jax.run.spec import RunSpec, parse_gin
     from rollverify_jax.scale import fit
@@ -413,10 +415,16 @@ def test_real_scale_train_cost_equals_the_aot_estimate(config, sim_config):
     assert (layout.num_minibatches, layout.micro_batch_size, layout.tail_row_width, layout.width) == (
         learner.num_minibatches, learner.micro_batch_size, learner.tail_row_width, gin.query_parameter(
             "EngineConfig.max_seq_len"))
-    assert roof.train_mfu == a.train_mfu and roof.train_passes == 3.0
+    lora, cfg = spec.lora, architecture(spec)
+    assert roof.train_mfu == a.train_mfu and roof.train_attn_passes == 3.0
+    assert roof.train_passes == (2.0 if lora.enabled else 3.0)
+    # rank x (inputs + outputs) of q, k, v, o, gate, up, down in every layer
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, m = cfg.hidden_size, cfg.intermediate_size
+    adapters = lora.rank * cfg.num_hidden_layers * (2 * (h + q) + 2 * (h + kv) + 3 * (h + m)) or None
     rows = shape.batch_groups * shape.group_size
-    est = fit.packed_train_estimate(architecture(spec), learner, rows, layout.width, shape.max_new_tokens,
-                                    a, layout.row_multiple, batches=2)
+    est = fit.packed_train_estimate(cfg, learner, rows, layout.width, shape.max_new_tokens,
+                                    a, layout.row_multiple, batches=2, adapter_params=adapters)
     rng = np.random.default_rng(0)  # the estimate's own draws
     batches = [fit.sample_lengths(rng, rows, layout.width, shape.max_new_tokens, a) for _ in range(2)]
     costs = roof.cost_model()

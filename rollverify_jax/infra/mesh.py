@@ -27,6 +27,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("experts", None),
     ("expert_mlp", "tensor"),
     ("norm", None),
+    # The positions of the residual stream the train step's layer scan saves for its backward pass, one
+    # [rows, T, hidden] array per layer (`Qwen3ForCausalLM.hidden_states`): replicated by default; 'tensor' splits
+    # them over the tensor axis (a whole row no longer sits on every chip of a tensor group; each layer gathers
+    # its input back).
+    ("sequence", None),
 )
 
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}

@@ -26,7 +26,7 @@ from rollverify_jax.models.hf import config_from_hf
 from rollverify_jax.models.lora import LoraConfig
 from rollverify_jax.models.qwen3 import expert_parallel_chunk
 from rollverify_jax.rl.learner import Learner
-from rollverify_jax.rollout.engine import EnginePlan
+from rollverify_jax.rollout.engine import EnginePlan, rollout_graphdef
 from rollverify_jax.run import shape_plan
 from rollverify_jax.run.spec import RunSpec
 from rollverify_jax.scale import fit
@@ -102,10 +102,12 @@ def make_engine_plan(spec: RunSpec, model_cfg: Qwen3Config, mesh: Mesh, *, eos_i
 def programs(spec: RunSpec, model: nnx.Module, mesh: Mesh, engine_mesh: Mesh | None = None, *,
              flash: FlashConfig | None = None) -> Programs:
     """The learner and the engine plan of ``model`` (concrete or abstract); the engine on ``engine_mesh``
-    (default: the learner's ``mesh``). ``flash``: the attention kernel (default: the spec's)."""
+    (default: the learner's ``mesh``). ``flash``: the attention kernel (default: the spec's). The engine merges
+    its params into ``model``'s own graph: a LoRA-adapted model's holds the adapters, which a graph derived from
+    ``model.cfg`` lacks (its programs then could not take the adapted params)."""
     return Programs(learner=make_learner(spec, model, mesh, flash),
                     engine=make_engine_plan(spec, model.cfg, mesh if engine_mesh is None else engine_mesh,
-                                           flash=flash))
+                                           flash=flash, graphdef=rollout_graphdef(model, spec.engine.compute_dtype)))
 
 
 def logprob_pass_users(spec: RunSpec) -> list[str]:

@@ -223,7 +223,8 @@ class RooflineCosts:
       sequences first-fit into rows of the context width, micro-batches of ``micro_batch_size`` rows, tail rows
       of ``tail_row_width``; real tokens and padding alike), forward ``2 * (active params + head)`` FLOPs plus
       causal attention over its row, ``attn_flops_per_token_ctx * T / 2`` for a row ``T`` wide (full and tail
-      rows each at their own width), times ``train_passes`` = 3 (forward + backward) at ``train_mfu``: model
+      rows each at their own width), times ``train_passes`` = 3 (forward + backward; 2 for LoRA, whose frozen
+      base takes no weight gradient; attention ``train_attn_passes`` = 3 either way) at ``train_mfu``: model
       FLOPs, as ``scale.fit.packed_train_estimate`` counts them. The recompute of full remat is not counted: MFU is
       defined on model FLOPs (MaxText's figures count no recompute either), so the remat cost is in the 45%.
       ``train_mfu`` = 0.45 is MaxText's published figure for an 8B dense model (Llama 3.1 8B on v6e), the anchor
@@ -260,6 +261,9 @@ class RooflineCosts:
     train_flops_per_token: float = 0.0  # forward, whole slice: 2 * (active params + head)
     attn_flops_per_token_ctx: float = 0.0  # forward attention per token per token of context
     train_passes: float = 3.0  # model FLOPs: forward + backward (2x); remat's recompute is not model FLOPs
+    # attention's passes apart: it has no weights, so a LoRA run (train_passes 2: no base-weight gradients) still
+    # runs its forward and both input gradients, as `fit.analytic_train_flops` counts them
+    train_attn_passes: float = 3.0
     decode_host_s: float = 0.0  # per decode step, host and dispatch overhead
     step_overhead_s: float = 0.0
     param_bytes: float = 0.0  # the model's weights as trained (all of them), what a swap publishes
@@ -311,6 +315,6 @@ class RooflineCosts:
             prefill_logp_token_s=self.logp_flops_per_token / flops,
             # per position of the packed rows, and causal attention of a row T wide: sum_t attn * t ~ attn * T^2 / 2
             train_position_s=self.train_passes * self.train_flops_per_token / train_flops,
-            train_row_attn_s=self.train_passes * self.attn_flops_per_token_ctx / 2 / train_flops,
+            train_row_attn_s=self.train_attn_passes * self.attn_flops_per_token_ctx / 2 / train_flops,
             step_overhead_s=self.step_overhead_s,
         )
