@@ -31,7 +31,8 @@ from rollverify_jax.run import builder
 from rollverify_jax.run.checkpoint import CheckpointConfig, Checkpointer
 from rollverify_jax.scale import fit
 
-pytestmark = pytest.mark.end_to_end  # a whole run, three launches and two exports: started first under xdist
+# A whole run (three launches, two exports): started first under xdist; its launches share a compilation cache.
+pytestmark = [pytest.mark.end_to_end, pytest.mark.usefixtures("compilation_cache")]
 
 CFG = LoraConfig(rank=4, alpha=8.0)
 PROJECTIONS = {("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
