@@ -2,10 +2,13 @@
 train CLI on them and the state it ends with, a checkpoint of the shipped tiny policy with its params moved, and
 the verifier's plain-Python reference."""
 
+import json
 from pathlib import Path
 
 import jax
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rollverify_jax import train
 from rollverify_jax.infra import mesh as mesh_lib
@@ -81,3 +84,19 @@ def reference_keep(ops_row, versions_row, n, ds, dt):
         if ops_row[t] >= dt:
             return t, means
     return keep1, means
+
+
+def dry_run_on_small_files(gin_file, tmp_path, capsys) -> tuple[dict, str]:
+    """``train --dry_run`` of a real config on a 4-record DAPO JSONL train set and a 1-record AIME parquet eval set
+    written under ``tmp_path``: (the JSON report, the whole output)."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "reward_model": {"ground_truth": str(i)}}
+            for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist([{"problem": "1 + 1?", "answer": "2"}]), tmp_path / "eval.parquet")
+    params = ["TrainConfig.train_dataset = 'dapo_jsonl'",
+              f"TrainConfig.train_dataset_kwargs = {{'path': '{tmp_path / 'train.jsonl'}'}}",
+              "TrainConfig.eval_dataset = 'aime_parquet'",
+              f"TrainConfig.eval_dataset_kwargs = {{'path': '{tmp_path / 'eval.parquet'}'}}"]
+    train.main(["--dry_run", f"--gin_file={gin_file}", *[f"--gin_param={p}" for p in params]])
+    out = capsys.readouterr().out
+    return json.loads(out.split("dry run OK: ", 1)[1].splitlines()[0]), out

@@ -3,14 +3,11 @@ uses, and --dry_run checks it and says that it cannot prove a GPU fit without GP
 
 from __future__ import annotations
 
-import json
 import math
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from shared import dry_run_on_small_files
 
-from rollverify_jax import train
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.run.dry_run import mesh_shape
 from rollverify_jax.run.programs import architecture
@@ -39,17 +36,7 @@ def test_config_holds_the_settings_its_memory_arithmetic_assumes():
 
 
 def test_dry_run_checks_the_gpu_config_and_says_it_cannot_prove_a_gpu_fit(tmp_path, capsys):
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "reward_model": {"ground_truth": str(i)}}
-            for i in range(4)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pq.write_table(pa.Table.from_pylist([{"problem": "1 + 1?", "answer": "2"}]), tmp_path / "eval.parquet")
-    params = ["TrainConfig.train_dataset = 'dapo_jsonl'",
-              f"TrainConfig.train_dataset_kwargs = {{'path': '{tmp_path / 'train.jsonl'}'}}",
-              "TrainConfig.eval_dataset = 'aime_parquet'",
-              f"TrainConfig.eval_dataset_kwargs = {{'path': '{tmp_path / 'eval.parquet'}'}}"]
-    train.main(["--dry_run", f"--gin_file={CONFIG}", *[f"--gin_param={p}" for p in params]])
-    out = capsys.readouterr().out
-    report = json.loads(out.split("dry run OK: ", 1)[1].splitlines()[0])
+    report, out = dry_run_on_small_files(CONFIG, tmp_path, capsys)
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
     # bf16 weights over the 8 GPUs (norm scales are replicated over some axes: a little more)
     assert report["param_bytes_per_device"] == pytest.approx(report["params"] * 2 / 8, rel=1e-3)

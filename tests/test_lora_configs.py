@@ -5,13 +5,9 @@ configs/qwen3_8b_dapo_lora_1xh200.gin (one H200, arithmetic). They parse into th
 
 from __future__ import annotations
 
-import json
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from shared import dry_run_on_small_files
 
-from rollverify_jax import train
 from rollverify_jax.rollout.paged_cache import kv_bytes_per_page
 from rollverify_jax.run.dry_run import mesh_shape
 from rollverify_jax.run.programs import architecture
@@ -51,17 +47,7 @@ def test_lora_configs_hold_the_settings_their_plans_assume(path, shape, kv_gib_p
 
 
 def test_dry_run_checks_the_one_gpu_lora_config_and_reports_its_adapters(tmp_path, capsys):
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "reward_model": {"ground_truth": str(i)}}
-            for i in range(4)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pq.write_table(pa.Table.from_pylist([{"problem": "1 + 1?", "answer": "2"}]), tmp_path / "eval.parquet")
-    params = ["TrainConfig.train_dataset = 'dapo_jsonl'",
-              f"TrainConfig.train_dataset_kwargs = {{'path': '{tmp_path / 'train.jsonl'}'}}",
-              "TrainConfig.eval_dataset = 'aime_parquet'",
-              f"TrainConfig.eval_dataset_kwargs = {{'path': '{tmp_path / 'eval.parquet'}'}}"]
-    train.main(["--dry_run", f"--gin_file={H200}", *[f"--gin_param={p}" for p in params]])
-    out = capsys.readouterr().out
-    report = json.loads(out.split("dry run OK: ", 1)[1].splitlines()[0])
+    report, out = dry_run_on_small_files(H200, tmp_path, capsys)
     assert report["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1} and report["lora_rank"] == 16
     assert report["trainable_params"] == ADAPTER_PARAMS == 43_646_976  # 0.53% of the 8.19B
     assert report["param_bytes_per_device"] == 2 * ADAPTER_PARAMS  # bf16 adapters: what a publish moves

@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 from rollverify_jax.infra import distributed
 from rollverify_jax.infra import mesh as mesh_lib
+from rollverify_jax.models import lora
 from rollverify_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, resolve_dtype
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -350,7 +351,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | os.PathLike, max_shard_
     to a temporary directory next to ``path`` and are moved in only when all succeeded, so a failure leaves
     nothing half-written. On several processes every process gathers the tensors and process 0 writes.
     """
-    if getattr(model, "lora_config", None) is not None:  # its adapters are not HF tensors: they would be dropped
+    if lora.lora_config_of(model) is not None:  # its adapters are not HF tensors: they would be dropped
         raise ValueError("save_pretrained writes a plain model; merge an adapted one first (models.lora.merged_model) "
                          "or write its adapters alone (models.lora.save_peft_adapter).")
     writer = distributed.is_main_process()
