@@ -12,9 +12,12 @@ from flax import nnx
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout.sampling import (
+    NEAR_TIE,
+    NOT_SAMPLED,
+    SAMPLED,
     _filter,
+    check_tokens,
     gumbel_noise,
-    logp_and_samples,
     noise_blocks,
     request_keys,
     sample_tokens,
@@ -99,7 +102,7 @@ def _reference_draw(scaled: np.ndarray, noise: np.ndarray, kind: str) -> np.ndar
 def test_the_sampler_is_a_function_of_the_processed_logits_and_the_tokens_own_noise(cfg, vocab):
     """``sampled_argmax`` (what decode samples and the coupled check recomputes) is a function of the processed
     logits filter(logits / T) and the noise of (seed, index) only, here against a numpy reference for each noise;
-    ``samples`` and ``logp_and_samples`` (the resume prefill's check) agree with it for the token
+    ``samples`` and ``check_tokens`` (the resume prefill's check) agree with it for the token
     sampled and for others, and the latter's log-prob is ``sample_tokens``' own."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((64, vocab)) * 3, jnp.float32)
@@ -114,8 +117,9 @@ def test_the_sampler_is_a_function_of_the_processed_logits_and_the_tokens_own_no
                                                  index.reshape(8, 8), cfg).reshape(-1), ref)
     for other in (tokens, (tokens + 1) % vocab, jnp.zeros_like(tokens)):
         np.testing.assert_array_equal(samples(logits, other, seeds, index, cfg), ref == other)
-        check_logp, match = logp_and_samples(logits, other, seeds, index, cfg)
-        np.testing.assert_array_equal(match, ref == other)
+        check_logp, code = check_tokens(logits, other, seeds, index, cfg)
+        np.testing.assert_array_equal(code == SAMPLED, ref == other)
+        assert not np.any(code == NEAR_TIE)  # no tolerance: the exact rule
         np.testing.assert_allclose(check_logp, sample_tokens(logits, seeds, index, cfg)[1] if other is tokens
                                    else jax.nn.log_softmax(logits / cfg.temperature)[jnp.arange(64), other],
                                    rtol=0, atol=2e-6)
@@ -145,6 +149,36 @@ def test_the_noise_blocks_split_real_vocabularies_without_padding():
     assert noise_blocks(32_768) == (256, 128)
     assert noise_blocks(50_257) == (256, 197)  # odd: padded to 50,432
     assert noise_blocks(2) == (2, 1) and noise_blocks(1) == (1, 1)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_a_tolerance_keeps_exactly_the_tokens_within_it_of_the_winner(cfg):
+    """``check_tokens`` with a tolerance: a drawn token stays SAMPLED; another is a NEAR_TIE exactly when its
+    perturbed score is within the tolerance of the winner's (flat: of the argmax over the vocabulary; two-level:
+    at the block and member levels, checked here through monotonicity and the limits); the set grows with the
+    tolerance, is empty at 0, and at a huge tolerance holds every token not filtered out."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((64, 40)) * 3, jnp.float32)
+    seeds = jnp.asarray(rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32))
+    index = jnp.arange(64, dtype=jnp.int32)
+    drawn = sampled_argmax(logits, seeds, index, cfg)
+    kept = jnp.isfinite(_filter(logits / cfg.temperature, cfg)) & (_filter(logits / cfg.temperature, cfg)
+                                                                    > jnp.finfo(jnp.float32).min)
+    previous = np.zeros((64, 40), bool)
+    for tol in (0.0, 0.05, 0.5, 2.0, 1e9):
+        codes = np.stack([np.asarray(check_tokens(logits, jnp.full((64,), v, jnp.int32), seeds, index, cfg,
+                                                  jnp.float32(tol))[1]) for v in range(40)], axis=1)
+        np.testing.assert_array_equal(codes == SAMPLED, np.arange(40)[None] == np.asarray(drawn)[:, None])
+        near = codes == NEAR_TIE
+        assert np.all(near >= previous)  # monotone in the tolerance
+        if tol == 0.0:
+            assert not near.any()
+        if cfg.noise == "flat" and 0 < tol < 1e9:
+            scores = np.asarray(_filter(logits / cfg.temperature, cfg) + gumbel_noise(seeds, index, 40))
+            within = scores > scores.max(axis=1, keepdims=True) - tol
+            np.testing.assert_array_equal(near, within & (codes != SAMPLED))
+        previous = near
+    np.testing.assert_array_equal(codes != NOT_SAMPLED, np.asarray(kept))  # every token the filter leaves
 
 
 def test_the_check_breaks_ties_as_argmax_does():
@@ -224,6 +258,43 @@ def test_coupled_resume_under_new_weights_equals_sampling_from_scratch_under_the
             assert 0 < kept < total, (kept, total)
     finally:
         engine.update_params(a_params, version=0)
+
+
+def test_the_tolerance_reaches_the_resume_and_its_kept_near_ties_are_counted(model, engine, params_b):
+    """A coupled resume under moved weights with a tolerance above every score gap keeps every cached token the
+    new top-k / top-p still allows (a filtered token is never a near-tie), and ``RolloutStats.near_ties_kept``
+    counts exactly the kept ones the exact rule (tolerance 0) would have cut."""
+    a_params = nnx.state(model)
+    try:
+        sched = Scheduler(engine, coupled=True)
+        sched.submit(_requests(8, seed=5))
+        sched.run(max_dispatches=3)
+        cached = sched.pause_all()
+        engine.update_params(params_b, version=1)
+        exact_record, loose_record = [], []
+        exact = Scheduler(engine, coupled=True)
+        exact.resume([_copy(t) for t in cached], keep=_coupled_match_fn(exact_record))
+        exact.run(max_dispatches=1)
+        exact.pause_all()
+        loose = Scheduler(engine, coupled=True, coupled_tolerance=1e9)
+        loose.resume([_copy(t) for t in cached], keep=_coupled_match_fn(loose_record))
+        loose.run(max_dispatches=1)
+        loose.pause_all()
+        (match0, n0), (match1, n1) = exact_record[0], loose_record[0]
+        np.testing.assert_array_equal(n0, n1)
+        keep0, keep1 = coupled_keep(match0, n0), coupled_keep(match1, n1)
+        kept_by_tolerance = int((~match0 & (np.arange(match0.shape[1])[None] < keep1[:, None])).sum())
+        assert keep1.sum() > keep0.sum() and kept_by_tolerance > 0
+        assert loose.stats.near_ties_kept == kept_by_tolerance and exact.stats.near_ties_kept == 0
+    finally:
+        engine.update_params(a_params, version=0)
+
+
+def _coupled_match_fn(record):
+    def keep_fn(new_logp, behavior_logp, versions, lengths, match=None):
+        record.append((match.copy(), lengths.copy()))
+        return coupled_verify_with_stats(match, versions, lengths, 1)[0]
+    return keep_fn
 
 
 @pytest.mark.parametrize("engine_name", ["engine", "engine_two_level"])

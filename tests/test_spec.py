@@ -69,6 +69,8 @@ BASE = (f"TrainConfig.policy_path = '{POLICY}'", "TrainConfig.train_dataset_kwar
 # a key the refusal must name.
 MUST_REFUSE = {
     "VerifyConfig.rule = 'coupled'": "verify.rule",  # the verification rule (exact vs two-stage)
+    "VerifyConfig.coupled_tolerance = 0.01": "verify.coupled_tolerance",  # the coupled rule's near-ties kept
+    "SamplingConfig.noise = 'two_level'": "sampling.noise",  # how each token's noise is drawn (other samples)
     "RewardScorer.name = 'dapo'": "reward.name",  # the reward function
     "RewardScorer.overlong_buffer = 16": "reward.overlong_buffer",  # DAPO's overlong penalty
     "RewardScorer.by_data_source = {'openai/gsm8k': 'exact'}": "reward.by_data_source",  # the per-source map

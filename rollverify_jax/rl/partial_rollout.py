@@ -248,6 +248,7 @@ class RolloutManager:
             **self.cut_stats.metrics(),
             "verify/regen_tokens": stats.regen_tokens,
             "verify/regen_equal_rate": stats.regen_equal / stats.regen_tokens if stats.regen_tokens else float("nan"),
+            "verify/near_ties_kept": stats.near_ties_kept,
             "mode/on_policy": int(self.on_policy),
         }
         for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):

@@ -33,7 +33,7 @@ from rollverify_jax.models.qwen3 import (
 )
 from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
-from rollverify_jax.rollout.sampling import SamplingConfig, logp_and_samples, sample_tokens
+from rollverify_jax.rollout.sampling import SamplingConfig, check_tokens, sample_tokens
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
 SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
@@ -316,14 +316,14 @@ def _copy_pages(pages: jax.Array, src: jax.Array, dst: jax.Array, count: jax.Arr
 
 
 def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: PackedPrefill, with_logp: jax.Array,
-                coupled: tuple[jax.Array, jax.Array] | None = None):
+                coupled: tuple[jax.Array, jax.Array, jax.Array] | None = None):
     """Writes the packed sequences' K/V into their pages (and copies shared prompts' pages), and with
     ``with_logp`` (a runtime flag: one program serves new prompts and resumes) returns each sequence's
     response log pi at the sampling temperature: float32[n, W], entry j = response token j (else zeros).
-    ``coupled`` = (seeds uint32[R, W], token index int32[R, W]) of each packed position's target (the coupled
-    verification rule; None: not computed, the program is the two-stage rule's): it also returns bool[n, W],
-    entry j = whether the current params, with token j's own Gumbel noise, would have sampled response token j
-    (``sampling.sampled_argmax``), computed from the same chunks of logits as the log-probs."""
+    ``coupled`` = (seeds uint32[R, W], token index int32[R, W], tolerance float32[]) of each packed position's
+    target (the coupled verification rule; None: not computed, the program is the two-stage rule's): it also
+    returns int8[n, W], entry j = ``sampling.check_tokens``' code of response token j (whether the current params,
+    with its own Gumbel noise, would have sampled it), computed from the same chunks of logits as the log-probs."""
     model = nnx.merge(static.graphdef, params)
     tokens = packed.tokens
     attn = _PrefillAttention(state.pages, packed, static.kernel(), static.layout)
@@ -341,7 +341,7 @@ def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: Packed
         # Response token j of sequence i is predicted at its position prompt_len + j - 1.
         idx = jnp.clip((packed.start + packed.prompt_lens - 1)[:, None] + jnp.arange(width)[None], 0, width - 1)
         if coupled is not None:  # log pi and the check from one pass over each position's logits
-            token_logp, match = _logp_and_match(hidden, model.output_weights(), packed.targets, *coupled,
+            token_logp, match = _logp_and_check(hidden, model.output_weights(), packed.targets, *coupled,
                                                 static.sampling, static.logits_chunk)
             return token_logp[packed.row[:, None], idx], match[packed.row[:, None], idx]
         if static.logits_chunk is None:
@@ -357,14 +357,14 @@ def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: Packed
     return state, scores(hidden)
 
 
-def _logp_and_match(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: jax.Array, index: jax.Array,
-                    sampling: SamplingConfig, chunk: int | None) -> tuple[jax.Array, jax.Array]:
-    """(log pi float32[R, W], match bool[R, W]) of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] at ``targets``
-    [R, W] with the noise of (seeds, index) [R, W] (``sampling.logp_and_samples``), ``chunk`` positions at a time
-    (None: all), so no [R, W, V] array is live where the log-probs avoid one; the logits are float32
+def _logp_and_check(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: jax.Array, index: jax.Array,
+                    tolerance: jax.Array, sampling: SamplingConfig, chunk: int | None) -> tuple[jax.Array, jax.Array]:
+    """(log pi float32[R, W], check code int8[R, W]) of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] at
+    ``targets`` [R, W] with the noise of (seeds, index) [R, W] (``sampling.check_tokens``), ``chunk`` positions at
+    a time (None: all), so no [R, W, V] array is live where the log-probs avoid one; the logits are float32
     (``logits_from_hidden``) as in decode."""
     def one(h, y, s, i):
-        return logp_and_samples(logits_from_hidden(h, w), y, s, i, sampling)
+        return check_tokens(logits_from_hidden(h, w), y, s, i, sampling, tolerance)
     if chunk is None:
         return one(hidden, targets, seeds, index)
     r, n, _ = hidden.shape
@@ -1013,14 +1013,16 @@ class Engine:
         return [sorted(i for row in layout[k: k + most] for i in row) for k in range(0, len(layout), most)]
 
     def prefill(self, sequences: list[np.ndarray], slots: list[int], prompt_lens: list[int],
-                with_logp: bool = True, source: list[int] | None = None, coupled_seeds: list[int] | None = None):
+                with_logp: bool = True, source: list[int] | None = None, coupled_seeds: list[int] | None = None,
+                coupled_tolerance: float = 0.0):
         """Runs every sequence but its last token through the current params in one call, packed (``pack``),
         writing K/V into the pages already allocated to ``slots`` (a ``source`` member gets a copy of its
         source's pages). Returns (on device) each sequence's response log pi, float32[S, W] (entry j: response
         token j), which verification needs; ``with_logp`` False skips that full-vocabulary pass (zeros).
-        ``coupled_seeds`` (one sampling seed per sequence): returns (log pi, match bool[S, W]) instead, match[i, j]
-        = the current params with response token j's noise (seed i, index j) sample that token (the coupled
-        verification rule; another program than the two-stage rule's, compiled at its first use)."""
+        ``coupled_seeds`` (one sampling seed per sequence): returns (log pi, check int8[S, W]) instead, check[i, j]
+        = ``sampling.check_tokens``' code of response token j with its noise (seed i, index j) and
+        ``coupled_tolerance`` (the coupled verification rule; another program than the two-stage rule's, compiled
+        at its first use; the tolerance is data, not a new program)."""
         packed = self.pack(sequences, slots, prompt_lens, source)
         self.dispatched.add(("prefill" if coupled_seeds is None else "coupled_prefill", packed.tokens.shape))
         if coupled_seeds is None:
@@ -1028,7 +1030,8 @@ class Engine:
                                                      np.asarray(with_logp))
             return response_logp
         self.state, out = _prefill_jit(self._static(), self.params, self.state, packed, np.asarray(True),
-                                       self._coupled_keys(packed, sequences, prompt_lens, coupled_seeds, source))
+                                       (*self._coupled_keys(packed, sequences, prompt_lens, coupled_seeds, source),
+                                        np.float32(coupled_tolerance)))
         return out
 
     @staticmethod

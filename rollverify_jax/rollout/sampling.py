@@ -112,34 +112,24 @@ def _blocks(scaled: jax.Array) -> jax.Array:
     return scaled.reshape(*scaled.shape[:-1], block, n_blocks)
 
 
-def _two_level_draw(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The token drawn from softmax(``scaled``) [..., V] with ``noise`` [..., nb + B], and each block's logsumexp
-    [..., nb]. A block is drawn by Gumbel-max over the blocks' log-masses (block b with probability its members'
-    total mass), then a member by Gumbel-max within it (with probability its share of the block): the product is
-    the token's probability, exactly; nb + B draws instead of V (the Gumbel draws dominated the resume prefill's
-    check at 32K tokens on CPU)."""
+def _two_level_draw(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(token [...], block log-masses [..., nb], block scores [..., nb], the [..., B, nb] grid of ``scaled``) of
+    the draw from softmax(``scaled``) [..., V] with ``noise`` [..., nb + B]. A block is drawn by Gumbel-max over
+    the blocks' log-masses (block b with probability its members' total mass), then a member by Gumbel-max within
+    it (with probability its share of the block): the product is the token's probability, exactly; nb + B draws
+    instead of V."""
     grid = _blocks(scaled)  # [..., B, nb]
     block_lse = jax.nn.logsumexp(grid, axis=-2)
     n_blocks = grid.shape[-1]
-    chosen = _first_max(block_lse + noise[..., :n_blocks])  # [...]
+    block_scores = block_lse + noise[..., :n_blocks]
+    chosen = _first_max(block_scores)  # [...]
     members = jnp.take_along_axis(grid, chosen[..., None, None], axis=-1)[..., 0]  # [..., B]
     member = _first_max(members + noise[..., n_blocks:])
-    return member * n_blocks + chosen, block_lse
+    return member * n_blocks + chosen, block_lse, block_scores, grid
 
 
 def _scaled(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return _filter(logits.astype(jnp.float32) / cfg.temperature, cfg)
-
-
-def _draw(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig
-          ) -> tuple[jax.Array, jax.Array | None]:
-    """(token int32[...], the two-level draw's block log-masses [..., nb] or None) for a sampled (not greedy)
-    ``cfg``."""
-    scaled = _scaled(logits, cfg)
-    noise = gumbel_noise(seeds, token_index, logits.shape[-1], cfg.noise)
-    if cfg.noise == "flat":
-        return _first_max(scaled + noise), None
-    return _two_level_draw(scaled, noise)
 
 
 def sampled_argmax(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -148,7 +138,11 @@ def sampled_argmax(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, 
     the coupled verification compute one function of the same noise. Greedy: the first maximum."""
     if cfg.greedy:
         return _first_max(logits.astype(jnp.float32))
-    return _draw(logits, seeds, token_index, cfg)[0]
+    scaled = _scaled(logits, cfg)
+    noise = gumbel_noise(seeds, token_index, logits.shape[-1], cfg.noise)
+    if cfg.noise == "flat":
+        return _first_max(scaled + noise)
+    return _two_level_draw(scaled, noise)[0]
 
 
 def samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
@@ -157,20 +151,53 @@ def samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index:
     return sampled_argmax(logits, seeds, token_index, cfg) == tokens
 
 
-def logp_and_samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
-                     cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """(log-prob float32[...] of ``tokens`` under softmax(logits / T) as ``sample_tokens`` records it, ``samples``
-    bool[...]) from the same logits [..., V] (the resume prefill computes them once); with the two-level noise and
-    no top-k / top-p the draw's block log-masses give the normaliser too, so the check adds only its nb + B draws
-    to the resume prefill's log-probs."""
+# check_tokens' codes: the new policy samples the token with its noise / it does not, but the token's score is
+# within the tolerance of the winner's (a near-tie, kept) / it does not (cut)
+SAMPLED, NEAR_TIE, NOT_SAMPLED = 1, 2, 0
+
+
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x[..., index]`` for x [..., V] and index [...], as a masked sum: it partitions over a vocabulary split
+    between devices (a gather would collect the whole row on one)."""
+    return jnp.sum(jnp.where(index[..., None] == jnp.arange(x.shape[-1], dtype=index.dtype), x, 0.0), axis=-1)
+
+
+def _near(scores: jax.Array, index: jax.Array, tolerance: jax.Array) -> jax.Array:
+    """bool[...]: ``scores[..., index]`` is above the maximum over the last axis less ``tolerance`` (never, at 0)."""
+    return _at(scores, index) > jnp.max(scores, axis=-1) - tolerance
+
+
+def check_tokens(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
+                 cfg: SamplingConfig, tolerance: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """The coupled rule's check of cached ``tokens`` [...] against the current ``logits`` [..., V]: (log-prob
+    float32[...] of each token under softmax(logits / T), as ``sample_tokens`` records it; int8[...] code:
+    ``SAMPLED`` when ``sampled_argmax`` with the token's own noise (seed, index) draws it, ``NEAR_TIE`` when it does
+    not but the token's perturbed score is within ``tolerance`` of the winner's (at both levels of the two-level
+    draw), else ``NOT_SAMPLED``). One pass over the logits: the resume prefill computes them once; with the
+    two-level noise and no top-k / top-p the block log-masses give the log-prob's normaliser too.
+    ``tolerance`` 0 is the exact rule; above 0 it absorbs the rounding between the prefill's logits and decode's
+    (bf16 near-ties) at the cost of keeping tokens the new policy would have drawn otherwise by that margin."""
     logits = logits.astype(jnp.float32)
+    block_lse = None
     if cfg.greedy:
-        return _token_logp(logits, tokens, 1.0), _first_max(logits) == tokens
-    token, block_lse = _draw(logits, seeds, token_index, cfg)
+        token, near = _first_max(logits), _near(logits, tokens, tolerance)
+    else:
+        scaled = _scaled(logits, cfg)
+        noise = gumbel_noise(seeds, token_index, logits.shape[-1], cfg.noise)
+        if cfg.noise == "flat":
+            scores = scaled + noise
+            token, near = _first_max(scores), _near(scores, tokens, tolerance)
+        else:
+            token, block_lse, block_scores, grid = _two_level_draw(scaled, noise)
+            n_blocks = grid.shape[-1]
+            block, member = tokens % n_blocks, tokens // n_blocks
+            members = jnp.take_along_axis(grid, block[..., None, None], axis=-1)[..., 0] + noise[..., n_blocks:]
+            near = _near(block_scores, block, tolerance) & _near(members, member, tolerance)
+    code = jnp.where(token == tokens, SAMPLED, jnp.where(near, NEAR_TIE, NOT_SAMPLED)).astype(jnp.int8)
+    z = logits / cfg.logp_temperature
     if block_lse is None or cfg.top_k or cfg.top_p < 1:
-        return _token_logp(logits, tokens, cfg.temperature), token == tokens
-    target = jnp.take_along_axis(logits / cfg.temperature, tokens[..., None], axis=-1)[..., 0]
-    return target - jax.nn.logsumexp(block_lse, axis=-1), token == tokens
+        return _at(z, tokens) - jax.nn.logsumexp(z, axis=-1), code
+    return _at(z, tokens) - jax.nn.logsumexp(block_lse, axis=-1), code
 
 
 def _token_logp(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:

@@ -22,6 +22,7 @@ from rollverify_jax import schedule_decisions
 from rollverify_jax.infra import distributed
 from rollverify_jax.rollout.engine import Engine, PendingDecode
 from rollverify_jax.rollout.environment import Environment, Request
+from rollverify_jax.rollout.sampling import NEAR_TIE, NOT_SAMPLED
 from rollverify_jax.rollout.stats import RolloutStats
 from rollverify_jax.rollout.trajectory import Trajectory
 
@@ -84,16 +85,20 @@ class Scheduler:
     (its device time is the rollout's, its steps are counted in ``RolloutStats.decode_steps_dropped``) and drops
     its tokens, so paused trajectories end where the host last read them."""
 
-    def __init__(self, engine: Engine, env: Environment | None = None, coupled: bool = False):
+    def __init__(self, engine: Engine, env: Environment | None = None, coupled: bool = False,
+                 coupled_tolerance: float = 0.0):
         """``env``: multi-turn rollouts; a turn that stops (at one of ``engine.stop_ids``) where ``env`` replies
         waits in its slot for the reply, which is appended without re-prefilling the history. ``coupled``: the
         coupled verification rule (``VerifyConfig.rule``): a resume prefill also says, per cached token, whether
         the current params sample it with its own noise (``keep_fn``'s ``match``), and a cut keeps the
         trajectory's key stream (no fresh draw), so the suffix decoded after it is what the current params sample
-        from scratch with the same keys."""
+        from scratch with the same keys. ``coupled_tolerance``: a token the current params would not sample, but
+        whose perturbed score is within this of the winner's, counts as a match (``VerifyConfig``; the kept ones
+        are counted in ``RolloutStats.near_ties_kept``)."""
         self.engine = engine
         self.env = env
         self.coupled = coupled
+        self.coupled_tolerance = coupled_tolerance
         self.waits: dict[int, _Wait] = {}
         self.dispatch_ahead = engine.config.dispatch_ahead
         self._inflight: _InFlight | None = None
@@ -206,7 +211,8 @@ class Scheduler:
         self.stats.prefill_tokens += sum(len(s) - 1 for s in seqs)
         match = None
         if verify and self.coupled:
-            response_logp, match = engine.prefill(seqs, slots, plens, coupled_seeds=[t.sample_seed for t in trajs])
+            response_logp, match = engine.prefill(seqs, slots, plens, coupled_seeds=[t.sample_seed for t in trajs],
+                                                  coupled_tolerance=self.coupled_tolerance)
         else:
             response_logp = engine.prefill(seqs, slots, plens, with_logp=verify)
         keeps = self._verify(batch, response_logp, match) if verify else [t.num_tokens for t in trajs]
@@ -310,19 +316,21 @@ class Scheduler:
         logp = distributed.fetch(response_logp)  # whole on every host: each decides the same cuts
         new_logp_all = np.zeros((max(logp.shape[0], self.engine.config.num_slots), logp.shape[1]), np.float32)
         new_logp_all[: logp.shape[0]] = logp
-        extra = {}
-        if match is not None:
-            match = distributed.fetch(match)
-            extra["match"] = match_all = np.zeros(new_logp_all.shape, bool)
-            match_all[: match.shape[0]] = match
+        extra, code_all = {}, None
+        if match is not None:  # the check's codes (sampling.check_tokens): the rule reads whether each was drawn
+            code = distributed.fetch(match)
+            code_all = np.zeros(new_logp_all.shape, np.int8)
+            code_all[: code.shape[0]] = code
         views = {i: batch[i][1].traj.policy_view() for i in rows}
         for i, view in views.items():
             if view.has_env:  # the row holds the policy's tokens only, in order (environment tokens: not sampled)
                 new_logp_all[i] = 0.0
                 new_logp_all[i, : len(view)] = logp[i, view.positions]
-                if match is not None:
-                    match_all[i] = False
-                    match_all[i, : len(view)] = match[i, view.positions]
+                if code_all is not None:
+                    code_all[i] = NOT_SAMPLED
+                    code_all[i, : len(view)] = code[i, view.positions]
+        if code_all is not None:
+            extra["match"] = code_all != NOT_SAMPLED
         for idx in by_fn.values():
             behavior = np.zeros(new_logp_all.shape, np.float32)
             versions = np.zeros(new_logp_all.shape, np.int32)
@@ -337,6 +345,8 @@ class Scheduler:
             keep = np.clip(keep, 0, lengths[idx])
             for i, k, n in zip(idx, keep.tolist(), lengths[idx].tolist(), strict=True):
                 t = batch[i][1].traj
+                if code_all is not None:  # kept only by the tolerance: how far the kept prefix is from exact
+                    self.stats.near_ties_kept += int(np.sum(code_all[i, :k] == NEAR_TIE))
                 keeps[i] = views[i].response_index(k)  # the first policy token cut (everything when none is)
                 (self.verified_finished if t.finished else self.verified).append((k, n))
                 t.history.append({"event": "verify", "version": self.engine.version, "kept": k, "of": n})

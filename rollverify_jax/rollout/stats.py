@@ -29,6 +29,9 @@ class RolloutStats:
     # a diagnostic of whether regeneration is a fresh draw (it is when the rate matches fresh samples').
     regen_tokens: int = 0
     regen_equal: int = 0
+    # Cached tokens the coupled rule kept only by VerifyConfig.coupled_tolerance (the current params, with their
+    # noise, would have drawn another token within that margin): 0 when the kept prefixes are exact samples.
+    near_ties_kept: int = 0
     parked_slot_steps: int = 0  # slots x decode steps spent holding a trajectory that waits for a reply
     reply_blocked_time: float = 0.0  # seconds spent waiting for environment replies, decoding nothing meanwhile
     extend_tokens: int = 0  # tokens appended to parked slots (environment replies), never a re-prefill

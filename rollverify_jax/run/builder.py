@@ -184,7 +184,8 @@ def _training(spec: RunSpec, serving: Serving, evaluator: Evaluator, workdir: ep
     records = load_prompts("train", spec.train.train_dataset, spec.dataset_kwargs("train"), serving.prompts,
                            spec.max_prompt_len())
     iterator = PromptIterator(records, batch_size=1, seed=spec.train.seed)
-    manager = RolloutManager(spec.rollout, Scheduler(engine, serving.tools, coupled=spec.verify.rule == "coupled"),
+    manager = RolloutManager(spec.rollout, Scheduler(engine, serving.tools, coupled=spec.verify.rule == "coupled",
+                                                       coupled_tolerance=spec.verify.coupled_tolerance),
                              iterator.next_record,
                              serving.prompts.encode, seed=spec.train.seed, switch=spec.switch, verify=spec.verify,
                              asynchronous=spec.async_rollout)

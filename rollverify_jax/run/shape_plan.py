@@ -299,7 +299,8 @@ def compile_ahead(plan: ShapePlan, engine, learner=None, train_state=None, batch
             packed = engine_lib.PackedPrefill(*[host(r, w)] * 6, *[host(n)] * 3,
                                               *[host(engine.plan.copy_capacity(w))] * 2, host())
             # The coupled check's keys only where the engine passes them: an argument more is another program.
-            keys = ((host(r, w, dtype=np.uint32), host(r, w)),) if p.family == "coupled_prefill" else ()
+            keys = (((host(r, w, dtype=np.uint32), host(r, w), host(dtype=np.float32)),)
+                    if p.family == "coupled_prefill" else ())
             return lambda: engine_lib._prefill_jit.lower(static, params, state, packed, host(dtype=bool), *keys)
         if p.family == "decode":
             slots = None if d["slots"] == n else d["slots"]

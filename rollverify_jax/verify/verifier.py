@@ -37,17 +37,23 @@ class VerifyConfig:
     the paper verifies paused (unfinished) trajectories only. The acceptance window is `SwitchConfig`.
     rule: 'two_stage' (the paper's rule on the OPS thresholds ds and dt: a near on-policy prefix) or 'coupled'
     (exact: the prefix the new policy samples with each token's own Gumbel noise, docs/method.md; ds and dt
-    unused)."""
+    unused). coupled_tolerance: the coupled rule also keeps a token whose perturbed score is within this many
+    nats of the winner's (0: exact; a bf16 engine's prefill and decode round differently, and a near-tie flips).
+    """
 
     ds: float = DEFAULT_DS
     dt: float = DEFAULT_DT
     verify_finished: bool = False
     rule: str = "two_stage"
+    coupled_tolerance: float = 0.0  # >= 0; the tokens kept by it alone: verify/near_ties_kept
 
     def __post_init__(self):
         _check_thresholds(self.ds, self.dt)
         if self.rule not in RULES:
             raise ValueError(f"VerifyConfig.rule={self.rule!r}: use one of {', '.join(map(repr, RULES))}.")
+        if not self.coupled_tolerance >= 0:
+            raise ValueError(f"VerifyConfig.coupled_tolerance={self.coupled_tolerance!r} must be >= 0 (0: the exact "
+                             "coupled rule).")
 
 
 def _check_thresholds(ds, dt) -> None:
