@@ -162,3 +162,12 @@ def test_fit_reads_token_agreement_where_logged(tmp_path):
     assert cal.verify_rule(_run(tmp_path / "c", recs, "two_stage")) == "two_stage"
     with pytest.raises(ValueError, match="verified nothing"):
         cal.fit_coupled_mismatch([_run(tmp_path / "d", recs[:1])])
+
+
+def test_crossing_interpolates_the_sweep_in_log_q():
+    from rollverify_jax.studies.coupled_cost import crossing
+
+    pts = [(1e-5, 0.99), (1e-4, 0.9), (1e-3, 0.5), (1e-2, 0.1)]
+    assert crossing(pts, 0.9) == pytest.approx(1e-4)
+    assert crossing(pts, 0.7) == pytest.approx(10 ** -3.5)  # halfway between 0.9 and 0.5 in log q
+    assert crossing(pts, 0.995) is None and crossing(pts, 0.05) is None
