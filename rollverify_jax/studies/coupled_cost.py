@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="write the table here")
     ap.add_argument("--runs", nargs="+", default=[], help="coupled runs to fit q on (calibrate.fit_coupled_mismatch)")
     ap.add_argument("--fitted_q", type=float, default=None, help="a fitted q to add to the sweep (without --runs)")
-    ap.add_argument("--q", type=float, nargs="+", default=list(Q_SWEEP), help="per-token mismatch values at age 1")
+    ap.add_argument("--q", type=float, nargs="*", default=list(Q_SWEEP),
+                    help="per-token mismatch values at age 1 (none: only the fitted one)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the config's)")
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args(argv)
