@@ -3,11 +3,11 @@ two-stage rule and on-policy: the simulator's real-scale Qwen3-8B settings (8K, 
 their shipped defaults, the 'keep' end of the cut-length bracket) replayed with the two-stage cut model
 (``SimConfig.rule = 'two_stage'``, the paper-shaped acceptance of configs/sim/scale_common.gin) and the coupled one
 (``SimConfig.rule = 'coupled'``) over a sweep of the per-token mismatch ``q`` at age 1 (older tokens:
-``(1 - q) ** age``), plus ``q`` fitted on coupled runs (``--runs``: ``calibrate.fit_coupled_mismatch``, the
-tokens' ages from a replay of the runs' own shape) or given (``--fitted_q``).
+``(1 - q) ** age``), plus a ``q`` fitted on each coupled run (``--runs``: ``calibrate.fit_coupled_mismatch``, the
+tokens' ages from a replay of the run's own shape) or given (``--fitted_q``).
 
     python -m rollverify_jax.studies.coupled_cost --json docs/results/coupled_cost_model.json \\
-        [--runs RUN_DIR ...] [--fitted_q Q] [--q 1e-5 1e-4 ...] [--steps N] [--jobs 2]
+        [--runs RUN_DIR ...] [--fitted_q Q ...] [--q 1e-5 1e-4 ...] [--steps N] [--jobs 2]
 
 Both rules take the same late ramp of the hazard (from step ``SimConfig.fail_ramp_start``, each segment's, under
 'coupled' each token's, log-survival doubling every ``fail_ramp_doubling`` steps) and the same switching rule;
@@ -79,20 +79,20 @@ def crossing(points: list[tuple[float, float]], target: float) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write the table here")
-    ap.add_argument("--runs", nargs="+", default=[], help="coupled runs to fit q on (calibrate.fit_coupled_mismatch)")
-    ap.add_argument("--fitted_q", type=float, default=None, help="a fitted q to add to the sweep (without --runs)")
+    ap.add_argument("--runs", nargs="+", default=[],
+                    help="coupled runs, each fitting a q of its own (calibrate.fit_coupled_mismatch) for the sweep")
+    ap.add_argument("--fitted_q", type=float, nargs="+", default=[], help="fitted q values to add to the sweep")
     ap.add_argument("--q", type=float, nargs="*", default=list(Q_SWEEP),
                     help="per-token mismatch values at age 1 (none: only the fitted one)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the config's)")
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args(argv)
-    fit = None
-    qs = sorted(set(args.q))
-    fitted = args.fitted_q
-    if args.runs:
-        fitted, fit = fit_from_runs(args.runs)
-    if fitted is not None:
-        qs = sorted(set(qs) | {fitted})
+    fitted = {q: "--fitted_q" for q in args.fitted_q}
+    fits = {}
+    for path in args.runs:
+        q, fits[path] = fit_from_runs([path])
+        fitted[q] = path
+    qs = sorted(set(args.q) | set(fitted))
     jobs = []
     for model, ctx, files, params in SETTINGS:
         jobs.append((model, ctx, "on_policy", None, files, params, "on_policy"))
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         futures = [pool.submit(replay, j[4], j[5], j[6], args.steps) for j in jobs]
         rows = [{"model": j[0], "context": j[1], "rule": j[2], "q": j[3], **f.result()}
                 for j, f in zip(jobs, futures, strict=True)]
-    report = {"fitted_q": fitted, "fit": fit, "q_sweep": qs, "rows": rows, "crossing": {}}
+    report = {"fitted_q": fitted, "fits": fits, "q_sweep": qs, "rows": rows, "crossing": {}}
     for _, ctx, _, _ in SETTINGS:
         two = next(r for r in rows if r["context"] == ctx and r["rule"] == "two_stage")
         pts = [(r["q"], r["kept_before_ramp"]) for r in rows if r["context"] == ctx and r["rule"] == "coupled"]
@@ -124,7 +124,7 @@ def format_table(report: dict) -> str:
         base = next(r for r in rows if r["rule"] == "on_policy")
         two = next(r for r in rows if r["rule"] == "two_stage")
         for r in rows:
-            q = "-" if r["q"] is None else f"{r['q']:.3g}" + (" (fitted)" if r["q"] == report["fitted_q"] else "")
+            q = "-" if r["q"] is None else f"{r['q']:.3g}" + (" (fitted)" if r["q"] in report["fitted_q"] else "")
             kept = "-" if r["rule"] == "on_policy" else f"{r['kept_before_ramp']:.3f}"
             acc = "-" if math.isnan(r["acceptance"]) else f"{r['acceptance']:.3f}"
             sw = r["switch_step"] if r["switch_step"] >= 0 else "-"
