@@ -171,3 +171,17 @@ def test_crossing_interpolates_the_sweep_in_log_q():
     assert crossing(pts, 0.9) == pytest.approx(1e-4)
     assert crossing(pts, 0.7) == pytest.approx(10 ** -3.5)  # halfway between 0.9 and 0.5 in log q
     assert crossing(pts, 0.995) is None and crossing(pts, 0.05) is None
+
+
+@pytest.mark.parametrize("run,q", [("coupled_tiny_s0", 3.534e-3), ("coupled_tool_s0", 1.825e-3)])
+def test_the_published_fit_reproduces_from_its_checked_in_runs(run, q):
+    # docs/results/coupled_cost_model.md fits q on the metrics of two coupled runs kept beside it (every cached
+    # token of age 1 in the tiny shapes, so no age correction); the fit from those files is the documented one.
+    from pathlib import Path
+
+    from rollverify_jax.studies.coupled_cost import fit_from_runs
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "results"
+    fitted, fit = fit_from_runs([str(root / "coupled_cost_model" / run)])
+    assert fitted == pytest.approx(q, rel=1e-3) and fit["mean_token_age"] == 1.0
+    assert f"{q:.3e}".replace("e-03", "e-3") in (root / "coupled_cost_model.md").read_text()
