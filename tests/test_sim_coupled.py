@@ -185,3 +185,26 @@ def test_the_published_fit_reproduces_from_its_checked_in_runs(run, q):
     fitted, fit = fit_from_runs([str(root / "coupled_cost_model" / run)])
     assert fitted == pytest.approx(q, rel=1e-3) and fit["mean_token_age"] == 1.0
     assert f"{q:.3e}".replace("e-03", "e-3") in (root / "coupled_cost_model.md").read_text()
+
+
+def test_calibrating_on_a_coupled_run_fits_its_mismatch(tmp_path):
+    # --calibrate_from a coupled run (VerifyConfig.rule in its spec.json) fits q on it and replays it under the
+    # coupled rule; the on-policy partner is the same run's records relabelled (the rates need on-policy steps).
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "coupled_cost_model" / "coupled_tiny_s0"
+    spec = json.loads((src / "spec.json").read_text())
+    assert spec["verify"]["rule"] == "coupled"
+    on = tmp_path / "on"
+    on.mkdir()
+    (on / "spec.json").write_text(json.dumps({**spec, "rollout": {**spec["rollout"], "mode": "on_policy"}}))
+    recs = [json.loads(x) for x in (src / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    (on / "metrics.jsonl").write_text("".join(json.dumps({**r, "mode/on_policy": 1, "verify/num_verified": 0}) + "\n"
+                                              for r in recs if "time/step" in r))
+    out = tmp_path / "sim.json"
+    sim_cli.main(["--calibrate_from", str(on), str(src), "--steps=3", f"--json={out}"])
+    report = json.loads(out.read_text())
+    assert report["notes"]["coupled_mismatch_per_token"] == [pytest.approx(3.534e-3, rel=1e-3)]
+    assert report["notes"]["coupled_mismatch_from"] == [str(src)]
+    row = next(r for r in report["calibration"] if r["run"] == str(src))
+    assert row["mode"] == "rollverify" and row["predicted_s"] > 0
