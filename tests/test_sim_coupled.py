@@ -208,3 +208,18 @@ def test_calibrating_on_a_coupled_run_fits_its_mismatch(tmp_path):
     assert report["notes"]["coupled_mismatch_from"] == [str(src)]
     row = next(r for r in report["calibration"] if r["run"] == str(src))
     assert row["mode"] == "rollverify" and row["predicted_s"] > 0
+
+
+def test_the_async_replay_cuts_under_the_coupled_rule():
+    # The async replay verifies at each swap with the same cut model (ages in versions): q = 0 keeps every cached
+    # token, a shift cuts some.
+    from rollverify_jax.sim.async_replay import AsyncCosts, AsyncSetup, rollout_workload, simulate_async
+
+    full = Workload("rollverify", 4, 4, 32, 4, 400, prompt_len=20, pool_shards=2, live_slots=False, switching=False)
+    w = rollout_workload(full, 2, 1, "verify")
+    costs = AsyncCosts(rollout=UNIT, train=UNIT, sync=UNIT, publish_s=0.05)
+    res = {q: simulate_async(w, costs, LengthModel(400, median=40, sigma=1.0, seed=3),
+                             AsyncSetup(2, 1, 4, 1, "verify"), CutModel(rule="coupled", mismatch=(q,)), 20, full)
+           for q in (0.0, 0.05)}
+    assert res[0.0].summary()["acceptance"] == 1.0
+    assert res[0.05].summary()["acceptance"] < 0.9

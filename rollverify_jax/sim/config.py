@@ -44,7 +44,7 @@ class SimConfig:
     segment_fail_prob: tuple = (0.0,)
     fail_ramp_start: int = 0
     fail_ramp_doubling: float = 10.0
-    rule: str = "two_stage"  # the verifier's rule the cut model follows (VerifyConfig.rule)
+    rule: str = "two_stage"
     coupled_mismatch_per_token: tuple = (0.0,)  # the coupled rule's q(c), per cached token of age c = 1, 2, ...
     costs: str = "costs"
     skip_steps: int = 1  # calibration: leading steps left out (they compile)
