@@ -188,25 +188,30 @@ def test_the_published_fit_reproduces_from_its_checked_in_runs(run, q):
 
 
 def test_calibrating_on_a_coupled_run_fits_its_mismatch(tmp_path):
-    # --calibrate_from a coupled run (VerifyConfig.rule in its spec.json) fits q on it and replays it under the
-    # coupled rule; the on-policy partner is the same run's records relabelled (the rates need on-policy steps).
+    # --calibrate_from a coupled run (VerifyConfig.rule in its spec.json: the checked-in tiny run's first 6 steps)
+    # fits q on it and replays it under the coupled rule; the on-policy partner is the same records relabelled
+    # (the rates need on-policy steps).
     from pathlib import Path
 
     src = Path(__file__).resolve().parents[1] / "docs" / "results" / "coupled_cost_model" / "coupled_tiny_s0"
     spec = json.loads((src / "spec.json").read_text())
-    assert spec["verify"]["rule"] == "coupled"
-    on = tmp_path / "on"
-    on.mkdir()
-    (on / "spec.json").write_text(json.dumps({**spec, "rollout": {**spec["rollout"], "mode": "on_policy"}}))
-    recs = [json.loads(x) for x in (src / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    (on / "metrics.jsonl").write_text("".join(json.dumps({**r, "mode/on_policy": 1, "verify/num_verified": 0}) + "\n"
-                                              for r in recs if "time/step" in r))
+    recs = [r for r in map(json.loads, (src / "metrics.jsonl").read_text().splitlines()[:40])
+            if "time/step" in r and r["step"] <= 6]
+    assert spec["verify"]["rule"] == "coupled" and len(recs) == 6
+    runs = {}
+    for mode, rows in (("on_policy", [{**r, "mode/on_policy": 1, "verify/num_verified": 0} for r in recs]),
+                       ("rollverify", recs)):
+        runs[mode] = tmp_path / mode
+        runs[mode].mkdir()
+        (runs[mode] / "spec.json").write_text(json.dumps({**spec, "rollout": {**spec["rollout"], "mode": mode}}))
+        (runs[mode] / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "sim.json"
-    sim_cli.main(["--calibrate_from", str(on), str(src), "--steps=3", f"--json={out}"])
+    sim_cli.main(["--calibrate_from", str(runs["on_policy"]), str(runs["rollverify"]), "--steps=2", f"--json={out}"])
     report = json.loads(out.read_text())
-    assert report["notes"]["coupled_mismatch_per_token"] == [pytest.approx(3.534e-3, rel=1e-3)]
-    assert report["notes"]["coupled_mismatch_from"] == [str(src)]
-    row = next(r for r in report["calibration"] if r["run"] == str(src))
+    (q,), _ = cal.fit_coupled_mismatch([cal.read_run(runs["rollverify"])], skip=1)
+    assert 1e-3 < q < 1e-2 and report["notes"]["coupled_mismatch_per_token"] == [pytest.approx(q)]
+    assert report["notes"]["coupled_mismatch_from"] == [str(runs["rollverify"])]
+    row = next(r for r in report["calibration"] if r["run"] == str(runs["rollverify"]))
     assert row["mode"] == "rollverify" and row["predicted_s"] > 0
 
 
