@@ -402,3 +402,76 @@ def switch_step(run: RunData) -> int:
         if "mode/switch_step" in r:
             return int(r["mode/switch_step"])
     return -1
+
+
+# -- where the coupled rule cuts ----------------------------------------------------------------------------
+
+def coupled_counts(records) -> dict:
+    """Sums over ``records`` of what the coupled rule's per-token mismatch is estimated from: cached tokens
+    verified (``verify/tokens_total``), removed, trajectories cut, and, where logged, the matched cached tokens
+    (``verify/token_agreement`` times ``tokens_total``: the fraction of every verified cached token the new
+    policy would have sampled with its noise, before and after the first miss) over the tokens it was measured
+    on."""
+    out = {"steps": 0, "tokens": 0, "removed": 0, "cut": 0, "agree_tokens": 0.0, "agree_of": 0}
+    for r in records:
+        n = int(r.get("verify/tokens_total", 0))
+        out["steps"] += 1
+        out["tokens"] += n
+        out["removed"] += int(r.get("verify/tokens_removed", 0))
+        out["cut"] += int(r.get("verify/num_cut", 0))
+        agree = r.get("verify/token_agreement")
+        if agree is not None and n and not math.isnan(float(agree)):
+            out["agree_tokens"] += float(agree) * n
+            out["agree_of"] += n
+    return out
+
+
+def fit_coupled_mismatch(runs: list[RunData], skip: int = 0,
+                         token_ages: tuple[float, float] = (1.0, 1.0)) -> tuple[tuple[float], dict]:
+    """The coupled rule's per-token mismatch at age 1, ``(q1,)`` (``SimConfig.coupled_mismatch_per_token``; older
+    ages follow ``replay.coupled_survival``, ``(1 - q1) ** c``), from the runs' verifying steps after ``skip``.
+
+    First pooled over the ages the run's cached tokens had:
+
+    - with ``verify/token_agreement`` logged (the matched fraction of every verified cached token),
+      ``q_pool = 1 - sum(agreement x tokens_total) / sum(tokens_total)`` over the steps that log it: direct, every
+      cached token counted;
+    - else the censored-geometric estimate ``q_pool = cuts / (kept + cuts)``: the check examines each
+      trajectory's tokens up to and including its first miss, so the examined tokens are the kept ones
+      (``tokens_total - tokens_removed``) plus one per cut, and the misses are the cuts: the maximum-likelihood
+      per-token rate of a cut at one per-token rate. It sees only the tokens up to each first miss.
+
+    Then to age 1: ``q1 = 1 - (1 - q_pool) ** (1 / a)``, ``a`` the mean age of the tokens the estimate counts
+    (``token_ages`` = (examined tokens', every verified token's); the runs do not log them, so
+    ``predict.build_inputs`` takes them from a replay of the runs' shape: ``replay_token_ages``; (1, 1): q1 is
+    the pooled rate)."""
+    recs = [r for run in runs for r in run.used(skip) if r.get("verify/num_verified")]
+    if not recs:
+        raise ValueError("the coupled runs verified nothing after the skipped steps: no per-token mismatch to fit.")
+    c = coupled_counts(recs)
+    if c["agree_of"]:
+        q_pool, age = 1.0 - c["agree_tokens"] / c["agree_of"], token_ages[1]
+        source = "verify/token_agreement (matched fraction of every verified cached token)"
+    else:
+        examined = c["tokens"] - c["removed"] + c["cut"]
+        if examined <= 0:
+            raise ValueError("the coupled runs examined no cached token: no per-token mismatch to fit.")
+        q_pool, age = c["cut"] / examined, token_ages[0]
+        source = "cuts / (kept + cuts): censored geometric, no verify/token_agreement logged"
+    if age < 1.0:
+        raise ValueError(f"fit_coupled_mismatch: a mean token age of {age} (ages start at 1).")
+    q1 = 1.0 - (1.0 - min(max(q_pool, 0.0), 1.0 - 1e-12)) ** (1.0 / age)
+    return (q1,), {"source": source, "q_pooled": q_pool, "mean_token_age": age, **c}
+
+
+def replay_token_ages(steps) -> tuple[float, float]:
+    """(examined, every verified) cached tokens' mean age over replayed ``StepRecord``s (1 where none)."""
+    ex = sum(s.examined_tokens for s in steps)
+    vt = sum(s.verified_tokens for s in steps)
+    return (sum(s.examined_token_age for s in steps) / ex if ex else 1.0,
+            sum(s.verified_token_age for s in steps) / vt if vt else 1.0)
+
+
+def verify_rule(run: RunData) -> str:
+    """The verifier's rule a run used (``VerifyConfig.rule``; 'two_stage' for runs from before it existed)."""
+    return run.spec.get("verify", {}).get("rule", "two_stage")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollverify_jax.sim.replay import CUT_LENGTHS, MODES
+from rollverify_jax.sim.replay import CUT_LENGTHS, MODES, RULES, check_mismatch
 
 COST_SOURCES = ("costs", "roofline")
 
@@ -23,7 +23,12 @@ class SimConfig:
     verification cuts
     (``CutModel``): ``segment_fail_prob = (p1, p2, ...)``, the probability that a cached segment of age 1, 2, ...
     steps fails verification (the last value repeats), and a late ramp of that hazard from step
-    ``fail_ramp_start`` on (0: none), doubling every ``fail_ramp_doubling`` steps.
+    ``fail_ramp_start`` on (0: none), doubling every ``fail_ramp_doubling`` steps. ``rule``: the verifier's rule
+    the cut model follows ('two_stage': the segment model above; 'coupled': ``VerifyConfig.rule = 'coupled'``,
+    each cached token of age c matching with probability ``1 - q(c)``, ``coupled_mismatch_per_token = (q(1),
+    q(2), ...)`` in [0, 1), beyond the last age A ``1 - q(c) = (1 - q(A)) ** (c / A)``: one value q gives
+    ``(1 - q) ** c``; the same ramp multiplies each token's log-survival; ``calibrate.fit_coupled_mismatch``
+    fits q on coupled runs).
     """
 
     modes: tuple = MODES
@@ -39,6 +44,8 @@ class SimConfig:
     segment_fail_prob: tuple = (0.0,)
     fail_ramp_start: int = 0
     fail_ramp_doubling: float = 10.0
+    rule: str = "two_stage"
+    coupled_mismatch_per_token: tuple = (0.0,)  # the coupled rule's q(c), per cached token of age c = 1, 2, ...
     costs: str = "costs"
     skip_steps: int = 1  # calibration: leading steps left out (they compile)
     # calibration: 'by_mode' fits the rates on the --fit_from runs (default: the on-policy runs) and compares
@@ -64,6 +71,9 @@ class SimConfig:
         if not p or not all(isinstance(x, int | float) and 0.0 <= x <= 1.0 for x in p):
             raise ValueError(f"SimConfig.segment_fail_prob={self.segment_fail_prob!r}: probabilities in [0, 1], "
                              "one per segment age (1, 2, ...; the last repeats).")
+        if self.rule not in RULES:
+            raise ValueError(f"SimConfig.rule={self.rule!r}; choose one of {list(RULES)} (VerifyConfig.rule).")
+        check_mismatch(self.coupled_mismatch_per_token, "SimConfig.coupled_mismatch_per_token")
         if self.fail_ramp_start < 0 or self.fail_ramp_doubling <= 0:
             raise ValueError("SimConfig.fail_ramp_start must be >= 0 (0: no ramp) and fail_ramp_doubling > 0.")
         if self.num_steps is not None and self.num_steps < 1:

@@ -11,7 +11,7 @@ from rollverify_jax.sim import async_replay as sim_async
 from rollverify_jax.sim import calibrate as cal
 from rollverify_jax.sim.config import SimConfig
 from rollverify_jax.sim.costs import CostModel, RooflineCosts
-from rollverify_jax.sim.replay import CutModel, LengthModel, simulate
+from rollverify_jax.sim.replay import CutModel, LengthModel, check_mismatch, simulate
 from rollverify_jax.sim.shape import RunShape
 
 
@@ -40,7 +40,8 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
     lengths["cut_length"] = cfg.cut_length
     cut = {"fail_prob": tuple(cfg.segment_fail_prob) if isinstance(cfg.segment_fail_prob, list | tuple)
            else (cfg.segment_fail_prob,), "ramp_start": cfg.fail_ramp_start,
-           "ramp_doubling": cfg.fail_ramp_doubling, "seed": cfg.seed}
+           "ramp_doubling": cfg.fail_ramp_doubling, "seed": cfg.seed, "rule": cfg.rule,
+           "mismatch": check_mismatch(cfg.coupled_mismatch_per_token, "SimConfig.coupled_mismatch_per_token")}
     inputs = Inputs(costs, prompt, lengths, cut, devices, {})
     if not runs:
         return inputs
@@ -53,10 +54,14 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
     inputs.length_kwargs = {"median": median, "sigma": sigma, "group_share": share, "seed": cfg.seed,
                             "cut_length": cfg.cut_length}
     verify_runs = [r for r in runs if r.mode == "rollverify"]
-    cut_fit = None
+    coupled_runs = [r for r in verify_runs if cal.verify_rule(r) == "coupled"]
+    cut_fit = coupled_fit = None
     if verify_runs:
         fail_prob, cut_fit = cal.fit_segment_fail_prob(verify_runs)
         inputs.cut_kwargs = {**cut, "fail_prob": fail_prob}
+    if coupled_runs:  # the coupled rule's per-token mismatch (used where SimConfig.rule or a run is 'coupled')
+        mismatch, coupled_fit = _fit_mismatch(shape, inputs, coupled_runs, cfg)
+        inputs.cut_kwargs = {**inputs.cut_kwargs, "mismatch": mismatch}
     steps = max(r.steps[-1]["step"] for r in runs)
     ratios = replay_ratios(shape, inputs, {r.mode for r in runs}, steps)
     costs, fit = cal.fit_costs(fit_runs, ratios, shape.steps_per_dispatch, n, inputs.prompt_len, cfg.skip_steps,
@@ -69,8 +74,21 @@ def build_inputs(cfg: SimConfig, shape: RunShape, runs: list[cal.RunData],
                     "length_sigma": sigma, "length_group_share": share,
                     "prompt_len": inputs.prompt_len,
                     "segment_fail_prob": inputs.cut_kwargs["fail_prob"], "segment_fail_prob_fit": cut_fit,
-                    "segment_fail_prob_from": [str(r.path) for r in verify_runs]}
+                    "segment_fail_prob_from": [str(r.path) for r in verify_runs],
+                    "coupled_mismatch_per_token": inputs.cut_kwargs["mismatch"], "coupled_mismatch_fit": coupled_fit,
+                    "coupled_mismatch_from": [str(r.path) for r in coupled_runs]}
     return inputs
+
+
+def _fit_mismatch(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], cfg: SimConfig) -> tuple[tuple, dict]:
+    """``calibrate.fit_coupled_mismatch`` with the cached tokens' mean ages of a coupled replay of the runs'
+    shape at the pooled rate (the runs do not log the ages; a cut changes them little)."""
+    pooled, fit = cal.fit_coupled_mismatch(runs, cfg.skip_steps)
+    steps = max(r.steps[-1]["step"] for r in runs)
+    probe = dataclasses.replace(inputs, costs=CostModel(),
+                                cut_kwargs={**inputs.cut_kwargs, "rule": "coupled", "mismatch": pooled})
+    ages = cal.replay_token_ages(run_mode("rollverify", shape, probe, steps).steps)
+    return cal.fit_coupled_mismatch(runs, cfg.skip_steps, ages)
 
 
 def replay_ratios(shape: RunShape, inputs: Inputs, modes: set[str], steps: int) -> dict[str, cal.KindRatios]:
@@ -159,14 +177,17 @@ def calibration_rows(shape: RunShape, inputs: Inputs, runs: list[cal.RunData], s
                      split: str = "by_mode", width_ref: float = 0.0) -> list[dict]:
     """Predicted vs measured wall-clock, timers and event counts of every run over its steps after ``skip``
     (``split='odd_even'``: each run's rates fitted on its own odd steps, compared on its even steps). A
-    RollVerify run is replayed with its own per-step segment failure rates (``calibrate.fail_prob_trace``)."""
+    RollVerify run is replayed with its own per-step segment failure rates (``calibrate.fail_prob_trace``), a
+    coupled one (``VerifyConfig.rule``) with the coupled cut model at the fitted per-token mismatch."""
     out = []
     for run in runs:
         n = run.steps[-1]["step"]
         compared = {r["step"] for r in run.used(skip)}
         run_inputs = inputs
-        if run.mode == "rollverify":
-            run_inputs = dataclasses.replace(inputs, cut_kwargs={**inputs.cut_kwargs,
+        if run.mode == "rollverify" and cal.verify_rule(run) == "coupled":
+            run_inputs = dataclasses.replace(inputs, cut_kwargs={**inputs.cut_kwargs, "rule": "coupled"})
+        elif run.mode == "rollverify":
+            run_inputs = dataclasses.replace(inputs, cut_kwargs={**inputs.cut_kwargs, "rule": "two_stage",
                                                                  "trace": cal.fail_prob_trace(run)})
         if split == "odd_even":
             odd = {s for s in compared if s % 2 == 1}

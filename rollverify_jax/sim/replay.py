@@ -18,7 +18,9 @@ replay's state; ``tests/test_scheduler_parity.py`` replays recorded scheduler tr
   beyond ``B``). A trajectory's cached tokens are segments, one per step that sampled some of them; at
   verification each segment of age ``c`` (the verifying step minus the segment's) fails with probability
   ``p(c)`` (``CutModel``), oldest first, and the cut falls at the first failing segment's first token (keep =
-  the tokens before it; 0 restarts from the prompt). A cut trajectory regenerates to a length set by
+  the tokens before it; 0 restarts from the prompt). Under the coupled rule (``CutModel.rule = 'coupled'``)
+  each cached token of age ``c`` matches with probability ``1 - q(c)`` instead, and the cut falls at the first
+  token that does not (``min(n, Geometric)`` tokens kept). A cut trajectory regenerates to a length set by
   ``LengthModel.cut_length``: the one drawn for it at creation ('keep', the unfavourable end of the bracket) or a
   fresh draw given the kept prefix ('redraw', ``LengthModel.redraw``: shorter on average, the favourable end).
   The cycle's acceptance ``sum keep / sum n`` over the verified paused trajectories enters the switching
@@ -68,6 +70,8 @@ RESERVATIONS = ("incremental", "full")
 # What a cut trajectory regenerates to (``LengthModel.regenerated``): the two ends of the bracket the true
 # length of a regeneration lies in
 CUT_LENGTHS = ("keep", "redraw")
+# The verifier's rule a cut model follows (``VerifyConfig.rule``; ``verify/verifier.py`` RULES)
+RULES = ("two_stage", "coupled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,22 +382,33 @@ class LengthModel:
 
 class CutModel:
     """Where verification cuts a cached trajectory, from its segments (runs of tokens one policy version
-    sampled: here one per step that decoded some of them). Checked oldest first, a segment of age ``c >= 1``
-    (the verifying step minus its own) fails with probability ``p_s(c)``; the cut falls at the first failing
-    segment's first token, and a trajectory none of whose segments fails passes whole. This is the verifier's
-    segment stage (the first segment whose mean OPS reaches ``ds`` cuts; the token stage can only cut inside
-    it, and ``verify/token_stage_cuts`` measures how often it does).
+    sampled: here one per step that decoded some of them), under the verifier's ``rule`` (``VerifyConfig.rule``).
 
-    ``p(c) = fail_prob[min(c, len) - 1]`` (the last value repeats); ``trace`` gives a ``fail_prob`` per step
-    instead (step ``s`` reads ``trace[s - 1]``, the last beyond it: a run's own measured rates). A late fall of
-    the acceptance is a ramp of the per-segment hazard: from step ``ramp_start`` on (0: never)
+    'two_stage': checked oldest first, a segment of age ``c >= 1`` (the verifying step minus its own) fails with
+    probability ``p_s(c)``; the cut falls at the first failing segment's first token, and a trajectory none of
+    whose segments fails passes whole. This is the verifier's segment stage (the first segment whose mean OPS
+    reaches ``ds`` cuts; the token stage can only cut inside it, and ``verify/token_stage_cuts`` measures how often
+    it does). ``p(c) = fail_prob[min(c, len) - 1]`` (the last value repeats); ``trace`` gives a ``fail_prob`` per
+    step instead (step ``s`` reads ``trace[s - 1]``, the last beyond it: a run's own measured rates).
+
+    'coupled' (docs/method.md, "Coupled verification"): each cached token of age ``c`` matches the new policy's
+    own sample independently with probability ``1 - q(c)`` (``mismatch``, per token: ``coupled_survival``), and
+    the cut falls at the first token that does not: the kept prefix is ``min(n, Geometric)`` for one age, in
+    general the first token whose cumulative hazard ``sum -log(1 - q(c_t))`` passes one exponential draw per
+    trajectory (the same law as a coin per token, memoryless, in one draw per trajectory whatever its length).
+
+    A late fall of the acceptance is a ramp of the hazard: from step ``ramp_start`` on (0: never)
     ``p_s(c) = 1 - (1 - p(c)) ** f(s)`` with ``f(s) = 2 ** ((s - ramp_start) / ramp_doubling)``, so each
-    segment's log-survival doubles every ``ramp_doubling`` steps (probabilities stay in [0, 1]; p = 0 or 1
-    stay as they are)."""
+    segment's (under 'coupled' each token's) log-survival doubles every ``ramp_doubling`` steps (probabilities stay
+    in [0, 1]; p = 0 or 1 stay as they are)."""
 
     def __init__(self, fail_prob=(0.0,), trace=None, ramp_start: int = 0, ramp_doubling: float = 10.0,
-                 seed: int = 0):
+                 seed: int = 0, rule: str = "two_stage", mismatch=(0.0,)):
+        if rule not in RULES:
+            raise ValueError(f"CutModel: rule={rule!r}; choose one of {list(RULES)} (VerifyConfig.rule).")
+        self.rule = rule
         self.fail_prob = _check_probs(fail_prob, "fail_prob")
+        self.mismatch = check_mismatch(mismatch, "CutModel: mismatch")
         self.trace = None if trace is None else [_check_probs(p, "trace entry") for p in trace]
         if self.trace is not None and not self.trace:
             raise ValueError("a fail-probability trace needs at least one step.")
@@ -414,20 +429,79 @@ class CutModel:
         f = self.scale(step)
         return p if f == 1.0 or p in (0.0, 1.0) else 1.0 - (1.0 - p) ** f
 
+    def token_hazard(self, age: int, step: int) -> float:
+        """``-log`` of a cached token's chance to survive the coupled check at ``age`` and ``step``:
+        ``-log coupled_survival(mismatch, age)`` times the ramp's ``f(s)``."""
+        return -math.log(coupled_survival(self.mismatch, age)) * self.scale(step)
+
     def verify(self, segments, step: int) -> tuple[int, list[int], int | None]:
         """(keep, ages of the segments examined, age of the failing one or None) for ``segments`` [(step that
-        sampled it, tokens)] in position order, verified at ``step``."""
+        sampled it, tokens)] in position order, verified at ``step``. Under 'coupled' the failing segment is the
+        one holding the first mismatched token, as ``verifier.coupled_verify_with_stats`` counts it."""
+        if self.rule == "coupled":
+            return self._verify_coupled(segments, step)
         keep, checked = 0, []
         for seg_step, count in segments:
-            age = step - seg_step
-            if age < 1:
-                raise ValueError(f"a segment of step {seg_step} verified at step {step}: ages start at 1.")
+            age = _age(step, seg_step)
             checked.append(age)
             p = self.prob(age, step)
             if p >= 1.0 or (p > 0.0 and self._rng.random() < p):
                 return keep, checked, age
             keep += count
         return keep, checked, None
+
+    def _verify_coupled(self, segments, step: int) -> tuple[int, list[int], int | None]:
+        budget = -math.log1p(-self._rng.random())  # Exp(1): the trajectory's total hazard before its first miss
+        keep, checked = 0, []
+        for seg_step, count in segments:
+            age = _age(step, seg_step)
+            checked.append(age)
+            h = self.token_hazard(age, step)
+            if h * count > budget:  # the miss falls in this segment, after floor(budget / h) matched tokens
+                return keep + min(count - 1, int(budget // h)), checked, age
+            budget -= h * count
+            keep += count
+        return keep, checked, None
+
+
+def coupled_survival(mismatch: tuple[float, ...], age: int) -> float:
+    """A cached token's chance to match under the coupled rule at ``age`` versions: ``1 - q(age)`` for the
+    ages ``mismatch = (q(1), ..., q(A))`` gives; beyond A the per-token log-survival grows linearly with age,
+    ``(1 - q(A)) ** (age / A)`` (one ``q`` alone: ``(1 - q) ** age``, each version's shift matching on its own,
+    the agreement bound (1 - TV)/(1 + TV) with TV at most additive over versions: the pessimistic end)."""
+    if age < 1:
+        raise ValueError(f"coupled_survival: age={age}; ages start at 1.")
+    n = len(mismatch)
+    if age <= n:
+        return 1.0 - mismatch[age - 1]
+    return (1.0 - mismatch[-1]) ** (age / n)
+
+
+def coupled_keep_mean(n: int, q: float) -> float:
+    """``E[min(n, G)]``, G the matched tokens before the first mismatch at a per-token mismatch ``q``
+    (``P(G >= j) = (1 - q) ** j``): ``(1 - q) (1 - (1 - q) ** n) / q``, and ``n`` at ``q = 0``. The closed form
+    the coupled cut model's mean keep of a one-segment trajectory of ``n`` tokens follows."""
+    if q == 0.0:
+        return float(n)
+    a = 1.0 - q
+    return a * (1.0 - a ** n) / q
+
+
+def check_mismatch(q, what: str) -> tuple[float, ...]:
+    """``q`` as a tuple of per-token mismatch probabilities in [0, 1) (1 would cut every cached token and has no
+    geometric law; a rule that cuts everything is on-policy)."""
+    q = tuple(float(x) for x in (q if isinstance(q, list | tuple) else (q,)))
+    if not q or not all(0.0 <= x < 1.0 for x in q):
+        raise ValueError(f"{what}={q!r}: per-token mismatch probabilities in [0, 1), one per age (1, 2, ...; "
+                         "beyond the last, its per-token log-survival grows linearly with age).")
+    return q
+
+
+def _age(step: int, seg_step: int) -> int:
+    age = step - seg_step
+    if age < 1:
+        raise ValueError(f"a segment of step {seg_step} verified at step {step}: ages start at 1.")
+    return age
 
 
 def _check_probs(p, what: str) -> tuple[float, ...]:
@@ -629,6 +703,9 @@ class StepRecord:
     kept_tokens: int = 0
     num_cut: int = 0
     num_restarted: int = 0
+    examined_tokens: int = 0  # of the verified tokens, those up to and including each one's first cut token
+    examined_token_age: int = 0  # their ages summed (age: the verifying step minus the step that sampled it)
+    verified_token_age: int = 0  # every verified token's age summed
     finished_verified: int = 0  # finished members re-verified (verify_finished)
     finished_cut: int = 0
     preemptions: int = 0  # running sequences sent back to the queue for want of KV pages
@@ -812,6 +889,12 @@ class Replay:
             rec.kept_tokens += keep
             rec.num_cut += keep < n
             rec.num_restarted += keep == 0
+            examined = min(n, keep + 1)  # the kept tokens and the one that cut
+            rec.examined_tokens += examined
+            for seg_step, count in t.segments:  # token-weighted ages (the coupled fit's age correction)
+                rec.verified_token_age += (step - seg_step) * count
+                rec.examined_token_age += (step - seg_step) * max(0, min(count, examined))
+                examined -= count
         return keep
 
     def _admit(self, rec: StepRecord, step: int) -> None:
