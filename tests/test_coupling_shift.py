@@ -73,3 +73,5 @@ def test_crossing_is_where_the_two_stage_rule_starts_keeping_fewer_tokens():
     assert 0.001 < x < 0.01
     assert x == pytest.approx(np.exp(np.log(0.001) + (0.1 / 0.3) * np.log(10)))
     assert coupling_shift.crossing(rows[:2]) is None
+    rows += [{"tv": 0.05, "two_stage_kept": 1.0, "coupled_kept": 0.5, "family": "grpo"}]
+    assert coupling_shift.crossing(rows, family="grpo") is None  # one shift of that family: no sign change

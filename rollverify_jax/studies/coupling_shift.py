@@ -209,26 +209,28 @@ def shift_row(ro: Rollouts, logits_a: np.ndarray, logits_b: np.ndarray, cfg: Sam
 
 
 def sweep(ro: Rollouts, policy, cfg: SamplingConfig, sigmas=SIGMAS, lrs=LRS, prefix: int = 64,
-          noise_seed: int = 1) -> list[dict]:
+          noise_seed: int = 1, train: Rollouts | None = None) -> list[dict]:
     """``shift_row`` for A itself (shift 0), A + Gaussian noise of each sigma and A after one GRPO step of each
-    learning rate."""
+    learning rate on ``train`` (other trajectories, as a paused trajectory is not in the batch that trains the
+    version verifying it; default ``ro`` itself)."""
     logits_a = response_logits(policy, ro)
     rows = [{"family": "none", "shift": 0.0, **shift_row(ro, logits_a, logits_a, cfg, prefix)}]
     for sigma in sigmas:
         b = moved(policy, sigma, noise_seed)
         rows.append({"family": "noise", "shift": sigma, **shift_row(ro, logits_a, response_logits(b, ro), cfg, prefix)})
-    direction = grpo_direction(policy, ro)
+    direction = grpo_direction(policy, ro if train is None else train)
     for lr in lrs:
         b = stepped(policy, direction, lr)
         rows.append({"family": "grpo", "shift": lr, **shift_row(ro, logits_a, response_logits(b, ro), cfg, prefix)})
     return rows
 
 
-def crossing(rows: list[dict], key: str = "") -> float | None:
+def crossing(rows: list[dict], key: str = "", family: str | None = None) -> float | None:
     """The TV per token at which the two-stage rule starts keeping fewer tokens than the coupled rule (the first
-    sign change of ``two_stage_kept - coupled_kept`` along TV, interpolated in log TV), over all shifts; None
-    without a sign change."""
-    pts = sorted((r["tv"], r[f"two_stage_kept{key}"] - r[f"coupled_kept{key}"]) for r in rows if r["tv"] > 0)
+    sign change of ``two_stage_kept - coupled_kept`` along TV, interpolated in log TV), over the shifts of
+    ``family`` (None: all); None without a sign change."""
+    pts = sorted((r["tv"], r[f"two_stage_kept{key}"] - r[f"coupled_kept{key}"]) for r in rows
+                 if r["tv"] > 0 and family in (None, r.get("family")))
     for (t0, d0), (t1, d1) in zip(pts, pts[1:], strict=False):
         if d0 > 0 >= d1:
             w = d0 / (d0 - d1)
@@ -271,9 +273,10 @@ def plot(rows: list[dict], prefix: int, path: Path) -> None:
         if not key:
             tvs = np.geomspace(min(r["tv"] for r in shifted), max(r["tv"] for r in shifted), 50)
             ax.plot(tvs, (1 - tvs) / (1 + tvs), color="grey", lw=0.8, label="(1 - TV) / (1 + TV)")
-        x = crossing(rows, key)
-        if x is not None:
-            ax.axvline(x, color="k", lw=0.6, ls="-.")
+        for fam, ls in (("noise", "-."), ("grpo", ":")):
+            x = crossing(rows, key, fam)
+            if x is not None:
+                ax.axvline(x, color="k", lw=0.6, ls=ls)
         ax.set_xscale("log")
         ax.set_xlabel("TV per token between A and B (exact)")
         ax.set_ylabel("fraction")
@@ -298,18 +301,23 @@ def main(argv: list[str] | None = None) -> None:
     cfg = SamplingConfig(temperature=1.0)
     policy = load_pretrained(POLICY)
     ro = sample_rollouts(policy, args.prompts, args.group_size, args.max_new_tokens, cfg, args.seed)
+    train = sample_rollouts(policy, args.prompts, args.group_size, args.max_new_tokens, cfg, args.seed + 1)
     print(f"{len(ro.lengths)} trajectories of the tiny task, {int(ro.lengths.sum())} tokens (mean length "
-          f"{ro.lengths.mean():.1f}, max {ro.lengths.max()}), reward {ro.rewards.mean():.3f}; T = 1", flush=True)
-    rows = sweep(ro, policy, cfg, args.sigmas, args.lrs, args.prefix)
+          f"{ro.lengths.mean():.1f}, max {ro.lengths.max()}), reward {ro.rewards.mean():.3f}; the GRPO step on "
+          f"{len(train.lengths)} others (reward {train.rewards.mean():.3f}); T = 1", flush=True)
+    rows = sweep(ro, policy, cfg, args.sigmas, args.lrs, args.prefix, train=train)
     print(table(rows, args.prefix))
+    crossings = {}
     for key, what in (("", "whole trajectories"), (f"_first{args.prefix}", f"first {args.prefix} tokens")):
-        x = crossing(rows, key)
-        print(f"two-stage keeps more below TV per token ~ {x:.4g} ({what})" if x is not None
-              else f"no crossing ({what})")
+        for fam in ("noise", "grpo"):
+            x = crossings[f"{fam}{key}"] = crossing(rows, key, fam)
+            print(f"{fam}: two-stage keeps more below TV per token ~ {x:.4g} ({what})" if x is not None
+                  else f"{fam}: no crossing ({what})")
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(
             {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-             "trajectories": len(ro.lengths), "tokens": int(ro.lengths.sum()), "rows": rows}, indent=1))
+             "trajectories": len(ro.lengths), "tokens": int(ro.lengths.sum()), "rows": rows,
+             "crossings": crossings}, indent=1))
         plot(rows, args.prefix, args.out.with_suffix(".png"))
 
 
