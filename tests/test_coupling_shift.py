@@ -3,6 +3,7 @@ trajectories the engine samples from the tiny policy (a few short ones: about 40
 included)."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -75,3 +76,13 @@ def test_crossing_is_where_the_two_stage_rule_starts_keeping_fewer_tokens():
     assert coupling_shift.crossing(rows[:2]) is None
     rows += [{"tv": 0.05, "two_stage_kept": 1.0, "coupled_kept": 0.5, "family": "grpo"}]
     assert coupling_shift.crossing(rows, family="grpo") is None  # one shift of that family: no sign change
+
+
+def test_run_shift_reads_the_logged_per_version_shift(tmp_path):
+    rows = [{"step": 1, "verify/acceptance": 1.0},
+            {"step": 2, "verify/tv_estimate_age1": 0.002, "verify/token_agreement_age1": 0.99},
+            {"step": 3, "verify/tv_estimate_age1": 0.004, "verify/token_agreement_age1": 0.97}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    got = coupling_shift.run_shift([tmp_path])
+    assert got == pytest.approx({"cycles": 2, "tv_min": 0.002, "tv_max": 0.004, "tv_mean": 0.003,
+                                 "agreement_mean": 0.98})

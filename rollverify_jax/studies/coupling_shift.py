@@ -52,8 +52,8 @@ from rollverify_jax.studies.coupling import POLICY, moved
 from rollverify_jax.verify import coupled_keep, tv_terms, two_stage_verify
 from rollverify_jax.verify.verifier import DEFAULT_DS, DEFAULT_DT
 
-SIGMAS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
-LRS = (1e-5, 3e-5, 7e-5, 2e-4, 7e-4, 2e-3)
+SIGMAS = (1e-5, 1e-4, 3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 1e-2, 3e-2)
+LRS = (5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5, 7e-5, 2e-4, 7e-4, 2e-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +251,26 @@ def table(rows: list[dict], prefix: int) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], prefix: int, path: Path) -> None:
+def run_shift(workdirs: list[Path]) -> dict[str, float] | None:
+    """The per-version shift training runs logged (``verify/tv_estimate_age1`` and, for the coupled rule,
+    ``verify/token_agreement_age1`` in each workdir's ``metrics.jsonl``): the range and mean over their cycles."""
+    tv, agree = [], []
+    for d in workdirs:
+        for line in (Path(d) / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line) if line.strip() else {}
+            if "verify/tv_estimate_age1" in r:
+                tv.append(r["verify/tv_estimate_age1"])
+                if "verify/token_agreement_age1" in r:
+                    agree.append(r["verify/token_agreement_age1"])
+    if not tv:
+        return None
+    out = {"cycles": len(tv), "tv_min": min(tv), "tv_max": max(tv), "tv_mean": float(np.mean(tv))}
+    if agree:
+        out["agreement_mean"] = float(np.mean(agree))
+    return out
+
+
+def plot(rows: list[dict], prefix: int, path: Path, runs: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,6 +292,10 @@ def plot(rows: list[dict], prefix: int, path: Path) -> None:
         if not key:
             tvs = np.geomspace(min(r["tv"] for r in shifted), max(r["tv"] for r in shifted), 50)
             ax.plot(tvs, (1 - tvs) / (1 + tvs), color="grey", lw=0.8, label="(1 - TV) / (1 + TV)")
+            ax.plot(tvs, 1 - tvs, color="grey", lw=0.8, ls="--", label="1 - TV")
+        if runs:
+            ax.axvspan(runs["tv_min"], runs["tv_max"], color="C3", alpha=0.12,
+                       label="training runs' TV per version" if not key else None)
         for fam, ls in (("noise", "-."), ("grpo", ":")):
             x = crossing(rows, key, fam)
             if x is not None:
@@ -297,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sigmas", type=float, nargs="+", default=list(SIGMAS))
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.png")
+    ap.add_argument("--runs", type=Path, nargs="*", default=[],
+                    help="training workdirs whose logged per-version shift (verify/tv_estimate_age1) to mark")
     args = ap.parse_args(argv)
     cfg = SamplingConfig(temperature=1.0)
     policy = load_pretrained(POLICY)
@@ -313,12 +338,17 @@ def main(argv: list[str] | None = None) -> None:
             x = crossings[f"{fam}{key}"] = crossing(rows, key, fam)
             print(f"{fam}: two-stage keeps more below TV per token ~ {x:.4g} ({what})" if x is not None
                   else f"{fam}: no crossing ({what})")
+    runs = run_shift(args.runs) if args.runs else None
+    if runs:
+        print(f"training runs: TV per version (verify/tv_estimate_age1) {runs['tv_min']:.4f}-{runs['tv_max']:.4f}, "
+              f"mean {runs['tv_mean']:.4f} over {runs['cycles']} cycles; coupled per-token agreement "
+              f"{runs.get('agreement_mean', float('nan')):.4f}")
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(
             {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
              "trajectories": len(ro.lengths), "tokens": int(ro.lengths.sum()), "rows": rows,
-             "crossings": crossings}, indent=1))
-        plot(rows, args.prefix, args.out.with_suffix(".png"))
+             "crossings": crossings, "runs": runs}, indent=1))
+        plot(rows, args.prefix, args.out.with_suffix(".png"), runs)
 
 
 if __name__ == "__main__":
