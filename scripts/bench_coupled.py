@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rollverify_jax.models import init_model, load_pretrained, model_config
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
+from rollverify_jax.rollout.sampling import NOISES, sampled_argmax
 from rollverify_jax.studies import benchlib
 from rollverify_jax.verify import coupled_verify_with_stats, two_stage_verify_with_stats
 
@@ -35,6 +37,10 @@ NOTE = ("The check draws V Gumbel values (threefry) per cached token: O(V) work 
         "each) it should be well under 1% of the resume prefill: an estimate, not measured here (no accelerator "
         "was lent to this task). The check is computed as the first index of the maximum (two plain reductions), "
         "equal to argmax == token; with XLA CPU's index-carrying argmax it cost 3x more (9.2x on the 32K row).")
+COUPLING_NOTE = ("Agreement of two policies' draws with the same noise (3 x 1000 keys, standard error over the 3): "
+                 "the coupled rule keeps a cached token exactly when they agree, so this is its per-token "
+                 "acceptance at that shift. Both layouts sample exactly (tests/test_coupled_verify.py); they differ "
+                 "in how often two nearby policies draw the same token.")
 DTYPES = {  # name -> (param dtype, compute dtype, KV dtype, EngineConfig.compute_dtype)
     "float32": ("float32", "float32", "float32", None),
     "bfloat16": ("bfloat16", "bfloat16", "bfloat16", None),
@@ -42,11 +48,18 @@ DTYPES = {  # name -> (param dtype, compute dtype, KV dtype, EngineConfig.comput
 }
 
 
+# name -> model_config overrides of the random models the cost table times
+WIDTHS = {"random tiny": {}, "random 1024-wide": {"hidden_size": 1024, "intermediate_size": 3072,
+                                                  "num_attention_heads": 8, "num_key_value_heads": 4,
+                                                  "head_dim": 128}}
+
+
 def load_model(name: str, param_dtype: str, compute_dtype: str, vocab: int | None = None):
     if name == "tiny policy":
         return load_pretrained(POLICY, dtype=param_dtype, compute_dtype=compute_dtype)
     extra = {"vocab_size": vocab} if vocab else {}
-    return init_model(model_config("tiny", param_dtype=param_dtype, dtype=compute_dtype, **extra), seed=0)
+    return init_model(model_config("tiny", param_dtype=param_dtype, dtype=compute_dtype, **WIDTHS[name], **extra),
+                      seed=0)
 
 
 def requests(n: int, new: int, vocab: int) -> list[Trajectory]:
@@ -55,10 +68,11 @@ def requests(n: int, new: int, vocab: int) -> list[Trajectory]:
                        seed=1000 + i, max_new_tokens=new + 32) for i in range(n)]
 
 
-def make_engine(model, slots: int, new: int, kv: str, engine_compute: str | None, chunk: int | None):
+def make_engine(model, slots: int, new: int, kv: str, engine_compute: str | None, chunk: int | None,
+                noise: str = "flat"):
     cfg = EngineConfig(num_slots=slots, page_size=16, max_seq_len=64 + new, steps_per_dispatch=8, kv_dtype=kv,
                        compute_dtype=engine_compute, logits_chunk=chunk)
-    return Engine(model, cfg, SamplingConfig(temperature=1.0))
+    return Engine(model, cfg, SamplingConfig(temperature=1.0, noise=noise))
 
 
 def decoded(engine, slots: int, new: int, vocab: int) -> list[Trajectory]:
@@ -134,6 +148,37 @@ def time_resume(engine, trajs, coupled: bool, repeats: int) -> tuple[float, floa
     return best_prefill, best_verify
 
 
+def agreement(vocab: int, sigmas=(0.03, 0.1, 0.3, 1.0), rows: int = 1000, draws: int = 3) -> list[str]:
+    """How often two policies draw the same token with the same noise, per noise layout: ``rows`` random
+    distributions over ``vocab`` tokens (logits Gaussian with a scale drawn in [2, 5], from near-greedy to flat),
+    each moved by Gaussian logit noise of ``sigma``; the mean TV, its optimal coupling 1 - TV, the flat draw's bound
+    (1 - TV) / (1 + TV), and the measured agreement of each layout over ``rows x draws`` keys."""
+    rng = np.random.default_rng(0)
+    sample = {noise: jax.jit(sampled_argmax, static_argnums=3) for noise in NOISES}
+    out = []
+    for sigma in sigmas:
+        tv, agree = [], {noise: [] for noise in NOISES}
+        for d in range(draws):
+            scale = rng.uniform(2.0, 5.0, size=(rows, 1)).astype(np.float32)
+            a = rng.standard_normal((rows, vocab), dtype=np.float32) * scale
+            b = a + sigma * rng.standard_normal((rows, vocab), dtype=np.float32)
+            tv.append(float(jnp.mean(0.5 * jnp.abs(jax.nn.softmax(a) - jax.nn.softmax(b)).sum(-1))))
+            seeds = jnp.arange(d * rows, (d + 1) * rows, dtype=jnp.uint32)
+            index = jnp.zeros(rows, jnp.int32)
+            for noise in NOISES:
+                cfg = SamplingConfig(1.0, noise=noise)
+                same = sample[noise](jnp.asarray(a), seeds, index, cfg) == sample[noise](jnp.asarray(b), seeds, index,
+                                                                                         cfg)
+                agree[noise].append(float(jnp.mean(same)))
+        t = float(np.mean(tv))
+        line = (f"| {vocab} | {sigma} | {t:.4f} | {1 - t:.4f} | {(1 - t) / (1 + t):.4f} | "
+                + " | ".join(f"{np.mean(agree[n]):.4f} +- {np.std(agree[n], ddof=1) / np.sqrt(draws):.4f}"
+                             for n in NOISES) + " |")
+        print(line, flush=True)
+        out.append(line)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--slots", type=int, default=16)
@@ -141,31 +186,35 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-doc", action="store_true")
     args = ap.parse_args()
-    rows = ["| model | dtypes | logits_chunk | tokens checked | false mismatches | per token | trajectories cut |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| model | dtypes | noise | logits_chunk | tokens checked | false mismatches | per token | "
+            "trajectories cut |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("random tiny", "tiny policy"):
         for dtype, (param, compute, kv, engine_compute) in DTYPES.items():
             model = load_model(name, param, compute)
-            for chunk in (None, 64):
-                engine = make_engine(model, args.slots, args.new, kv, engine_compute, chunk)
+            for noise, chunk in (("flat", None), ("flat", 64), ("two_level", 64)):
+                engine = make_engine(model, args.slots, args.new, kv, engine_compute, chunk, noise)
                 trajs = decoded(engine, args.slots, args.new, model.cfg.vocab_size)
                 r = false_cuts(engine, trajs)
-                line = (f"| {name} | {dtype} | {chunk or 'unset'} | {r['tokens']} | {r['mismatches']} | "
+                line = (f"| {name} | {dtype} | {noise} | {chunk or 'unset'} | {r['tokens']} | {r['mismatches']} | "
                         f"{r['mismatches'] / r['tokens']:.2e} | {r['cut_trajectories']}/{r['trajectories']} |")
                 print(line, flush=True)
                 rows.append(line)
-    cost = ["| model | vocab | resume prefill, two-stage (ms) | coupled (ms) | ratio | verifier two-stage (ms) | "
-            "coupled (ms) | prefill + verifier ratio |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, vocab in (("random tiny", None), ("random tiny", 32768)):
+    cost = ["| model | vocab | noise | resume prefill, two-stage (ms) | coupled (ms) | ratio | verifier two-stage "
+            "(ms) | coupled (ms) | prefill + verifier ratio |", "|" + " --- |" * 9]
+    for name, vocab in (("random tiny", None), ("random tiny", 32768), ("random 1024-wide", 151936)):
         model = load_model(name, "float32", "float32", vocab)
-        engine = make_engine(model, args.slots, args.new, "float32", None, 64)
-        trajs = decoded(engine, args.slots, args.new, model.cfg.vocab_size)
-        p2, v2 = time_resume(engine, trajs, False, args.repeats)
-        pc, vc = time_resume(engine, trajs, True, args.repeats)
-        line = (f"| {name} | {model.cfg.vocab_size} | {p2 * 1e3:.1f} | {pc * 1e3:.1f} | {pc / p2:.3f} | "
-                f"{v2 * 1e3:.2f} | {vc * 1e3:.2f} | {(pc + vc) / (p2 + v2):.3f} |")
-        print(line, flush=True)
-        cost.append(line)
+        for noise in NOISES:
+            engine = make_engine(model, args.slots, args.new, "float32", None, 64, noise)
+            trajs = decoded(engine, args.slots, args.new, model.cfg.vocab_size)
+            p2, v2 = time_resume(engine, trajs, False, args.repeats)
+            pc, vc = time_resume(engine, trajs, True, args.repeats)
+            line = (f"| {name} | {model.cfg.vocab_size} | {noise} | {p2 * 1e3:.1f} | {pc * 1e3:.1f} | "
+                    f"{pc / p2:.3f} | {v2 * 1e3:.2f} | {vc * 1e3:.2f} | {(pc + vc) / (p2 + v2):.3f} |")
+            print(line, flush=True)
+            cost.append(line)
+    coupling = ["| vocab | logit noise | mean TV | optimal coupling 1 - TV | flat bound (1 - TV)/(1 + TV) | "
+                + " | ".join(f"{n} agreement" for n in NOISES) + " |", "|" + " --- |" * (5 + len(NOISES))]
+    coupling += agreement(151936)
     body = ("\n".join(rows) + f"\n\nSame weights for decode and resume ({args.slots} trajectories x {args.new} tokens "
             "after a 24-32-token random prompt, EOS off, T = 1), so every disagreement of the coupled check (the "
             "resume prefill's `sampled_argmax` with each token's own Gumbel noise against the token decode sampled) is "
@@ -174,7 +223,8 @@ def main() -> None:
             f"\n\nThe resume prefill of the same {args.slots} x {args.new}-token trajectories (`logits_chunk = 64`, "
             "float32), read back, best of "
             f"{args.repeats}: two-stage = log pi only; coupled = log pi + the argmax check (a Gumbel draw over the "
-            "vocabulary at every position), then each rule's verifier on the host. " + NOTE + "\n")
+            "vocabulary at every position), then each rule's verifier on the host. " + NOTE + "\n\n"
+            + "\n".join(coupling) + "\n\n" + COUPLING_NOTE + "\n")
     if not args.no_doc:
         benchlib.write_section("Coupled verification: false cuts and cost (bench_coupled.py)", body)
 

@@ -11,7 +11,16 @@ from flax import nnx
 
 from rollverify_jax.models import load_pretrained
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
-from rollverify_jax.rollout.sampling import _filter, request_keys, sample_tokens, sampled_argmax, samples
+from rollverify_jax.rollout.sampling import (
+    _filter,
+    gumbel_noise,
+    logp_and_samples,
+    noise_blocks,
+    request_keys,
+    sample_tokens,
+    sampled_argmax,
+    samples,
+)
 from rollverify_jax.studies import coupling
 from rollverify_jax.verify import VerifyConfig, coupled_keep, coupled_verify_with_stats
 from tests.shared import POLICY
@@ -24,6 +33,11 @@ SAMPLING = SamplingConfig(temperature=0.9, top_p=0.95, top_k=24)  # the check ap
 @pytest.fixture(scope="module")
 def engine(model):
     return Engine(model, CFG, SAMPLING, eos_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def engine_two_level(model):
+    return Engine(model, CFG, dataclasses.replace(SAMPLING, noise="two_level"), eos_ids=(3,))
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +62,89 @@ def _copy(t):
     return dataclasses.replace(t, tokens=list(t.tokens), logps=list(t.logps), versions=list(t.versions))
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SAMPLING, SamplingConfig(1.3, top_k=5)], ids=str)
-def test_the_sampler_is_argmax_of_processed_logits_plus_the_tokens_own_gumbel_noise(cfg):
-    """``sampled_argmax`` (what decode samples and the coupled check recomputes) is jax.random.categorical of the
-    processed logits with the key (seed, index): argmax(filter(logits / T) + Gumbel(key))."""
+CONFIGS = [SamplingConfig(1.0), SAMPLING, SamplingConfig(1.3, top_k=5)]
+CONFIGS = CONFIGS + [dataclasses.replace(c, noise="two_level") for c in CONFIGS]
+
+
+def test_the_flat_sampler_is_jax_random_categorical_of_the_processed_logits():
+    """The default noise draws what jax.random.categorical draws with the key (seed, index), bit for bit:
+    argmax(filter(logits / T) + Gumbel(key))."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((64, 40)) * 3, jnp.float32)
     seeds = jnp.asarray(rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32))
     index = jnp.arange(64, dtype=jnp.int32)
-    ref = jax.vmap(jax.random.categorical)(request_keys(seeds, index), _filter(logits / cfg.temperature, cfg))
-    np.testing.assert_array_equal(sample_tokens(logits, seeds, index, cfg)[0], ref)
-    np.testing.assert_array_equal(sampled_argmax(logits.reshape(8, 8, 40), seeds.reshape(8, 8), index.reshape(8, 8),
-                                                 cfg).reshape(-1), ref)
-    # the prefill's check (two plain reductions) is the same test as argmax == token, for the token sampled and
-    # for every other one
-    for tokens in (ref, (ref + 1) % 40, jnp.zeros_like(ref)):
-        np.testing.assert_array_equal(samples(logits, tokens, seeds, index, cfg), ref == tokens)
+    for cfg in CONFIGS[:3]:
+        ref = jax.vmap(jax.random.categorical)(request_keys(seeds, index), _filter(logits / cfg.temperature, cfg))
+        np.testing.assert_array_equal(sample_tokens(logits, seeds, index, cfg)[0], ref)
+
+
+def _reference_draw(scaled: np.ndarray, noise: np.ndarray, kind: str) -> np.ndarray:
+    """The draw written out in numpy: flat, argmax(scaled + noise); two-level, a block by Gumbel-max over its
+    members' log-mass, then a member (token v is member v // nb of block v % nb)."""
+    if kind == "flat":
+        return np.argmax(scaled + noise, axis=1)
+    block, n_blocks = noise_blocks(scaled.shape[-1])
+    grid = np.full((len(scaled), block * n_blocks), -np.inf, np.float64)
+    grid[:, :scaled.shape[-1]] = scaled
+    grid = grid.reshape(len(scaled), block, n_blocks)
+    with np.errstate(divide="ignore"):
+        mass = np.log(np.exp(grid - grid.max(axis=(1, 2), keepdims=True)).sum(axis=1))
+    chosen = np.argmax(mass + noise[:, :n_blocks], axis=1)
+    member = np.argmax(grid[np.arange(len(scaled)), :, chosen] + noise[:, n_blocks:], axis=1)
+    return member * n_blocks + chosen
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("vocab", [40, 50])  # 40 = 8 x 5 blocks; 50 has no factor of 8: padded to 8 x 7
+def test_the_sampler_is_a_function_of_the_processed_logits_and_the_tokens_own_noise(cfg, vocab):
+    """``sampled_argmax`` (what decode samples and the coupled check recomputes) is a function of the processed
+    logits filter(logits / T) and the noise of (seed, index) only, here against a numpy reference for each noise;
+    ``samples`` and ``logp_and_samples`` (the resume prefill's check) agree with it for the token
+    sampled and for others, and the latter's log-prob is ``sample_tokens``' own."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((64, vocab)) * 3, jnp.float32)
+    seeds = jnp.asarray(rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32))
+    index = jnp.arange(64, dtype=jnp.int32)
+    noise = np.asarray(gumbel_noise(seeds, index, vocab, cfg.noise))
+    assert noise.shape == (64, vocab if cfg.noise == "flat" else sum(noise_blocks(vocab)))
+    ref = _reference_draw(np.asarray(_filter(logits / cfg.temperature, cfg), np.float64), noise, cfg.noise)
+    tokens, logp = sample_tokens(logits, seeds, index, cfg)
+    np.testing.assert_array_equal(tokens, ref)
+    np.testing.assert_array_equal(sampled_argmax(logits.reshape(8, 8, vocab), seeds.reshape(8, 8),
+                                                 index.reshape(8, 8), cfg).reshape(-1), ref)
+    for other in (tokens, (tokens + 1) % vocab, jnp.zeros_like(tokens)):
+        np.testing.assert_array_equal(samples(logits, other, seeds, index, cfg), ref == other)
+        check_logp, match = logp_and_samples(logits, other, seeds, index, cfg)
+        np.testing.assert_array_equal(match, ref == other)
+        np.testing.assert_allclose(check_logp, sample_tokens(logits, seeds, index, cfg)[1] if other is tokens
+                                   else jax.nn.log_softmax(logits / cfg.temperature)[jnp.arange(64), other],
+                                   rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(("cfg", "vocab"), list(zip(CONFIGS[3:], [40, 50, 50], strict=True)), ids=str)
+def test_the_two_level_sampler_draws_each_token_with_its_probability(cfg, vocab):
+    """Exact in law: over 200,000 keys the draws of one row of logits are within the sampling floor of
+    softmax(filter(logits / T)) (TV < 0.012, where the expected TV of exact sampling at this size is ~0.006), and
+    a token filtered out is never drawn."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal(vocab) * 2, jnp.float32)
+    n = 200_000
+    seeds = jnp.arange(n, dtype=jnp.uint32)
+    tokens = jax.jit(sampled_argmax, static_argnums=3)(jnp.broadcast_to(logits, (n, vocab)), seeds,
+                                                       jnp.full((n,), 5, jnp.int32), cfg)
+    freq = np.bincount(np.asarray(tokens), minlength=vocab) / n
+    exact = np.asarray(jax.nn.softmax(_filter(logits / cfg.temperature, cfg)), np.float64)
+    assert np.all(freq[exact == 0] == 0)
+    assert 0.5 * np.abs(freq - exact).sum() < 0.012
+
+
+def test_the_noise_blocks_split_real_vocabularies_without_padding():
+    """B = the power of two at or above sqrt(V), halved until it divides V; padded only without a factor of 8."""
+    assert noise_blocks(151_936) == (128, 1187)  # Qwen3: 1,315 draws instead of 151,936
+    assert noise_blocks(128_256) == (256, 501)  # Llama 3
+    assert noise_blocks(32_768) == (256, 128)
+    assert noise_blocks(50_257) == (256, 197)  # odd: padded to 50,432
+    assert noise_blocks(2) == (2, 1) and noise_blocks(1) == (1, 1)
 
 
 def test_the_check_breaks_ties_as_argmax_does():
@@ -113,10 +194,13 @@ def _coupled_keep_fn(record):
     return keep_fn
 
 
-def test_coupled_resume_under_new_weights_equals_sampling_from_scratch_under_them(model, engine, params_b):
+@pytest.mark.parametrize("engine_name", ["engine", "engine_two_level"])
+def test_coupled_resume_under_new_weights_equals_sampling_from_scratch_under_them(model, engine_name, params_b,
+                                                                                   request):
     """Sampled under A (paused after 1, 2 or 3 dispatches, some finished), verified with the coupled rule under B
     and completed: every trajectory is token for token B's sample from scratch with the same keys, and the rule
-    both kept and cut tokens (so the test sees both branches)."""
+    both kept and cut tokens (so the test sees both branches); with either noise."""
+    engine = request.getfixturevalue(engine_name)
     a_params = nnx.state(model)
     try:
         engine.update_params(params_b, version=1)
@@ -142,8 +226,10 @@ def test_coupled_resume_under_new_weights_equals_sampling_from_scratch_under_the
         engine.update_params(a_params, version=0)
 
 
-def test_with_unchanged_weights_the_coupled_rule_keeps_every_token(engine):
+@pytest.mark.parametrize("engine_name", ["engine", "engine_two_level"])
+def test_with_unchanged_weights_the_coupled_rule_keeps_every_token(engine_name, request):
     """Float32, the same weights: the prefill's argmax check agrees with what decode sampled at every token."""
+    engine = request.getfixturevalue(engine_name)
     sched = Scheduler(engine, coupled=True)
     sched.submit(_requests(8, seed=11))
     sched.run(max_dispatches=4)
@@ -174,7 +260,8 @@ def test_coupled_keep_cuts_at_the_first_token_the_new_policy_would_not_sample():
         VerifyConfig(rule="exact")
 
 
-def test_coupled_rule_is_exact_in_distribution_and_the_others_are_not():
+@pytest.mark.parametrize("noise", ["flat", "two_level"])
+def test_coupled_rule_is_exact_in_distribution_and_the_others_are_not(noise):
     """A two-token completion of the tiny policy: sampled under A, verified under B (A moved), completed. Over
     100,000 seeds the coupled rule's outputs are B's fresh samples seed for seed, and their distribution is within
     TV 0.01 of B's exact one (the sampling floor at this size is ~0.006); SPEC-RL's rule (accept min(1, pi/mu),
@@ -182,12 +269,15 @@ def test_coupled_rule_is_exact_in_distribution_and_the_others_are_not():
     policy = load_pretrained(POLICY)
     a = coupling.TwoTokenLogits.of(policy, coupling.PROMPT)
     b = coupling.TwoTokenLogits.of(coupling.moved(policy, 0.02), coupling.PROMPT)
-    cfg = SamplingConfig(1.0)
+    cfg = SamplingConfig(1.0, noise=noise)
     seeds = np.arange(100_000, dtype=np.uint32)
     coupled, keep = coupling.verify_rule("coupled", a, b, seeds, cfg)
     np.testing.assert_array_equal(coupled, b.sample(seeds, cfg))
     assert 0.2 < keep.mean() / 2 < 0.95  # it kept tokens (and cut some)
     exact = coupling.exact_distribution(b, cfg)
+    if noise == "two_level":  # the other rules' distances do not hinge on the layout: measured with the flat one
+        assert coupling.total_variation(coupled, exact) < 0.01
+        return
     tv = {rule: coupling.total_variation(coupling.verify_rule(rule, a, b, seeds, cfg)[0], exact)
           for rule in coupling.RULES}
     print("TV to B's exact distribution at 100k samples:", tv)

@@ -33,7 +33,7 @@ from rollverify_jax.models.qwen3 import (
 )
 from rollverify_jax.rollout import paged_cache
 from rollverify_jax.rollout.attention import paged_attention
-from rollverify_jax.rollout.sampling import SamplingConfig, sample_tokens, samples
+from rollverify_jax.rollout.sampling import SamplingConfig, logp_and_samples, sample_tokens
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.compute_dtype's values besides None
 SERVING_LAYOUTS = ("train", "tensor")  # EngineConfig.serving_layout
@@ -323,7 +323,7 @@ def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: Packed
     ``coupled`` = (seeds uint32[R, W], token index int32[R, W]) of each packed position's target (the coupled
     verification rule; None: not computed, the program is the two-stage rule's): it also returns bool[n, W],
     entry j = whether the current params, with token j's own Gumbel noise, would have sampled response token j
-    (``sampling.sampled_argmax``), computed ``logits_chunk`` positions at a time like the log-probs."""
+    (``sampling.sampled_argmax``), computed from the same chunks of logits as the log-probs."""
     model = nnx.merge(static.graphdef, params)
     tokens = packed.tokens
     attn = _PrefillAttention(state.pages, packed, static.kernel(), static.layout)
@@ -338,33 +338,33 @@ def _prefill_fn(static: EngineStatic, params, state: DecodeState, packed: Packed
     temperature = static.sampling.logp_temperature
 
     def scores(hidden):
+        # Response token j of sequence i is predicted at its position prompt_len + j - 1.
+        idx = jnp.clip((packed.start + packed.prompt_lens - 1)[:, None] + jnp.arange(width)[None], 0, width - 1)
+        if coupled is not None:  # log pi and the check from one pass over each position's logits
+            token_logp, match = _logp_and_match(hidden, model.output_weights(), packed.targets, *coupled,
+                                                static.sampling, static.logits_chunk)
+            return token_logp[packed.row[:, None], idx], match[packed.row[:, None], idx]
         if static.logits_chunk is None:
             logp_all = jax.nn.log_softmax(model.logits_from_hidden(hidden) / temperature, axis=-1)
             token_logp = jnp.take_along_axis(logp_all, packed.targets[..., None], axis=-1)[..., 0]  # [R, W]
         else:  # never the whole [R, W, V] logits: at a real vocabulary and length they do not fit
             token_logp = chunked_scores(hidden, model.output_weights(), packed.targets, temperature,
                                         static.logits_chunk)[0]
-        # Response token j of sequence i is predicted at its position prompt_len + j - 1.
-        idx = jnp.clip((packed.start + packed.prompt_lens - 1)[:, None] + jnp.arange(width)[None], 0, width - 1)
-        if coupled is None:
-            return token_logp[packed.row[:, None], idx]  # past a sequence's end: ignored
-        match = _sampled_match(hidden, model.output_weights(), packed.targets, *coupled, static.sampling,
-                               static.logits_chunk)
-        return token_logp[packed.row[:, None], idx], match[packed.row[:, None], idx]
+        return token_logp[packed.row[:, None], idx]  # past a sequence's end: ignored
     if coupled is None:
         response_logp = jax.lax.cond(with_logp, scores, lambda h: jnp.zeros((n, width), jnp.float32), hidden)
         return state, response_logp
     return state, scores(hidden)
 
 
-def _sampled_match(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: jax.Array, index: jax.Array,
-                   sampling: SamplingConfig, chunk: int | None) -> jax.Array:
-    """bool[R, W]: ``sampled_argmax`` of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] with the noise of (seeds,
-    index) [R, W] equals ``targets`` [R, W] (``sampling.samples``). ``chunk`` positions at a time (None: all), so
-    no [R, W, V] array is live where the log-probs avoid one; the logits are float32 (``logits_from_hidden``) as in
-    decode."""
+def _logp_and_match(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: jax.Array, index: jax.Array,
+                    sampling: SamplingConfig, chunk: int | None) -> tuple[jax.Array, jax.Array]:
+    """(log pi float32[R, W], match bool[R, W]) of the logits ``hidden`` [R, W, H] @ ``w`` [H, V] at ``targets``
+    [R, W] with the noise of (seeds, index) [R, W] (``sampling.logp_and_samples``), ``chunk`` positions at a time
+    (None: all), so no [R, W, V] array is live where the log-probs avoid one; the logits are float32
+    (``logits_from_hidden``) as in decode."""
     def one(h, y, s, i):
-        return samples(logits_from_hidden(h, w), y, s, i, sampling)
+        return logp_and_samples(logits_from_hidden(h, w), y, s, i, sampling)
     if chunk is None:
         return one(hidden, targets, seeds, index)
     r, n, _ = hidden.shape
@@ -375,7 +375,7 @@ def _sampled_match(hidden: jax.Array, w: jax.Array, targets: jax.Array, seeds: j
         x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         return x.reshape(r, n_chunks, chunk, *x.shape[2:]).swapaxes(0, 1)
     out = jax.lax.map(lambda xs: one(*xs), (split(hidden), split(targets), split(seeds), split(index)))
-    return out.swapaxes(0, 1).reshape(r, -1)[:, :n]
+    return tuple(x.swapaxes(0, 1).reshape(r, -1)[:, :n] for x in out)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
+# How the noise of one token is drawn; both sample softmax(filter(logits / T)) exactly, and both make the token a
+# function of (seed, index) and the logits, as the coupled verification rule needs. 'flat': V Gumbel values and
+# their argmax (jax.random.categorical's draw): two policies draw the same token with probability at least
+# (1 - TV) / (1 + TV). 'two_level': nb + B values (``noise_blocks``; ~2 sqrt(V)): a block by its mass, then a
+# member; the coupled check's cost stays small beside the model's at any width, and two policies agree less often
+# where many tokens compete (docs/method.md, "Coupled verification").
+NOISES = ("flat", "two_level")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature T > 0 (ignored when greedy); 0 < top_p <= 1; top_k >= 0 (0: off)."""
+    """temperature T > 0 (ignored when greedy); 0 < top_p <= 1; top_k >= 0 (0: off); noise: how a token's Gumbel
+    noise is laid out (both exact; see ``NOISES``)."""
 
     temperature: float = 1.0  # T > 0 (ignored when greedy); the learner scores log-probs at the same T
     top_p: float = 1.0  # nucleus sampling, 0 < top_p <= 1 (1: off)
     top_k: int = 0  # >= 0 (0: off)
     greedy: bool = False  # argmax decoding
+    noise: str = "flat"  # 'flat' (a Gumbel per vocabulary entry) or 'two_level' (a block, then a member): NOISES
 
     def __post_init__(self):
         if not self.greedy and not self.temperature > 0:
@@ -24,6 +35,8 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
         if self.top_k < 0:
             raise ValueError(f"SamplingConfig.top_k={self.top_k} must be >= 0 (0 disables it).")
+        if self.noise not in NOISES:
+            raise ValueError(f"SamplingConfig.noise={self.noise!r}; choose one of {list(NOISES)}.")
 
     @property
     def logp_temperature(self) -> float:
@@ -51,42 +64,118 @@ def _filter(scaled: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return scaled
 
 
-def gumbel_noise(seeds: jax.Array, token_index: jax.Array, vocab: int) -> jax.Array:
-    """float32[..., V]: the Gumbel noise of the token at ``token_index`` of the request ``seeds`` (both [...]),
-    from the key (seed, index) alone: a token's noise never depends on where or when it was sampled, so a later
-    policy can be asked what it would have drawn with the same noise (the coupled verification rule)."""
-    shape = jnp.shape(seeds)
+def noise_blocks(vocab: int) -> tuple[int, int]:
+    """(members per block B, blocks nb) of the sampler's two-level draw, B * nb >= ``vocab``: token v is member
+    ``v // nb`` of block ``v % nb`` (strided, so a vocabulary split in contiguous shards splits each block evenly).
+    B is the power of two nearest above sqrt(V), halved until it divides V (no padding: Qwen3's 151,936 gives 128
+    x 1187); a vocabulary with no such factor of at least 8 is padded instead."""
+    ideal = 1 << max(0, math.ceil(math.log2(math.sqrt(vocab))))
+    block = ideal
+    while block > 1 and vocab % block:
+        block //= 2
+    if block < min(8, ideal):
+        block = ideal
+    return block, -(-vocab // block)
+
+
+def noise_size(vocab: int, noise: str) -> int:
+    """How many Gumbel values one token's draw reads: V ('flat') or nb + B ('two_level')."""
+    return vocab if noise == "flat" else sum(noise_blocks(vocab))
+
+
+def gumbel_noise(seeds: jax.Array, token_index: jax.Array, vocab: int, noise: str = "flat") -> jax.Array:
+    """float32[..., noise_size(vocab, noise)]: the Gumbel noise of the token at ``token_index`` of the request
+    ``seeds`` (both [...]), from the key (seed, index) alone: a token's noise never depends on where or when it was
+    sampled, so a later policy can be asked what it would have drawn with the same noise (the coupled verification
+    rule). 'two_level': nb values for the blocks, then B for the members of the chosen block."""
+    shape, size = jnp.shape(seeds), noise_size(vocab, noise)
     keys = request_keys(jnp.reshape(seeds, (-1,)), jnp.reshape(token_index, (-1,)))
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
-    return noise.reshape(*shape, vocab)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (size,), jnp.float32))(keys).reshape(*shape, size)
 
 
-def perturbed_scores(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """float32[..., V]: what the sampler takes the argmax of, for ``logits`` [..., V] and the noise of (seed, index)
-    [...]: ``filter(logits / T) + Gumbel(key(seed, index))`` (top-k / top-p applied as always), or the logits
-    themselves when greedy."""
-    logits = logits.astype(jnp.float32)
-    if cfg.greedy:
-        return logits
-    return _filter(logits / cfg.temperature, cfg) + gumbel_noise(seeds, token_index, logits.shape[-1])
+def _first_max(scores: jax.Array) -> jax.Array:
+    """int32[...]: the first index of the maximum over the last axis, as ``jnp.argmax`` for input without NaN,
+    written as two plain reductions (XLA CPU's index-carrying argmax is several times slower); NaN everywhere gives
+    the last index, not an out-of-range one."""
+    n = scores.shape[-1]
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(scores == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+    return jnp.minimum(first, n - 1)
+
+
+def _blocks(scaled: jax.Array) -> jax.Array:
+    """[..., V] -> [..., B, nb]: entry [i, b] is token i * nb + b (padding: -inf, never drawn)."""
+    block, n_blocks = noise_blocks(scaled.shape[-1])
+    pad = block * n_blocks - scaled.shape[-1]
+    if pad:
+        scaled = jnp.pad(scaled, [(0, 0)] * (scaled.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    return scaled.reshape(*scaled.shape[:-1], block, n_blocks)
+
+
+def _two_level_draw(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The token drawn from softmax(``scaled``) [..., V] with ``noise`` [..., nb + B], and each block's logsumexp
+    [..., nb]. A block is drawn by Gumbel-max over the blocks' log-masses (block b with probability its members'
+    total mass), then a member by Gumbel-max within it (with probability its share of the block): the product is
+    the token's probability, exactly; nb + B draws instead of V (the Gumbel draws dominated the resume prefill's
+    check at 32K tokens on CPU)."""
+    grid = _blocks(scaled)  # [..., B, nb]
+    block_lse = jax.nn.logsumexp(grid, axis=-2)
+    n_blocks = grid.shape[-1]
+    chosen = _first_max(block_lse + noise[..., :n_blocks])  # [...]
+    members = jnp.take_along_axis(grid, chosen[..., None, None], axis=-1)[..., 0]  # [..., B]
+    member = _first_max(members + noise[..., n_blocks:])
+    return member * n_blocks + chosen, block_lse
+
+
+def _scaled(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    return _filter(logits.astype(jnp.float32) / cfg.temperature, cfg)
+
+
+def _draw(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig
+          ) -> tuple[jax.Array, jax.Array | None]:
+    """(token int32[...], the two-level draw's block log-masses [..., nb] or None) for a sampled (not greedy)
+    ``cfg``."""
+    scaled = _scaled(logits, cfg)
+    noise = gumbel_noise(seeds, token_index, logits.shape[-1], cfg.noise)
+    if cfg.noise == "flat":
+        return _first_max(scaled + noise), None
+    return _two_level_draw(scaled, noise)
 
 
 def sampled_argmax(logits: jax.Array, seeds: jax.Array, token_index: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """int32[...]: the token the sampler draws, ``argmax(perturbed_scores)``: ``jax.random.categorical`` of the
-    processed logits written out (it is argmax(logits + gumbel) with the same draw), so decode and the coupled
-    verification compute one function of the same noise."""
-    return jnp.argmax(perturbed_scores(logits, seeds, token_index, cfg), axis=-1).astype(jnp.int32)
+    """int32[...]: the token the sampler draws from ``logits`` [..., V] (temperature, top-k and top-p applied) with
+    the noise of (seed, index) [...]: a deterministic function of the processed logits and the noise, so decode and
+    the coupled verification compute one function of the same noise. Greedy: the first maximum."""
+    if cfg.greedy:
+        return _first_max(logits.astype(jnp.float32))
+    return _draw(logits, seeds, token_index, cfg)[0]
 
 
 def samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
             cfg: SamplingConfig) -> jax.Array:
-    """bool[...]: ``sampled_argmax(logits, seeds, token_index, cfg) == tokens``, computed as the first index
-    holding the maximum (two plain reductions, where ``argmax``'s index-carrying reduction is several times slower
-    on CPU); equal to it for every input without NaN (a NaN score never matches: the token is cut)."""
-    scores = perturbed_scores(logits, seeds, token_index, cfg)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(scores == top, jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape[-1]), axis=-1)
-    return first == tokens
+    """bool[...]: ``sampled_argmax(logits, seeds, token_index, cfg) == tokens``."""
+    return sampled_argmax(logits, seeds, token_index, cfg) == tokens
+
+
+def logp_and_samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
+                     cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """(log-prob float32[...] of ``tokens`` under softmax(logits / T) as ``sample_tokens`` records it, ``samples``
+    bool[...]) from the same logits [..., V] (the resume prefill computes them once); with the two-level noise and
+    no top-k / top-p the draw's block log-masses give the normaliser too, so the check adds only its nb + B draws
+    to the resume prefill's log-probs."""
+    logits = logits.astype(jnp.float32)
+    if cfg.greedy:
+        return _token_logp(logits, tokens, 1.0), _first_max(logits) == tokens
+    token, block_lse = _draw(logits, seeds, token_index, cfg)
+    if block_lse is None or cfg.top_k or cfg.top_p < 1:
+        return _token_logp(logits, tokens, cfg.temperature), token == tokens
+    target = jnp.take_along_axis(logits / cfg.temperature, tokens[..., None], axis=-1)[..., 0]
+    return target - jax.nn.logsumexp(block_lse, axis=-1), token == tokens
+
+
+def _token_logp(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
+    logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
+    return jnp.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
 
 
 def sample_tokens(logits: jax.Array, seeds: jax.Array, token_index: jax.Array,
@@ -98,6 +187,5 @@ def sample_tokens(logits: jax.Array, seeds: jax.Array, token_index: jax.Array,
     docs/method.md).
     """
     logits = logits.astype(jnp.float32)
-    logp_all = jax.nn.log_softmax(logits / cfg.logp_temperature, axis=-1)
     tokens = sampled_argmax(logits, seeds, token_index, cfg)
-    return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    return tokens, _token_logp(logits, tokens, cfg.logp_temperature)
