@@ -15,9 +15,9 @@ and, at every cached token, from A's and B's full logits on the same sequences (
 
 - TV per token: the exact total variation between A's and B's sampling distributions (top-k / top-p applied);
 - the coupled rule: whether B samples the cached token with its own noise (``sampling.samples``, the check the
-  resume prefill computes), over every token (the per-token agreement, against the bound ``(1 - TV) / (1 + TV)``
-  of the Gumbel-max coupling and the optimal coupling's ``1 - TV``), and the kept fraction (the prefix up to the
-  first disagreement, ``verify.coupled_keep``);
+  resume prefill computes, with the sampler's noise layout ``--noise``), over every token (the per-token
+  agreement, against the bound ``(1 - TV) / (1 + TV)`` of the flat Gumbel-max coupling and the optimal coupling's
+  ``1 - TV``), and the kept fraction (the prefix up to the first disagreement, ``verify.coupled_keep``);
 - the two-stage rule's kept fraction at its defaults (``verify.two_stage_verify``, ds = 0.01, dt = 2) on the
   engine's ``log mu`` and B's ``log pi``; each trajectory was sampled by one version, so it is one segment;
 - ``verify/tv_estimate``'s estimator (mean of ``(1 - pi/mu)_+``) beside the exact TV.
@@ -47,7 +47,7 @@ from rollverify_jax.models import load_pretrained
 from rollverify_jax.models.tokenizer import load_tokenizer
 from rollverify_jax.rl.learner import OptimizerConfig, make_optimizer
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
-from rollverify_jax.rollout.sampling import _filter, samples
+from rollverify_jax.rollout.sampling import NOISES, _filter, samples
 from rollverify_jax.studies.coupling import POLICY, moved
 from rollverify_jax.verify import coupled_keep, tv_terms, two_stage_verify
 from rollverify_jax.verify.verifier import DEFAULT_DS, DEFAULT_DT
@@ -317,19 +317,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max_new_tokens", type=int, default=200)
     ap.add_argument("--prefix", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--noise", default="flat", choices=NOISES, help="SamplingConfig.noise: the sampler's noise layout")
     ap.add_argument("--sigmas", type=float, nargs="+", default=list(SIGMAS))
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.png")
     ap.add_argument("--runs", type=Path, nargs="*", default=[],
                     help="training workdirs whose logged per-version shift (verify/tv_estimate_age1) to mark")
     args = ap.parse_args(argv)
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = SamplingConfig(temperature=1.0, noise=args.noise)
     policy = load_pretrained(POLICY)
     ro = sample_rollouts(policy, args.prompts, args.group_size, args.max_new_tokens, cfg, args.seed)
     train = sample_rollouts(policy, args.prompts, args.group_size, args.max_new_tokens, cfg, args.seed + 1)
     print(f"{len(ro.lengths)} trajectories of the tiny task, {int(ro.lengths.sum())} tokens (mean length "
           f"{ro.lengths.mean():.1f}, max {ro.lengths.max()}), reward {ro.rewards.mean():.3f}; the GRPO step on "
-          f"{len(train.lengths)} others (reward {train.rewards.mean():.3f}); T = 1", flush=True)
+          f"{len(train.lengths)} others (reward {train.rewards.mean():.3f}); T = 1, noise {args.noise!r}", flush=True)
     rows = sweep(ro, policy, cfg, args.sigmas, args.lrs, args.prefix, train=train)
     print(table(rows, args.prefix))
     crossings = {}
