@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{runs.get('agreement_mean', float('nan')):.4f}")
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(
-            {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            {"args": json.loads(json.dumps(vars(args), default=str)),
              "trajectories": len(ro.lengths), "tokens": int(ro.lengths.sum()), "rows": rows,
              "crossings": crossings, "runs": runs}, indent=1))
         plot(rows, args.prefix, args.out.with_suffix(".png"), runs)
