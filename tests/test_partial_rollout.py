@@ -96,6 +96,10 @@ def test_coupled_rule_keeps_every_token_under_unchanged_weights_and_logs_as_the_
     m = phase.metrics
     assert m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 1.0 and m["verify/num_cut"] == 0
     assert m["verify/token_stage_cuts"] == 0 and any(k.startswith("verify/segments_checked/") for k in m)
+    # the same weights: every checked token agrees and the policy did not move (log pi = log mu up to kernels)
+    assert m["verify/token_agreement"] == 1.0 and m["verify/tv_estimate"] < 1e-3
+    assert any(k.startswith("verify/token_agreement_age") for k in m)
+    assert any(k.startswith("verify/tv_estimate_age") for k in m)
     mgr.scheduler.pause_all()
     with pytest.raises(ValueError, match="coupled=True"):
         RolloutManager(RolloutConfig(), Scheduler(engine), dict, lambda rec: np.arange(4, 9), switch=SwitchConfig(),
@@ -120,6 +124,9 @@ def test_rollverify_cuts_everything_with_zero_thresholds_after_a_version_change(
     phase = _phase_that_verifies(mgr)
     m = phase.metrics
     assert m["verify/tokens_total"] > 0 and m["verify/acceptance"] == 0.0
+    # the policy shift is logged for the two-stage rule too (unchanged weights: ~0); the agreement is the coupled
+    # rule's alone
+    assert 0.0 <= m["verify/tv_estimate"] < 1e-3 and "verify/token_agreement" not in m
     # Cut tokens were sampled again: the diagnostic is a rate over them.
     stats = mgr.scheduler.stats  # the phase's counters
     assert m["verify/regen_tokens"] == stats.regen_tokens > 1

@@ -22,7 +22,7 @@ from rollverify_jax.rollout.stats import RolloutStats
 from rollverify_jax.rollout.tool_use import ToolEnvironment, ToolUseConfig
 from rollverify_jax.run.checkpoint import decode_extra, encode_extra
 from rollverify_jax.tools import SandboxConfig, ToolRegistry, ToolResult, ToolStatus
-from rollverify_jax.verify import coupled_keep, two_stage_verify
+from rollverify_jax.verify import ShiftStats, coupled_keep, two_stage_verify
 
 CALL_END = 63  # the tiny random policy samples it now and then: each time, a tool call ends its turn
 EOS = 3
@@ -252,7 +252,10 @@ def test_the_coupled_rule_skips_replies_and_its_resume_under_new_weights_samples
     """The coupled rule over tool turns: under the same weights every policy token is kept (reply tokens, which the
     policy did not sample and its check would reject, are skipped); under moved weights, trajectories paused with
     replies in them, verified and completed equal the new weights' rollout from scratch, tool turns included."""
+    shift = ShiftStats()
+
     def coupled(new_logp, behavior, versions, lengths, match=None):
+        shift.merge(ShiftStats.of(new_logp, behavior, versions, lengths, engine.version, match))
         return coupled_keep(match, lengths)
 
     sched = Scheduler(engine, GatedRunner(), coupled=True)
@@ -260,9 +263,13 @@ def test_the_coupled_rule_skips_replies_and_its_resume_under_new_weights_samples
     sched.run(max_dispatches=7)
     paused = sched.pause_all()
     assert any(t.env_spans for t in paused)
+    policy_tokens = sum(int(t.policy_mask().sum()) for t in paused)
     sched.resume(paused, keep=coupled)
     sched.run(max_dispatches=1)
     assert sched.verified and all(k == n for k, n in sched.verified)
+    # the per-token agreement and the TV estimate count the policy's tokens only, every one of them agreeing
+    assert sum(shift.coupled_tokens.values()) == sum(shift.tokens.values()) == policy_tokens
+    assert shift.metrics()["verify/token_agreement"] == 1.0 and shift.metrics()["verify/tv_estimate"] < 1e-3
     sched.pause_all()
     original = nnx.state(model)
     rng = np.random.default_rng(3)

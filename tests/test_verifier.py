@@ -420,3 +420,52 @@ def test_cut_stats_merge_sums_counts():
     _, b = _segmented([[(4, [0.5]), (4, [0.0])], [(3, [0.0])]])
     a.merge(b)
     assert dict(a.checked) == {1: 2, 2: 1} and dict(a.failed) == {1: 2}
+
+
+# --- policy shift at the checked tokens (verify/tv_estimate, verify/token_agreement) -----------------------------
+
+
+def _shift_case():
+    """Two rows (lengths 3 and 2, current version 3): per valid token pi/mu and the coupled match bit; the padding
+    holds NaN log-probs and a true match bit, which must count for nothing."""
+    behavior = np.array([[0.0, 0.0, 0.0], [-1.0, -1.0, -1.0]], np.float32)
+    new = np.array([[np.log(0.25), np.log(3.0), np.nan], [-1.0 + np.log(0.5), -1.0 + np.log(0.9), np.nan]], np.float32)
+    versions = np.array([[1, 1, 2], [2, 2, 0]], np.int32)  # ages [2, 2, 1] and [1, 1]
+    match = np.array([[True, False, True], [False, True, True]])
+    return new, behavior, versions, np.array([3, 2], np.int32), match
+
+
+def test_tv_terms_are_one_minus_the_ratio_clipped_at_zero_and_nan_counts_as_one():
+    new, behavior, *_ = _shift_case()
+    np.testing.assert_allclose(verifier_mod.tv_terms(new, behavior), [[0.75, 0.0, 1.0], [0.5, 0.1, 1.0]], atol=1e-6)
+
+
+def test_tv_estimate_is_unbiased_for_the_total_variation():
+    """E_{x~mu}[(1 - pi(x)/mu(x))_+] = sum_x (mu(x) - pi(x))_+ = TV(mu, pi), on random distributions."""
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        mu, pi = rng.dirichlet(np.ones(7)), rng.dirichlet(np.ones(7))
+        expected = float(np.sum(mu * verifier_mod.tv_terms(np.log(pi), np.log(mu))))
+        assert expected == pytest.approx(0.5 * np.abs(mu - pi).sum(), rel=1e-9)
+
+
+def test_shift_stats_on_hand_made_arrays():
+    new, behavior, versions, lengths, match = _shift_case()
+    two_stage = verifier_mod.ShiftStats.of(new, behavior, versions, lengths, current_version=3).metrics()
+    assert two_stage == pytest.approx({"verify/tv_estimate": (0.75 + 0 + 1 + 0.5 + 0.1) / 5,
+                                       "verify/tv_estimate_age1": (1 + 0.5 + 0.1) / 3,
+                                       "verify/tv_estimate_age2": 0.75 / 2})
+    coupled = verifier_mod.ShiftStats.of(new, behavior, versions, lengths, 3, match)
+    m = coupled.metrics()
+    # every valid token counts (not only those before the first cut at row 0's second token); padding does not
+    assert m["verify/token_agreement"] == pytest.approx(3 / 5)
+    assert m["verify/token_agreement_age1"] == pytest.approx(2 / 3)
+    assert m["verify/token_agreement_age2"] == pytest.approx(1 / 2)
+    coupled.merge(verifier_mod.ShiftStats.of(new[:1], behavior[:1], versions[:1], lengths[:1], 3, match[:1]))
+    assert dict(coupled.tokens) == {1: 4, 2: 4} and dict(coupled.agreed) == {1: 3, 2: 2}
+    assert coupled.metrics()["verify/tv_estimate"] == pytest.approx((2.35 + 1.75) / 8)
+
+
+def test_shift_stats_without_checked_tokens_log_nothing():
+    new, behavior, versions, _, match = _shift_case()
+    assert verifier_mod.ShiftStats.of(new, behavior, versions, np.zeros(2, np.int32), 3, match).metrics() == {}

@@ -20,6 +20,7 @@ from rollverify_jax.rollout.scheduler import Scheduler
 from rollverify_jax.rollout.trajectory import Trajectory
 from rollverify_jax.verify import (
     CutStats,
+    ShiftStats,
     SwitchConfig,
     SwitchState,
     VerifyConfig,
@@ -131,6 +132,7 @@ class RolloutManager:
         self.next_uid = 0
         self.verify_time = 0.0
         self.cut_stats = CutStats()
+        self.shift_stats = ShiftStats()
 
     @property
     def verifying(self) -> bool:
@@ -163,7 +165,8 @@ class RolloutManager:
 
     def _keep_fn(self, new_logp, behavior_logp, versions, lengths, match=None):
         """Verification on the resume prefill (timed as verification), noting where it cut: the two-stage rule on
-        its log-probs, or the coupled rule on its ``match`` (the scheduler's, with ``VerifyConfig.rule='coupled'``)."""
+        its log-probs, or the coupled rule on its ``match`` (the scheduler's, with ``VerifyConfig.rule='coupled'``);
+        and how far the policy moved at the checked tokens (``ShiftStats``)."""
         t0 = time.perf_counter()
         if self.verify_cfg.rule == "coupled":
             keep, cuts = coupled_verify_with_stats(match, versions, lengths, self.scheduler.engine.version)
@@ -172,6 +175,9 @@ class RolloutManager:
                                                      self.verify_cfg.dt, self.scheduler.engine.version)
         self.cut_stats.merge(cuts)
         self.verify_time += time.perf_counter() - t0
+        # the policy shift at the checked tokens (both rules), outside the rule's timing
+        self.shift_stats.merge(ShiftStats.of(new_logp, behavior_logp, versions, lengths,
+                                             self.scheduler.engine.version, match))
         return keep
 
     def switch_to_on_policy(self) -> int:
@@ -202,6 +208,7 @@ class RolloutManager:
         sched.reset_stats()
         self.verify_time = 0.0
         self.cut_stats = CutStats()
+        self.shift_stats = ShiftStats()
         t0 = time.perf_counter()
         if self.on_policy:
             groups = self._on_policy_phase()
@@ -246,6 +253,7 @@ class RolloutManager:
             "verify/finished_verified": rechecked["num_verified"],
             "verify/finished_cut": rechecked["num_cut"],
             **self.cut_stats.metrics(),
+            **self.shift_stats.metrics(),
             "verify/regen_tokens": stats.regen_tokens,
             "verify/regen_equal_rate": stats.regen_equal / stats.regen_tokens if stats.regen_tokens else float("nan"),
             "verify/near_ties_kept": stats.near_ties_kept,

@@ -231,6 +231,75 @@ class CutStats:
         return out
 
 
+def tv_terms(new_logp, behavior_logp) -> np.ndarray:
+    """float64[...]: ``max(0, 1 - pi / mu)`` per token from ``log pi`` (new policy) and ``log mu`` (sampling
+    policy). Its mean over tokens sampled from mu estimates the mean total variation between mu and pi at those
+    positions without bias (``E_{x~mu}[(1 - pi(x)/mu(x))_+] = TV(mu, pi)``). A NaN log-prob counts as 1 (maximally
+    off-policy, as the two-stage rule treats it)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.exp(np.asarray(new_logp, np.float64) - np.asarray(behavior_logp, np.float64))
+        term = np.maximum(0.0, 1.0 - ratio)
+    return np.where(np.isnan(term), 1.0, term)
+
+
+@dataclasses.dataclass
+class ShiftStats:
+    """How far the policy moved at the cached tokens, summed over a cycle's verifications, per token age ``c``
+    (the verifying version minus the version that sampled the token): tokens checked, the sum of
+    ``(1 - pi/mu)_+`` (``tv_terms``) and, for the coupled rule, the tokens checked with a match bit and those whose
+    bit is true (the new policy samples the token with its own noise), over every checked token, not only up to
+    the first cut: the rule's per-token acceptance, to set against the TV."""
+
+    tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    tv_sum: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    coupled_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    agreed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @classmethod
+    def of(cls, new_logp, behavior_logp, versions, lengths, current_version: int, match=None) -> ShiftStats:
+        """From one verification's host arrays: new_logp, behavior_logp, versions [N, L], lengths [N] (positions
+        ``t >= lengths_i`` are padding, environment tokens are already left out by the scheduler), match: bool[N, L]
+        or None (the two-stage rule)."""
+        versions, lengths = np.asarray(versions, np.int64), np.asarray(lengths, np.int64)
+        valid = np.arange(versions.shape[1])[None, :] < lengths[:, None]  # [N, L]
+        ages = (current_version - versions)[valid]  # [K]
+        terms = tv_terms(np.asarray(new_logp)[valid], np.asarray(behavior_logp)[valid])  # [K]
+        keys, inverse, counts = np.unique(ages, return_inverse=True, return_counts=True)
+        ages_list = keys.tolist()
+        out = cls()
+        out.tokens.update(dict(zip(ages_list, counts.tolist(), strict=True)))
+        tv_sum = np.bincount(inverse, weights=terms, minlength=len(keys))
+        out.tv_sum.update(dict(zip(ages_list, tv_sum.tolist(), strict=True)))
+        if match is not None:
+            hit = np.asarray(match, bool)[valid]  # [K]
+            out.coupled_tokens.update(out.tokens)
+            out.agreed.update(dict(zip(ages_list, np.bincount(inverse, minlength=len(keys), weights=hit)
+                                       .astype(np.int64).tolist(), strict=True)))
+        return out
+
+    def merge(self, other: ShiftStats) -> None:
+        for mine, theirs in ((self.tokens, other.tokens), (self.tv_sum, other.tv_sum),
+                             (self.coupled_tokens, other.coupled_tokens), (self.agreed, other.agreed)):
+            mine.update(theirs)
+
+    def metrics(self) -> dict[str, float]:
+        """``verify/tv_estimate`` (the mean of ``(1 - pi/mu)_+`` over the checked tokens) and
+        ``verify/tv_estimate_age<c>`` per token age; with the coupled rule ``verify/token_agreement`` (the fraction
+        of checked tokens the new policy samples with their own noise) and ``verify/token_agreement_age<c>``. Empty
+        when no token was checked."""
+        out: dict[str, float] = {}
+        for name, num, den in (("tv_estimate", self.tv_sum, self.tokens),
+                               ("token_agreement", self.agreed, self.coupled_tokens)):
+            total = sum(den.values())
+            if not total:
+                continue
+            out[f"verify/{name}"] = float(sum(num.values()) / total)
+            for age in sorted(den):
+                if den[age]:
+                    out[f"verify/{name}_age{age}"] = float(num[age] / den[age])
+        return out
+
+
 def verify_stats(keep, lengths) -> dict[str, float | int]:
     """Host-side summary of one verification cycle: tokens kept/total and the acceptance rate.
 
