@@ -30,13 +30,16 @@ from rollverify_jax.studies import benchlib
 from rollverify_jax.verify import coupled_verify_with_stats, two_stage_verify_with_stats
 
 POLICY = Path(__file__).resolve().parents[1] / "assets" / "tiny_policy"
-NOTE = ("The check draws V Gumbel values (threefry) per cached token: O(V) work per position against the model's "
-        "O(parameters). At the tiny model's 64 tokens it costs nothing measurable; with a 32K vocabulary on a "
-        "128-wide 4-layer model (the second row) the draws are most of the prefill's work. At a real model's ratio "
-        "(Qwen3-8B: about 16 GFLOP of forward per token against 152K draws of a few tens of integer operations "
-        "each) it should be well under 1% of the resume prefill: an estimate, not measured here (no accelerator "
-        "was lent to this task). The check is computed as the first index of the maximum (two plain reductions), "
-        "equal to argmax == token; with XLA CPU's index-carrying argmax it cost 3x more (9.2x on the 32K row).")
+NOTE = ("two-stage = log pi only; coupled = log pi + the check from the same chunks of logits; the two altern"
+        "ate repeat by repeat. 'flat' draws V Gumbel values (threefry) per cached token, O(V) work per positi"
+        "on against the model's O(parameters): nothing measurable at 64 tokens, 3.1x with a 32K vocabulary on"
+        " the 128-wide 4-layer model, 1.35x with Qwen3's 151,936 on the 1024-wide 4-layer one (0.41 GFLOP of "
+        "forward per token). Qwen3-8B's forward is about 16 GFLOP per token, 40x more for the same draws, whi"
+        "ch would put the flat check near 1% of the resume prefill: an extrapolation, not a measurement (no a"
+        "ccelerator was lent to this task). 'two_level' draws nb + B values (384 at 32K, 1,315 at 151,936) an"
+        "d takes the log-prob's normaliser from its block log-masses: 1.13x on the 128-wide 32K model, no mea"
+        "surable cost (0.99x) on the 1024-wide one. The check is computed as the first index of the maximum ("
+        "two plain reductions): XLA CPU's index-carrying argmax cost 3x more.")
 COUPLING_NOTE = ("Agreement of two policies' draws with the same noise (3 x 1000 keys, standard error over the 3): "
                  "the coupled rule keeps a cached token exactly when they agree, so this is its per-token "
                  "acceptance at that shift. Both layouts sample exactly (tests/test_coupled_verify.py); they differ "
@@ -237,8 +240,7 @@ def main() -> None:
             "`VerifyConfig.coupled_tolerance` at that value.\n\n" + "\n".join(cost) +
             f"\n\nThe resume prefill of the same {args.slots} x {args.new}-token trajectories (`logits_chunk = 64`, "
             "float32), read back, best of "
-            f"{args.repeats}: two-stage = log pi only; coupled = log pi + the argmax check (a Gumbel draw over the "
-            "vocabulary at every position), then each rule's verifier on the host. " + NOTE + "\n\n"
+            f"{args.repeats}, then each rule's verifier on the host: " + NOTE + "\n\n"
             + "\n".join(coupling) + "\n\n" + COUPLING_NOTE + "\n")
     if not args.no_doc:
         benchlib.write_section("Coupled verification: false cuts and cost (bench_coupled.py)", body)
