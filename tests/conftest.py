@@ -9,6 +9,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # no persistent cache unless a test asks for one
 # Runs compile each program at first use (a test's run uses a few of its plan's) unless a test asks for the warmup.
 os.environ.setdefault("ROLLVERIFY_WARMUP", "0")
+# XLA's CPU backend without LLVM's optimizations (JAX's switch: xla_backend_optimization_level=0, no expensive
+# LLVM passes; XLA's HLO passes run as before, so every program is the same computation): the suite's tiny
+# programs cost more to optimize than to run, and a unit module's CPU time drops by about a third. Results can
+# differ from an optimized build's in the last bits (LLVM fuses multiply-adds); the tests' exact comparisons are
+# between runs of this same build. Inherited by the subprocesses tests launch (the CLIs, the multi-process
+# runs); test_aot.py turns it off for its TPU compiles; JAX_DISABLE_MOST_OPTIMIZATIONS=0 keeps every optimization.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import gin  # noqa: E402
 import jax  # noqa: E402
