@@ -25,8 +25,8 @@ from rollverify_jax.models import init_model, model_config  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "end_to_end: a module of whole runs (minutes of compiling and training), "
-                            "started first (pytest_collection_modifyitems)")
+    config.addinivalue_line("markers", "end_to_end: a whole run or script (tens of seconds to minutes of compiling "
+                            "and training); its module starts first (pytest_collection_modifyitems)")
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # the order below replaces xdist's (by tests per module)
 
@@ -36,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
     them), each module's tests together and in their order. ``make test`` runs ``--dist loadfile`` on 2 workers,
     which take whole modules in this order: the longest start first and the short ones fill in, so the workers
     end together (xdist's own order put these few-test, several-minute modules last, where one worker ran them
-    while the other sat idle)."""
+    while the other sat idle; a worker also takes its next module while two of its tests are left, so a slow
+    module with few tests at the end of the order still keeps one worker busy alone: mark its slow test)."""
     counts = collections.Counter(item.path for item in items)
     heavy = {item.path for item in items if item.get_closest_marker("end_to_end")}
     first = {}
