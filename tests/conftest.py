@@ -9,6 +9,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ROLLVERIFY_COMPILATION_CACHE", "0")  # no persistent cache unless a test asks for one
 # Runs compile each program at first use (a test's run uses a few of its plan's) unless a test asks for the warmup.
 os.environ.setdefault("ROLLVERIFY_WARMUP", "0")
+# XLA's CPU backend without LLVM's optimizations (JAX's switch: xla_backend_optimization_level=0, no expensive
+# LLVM passes; XLA's HLO passes run as before, so every program is the same computation): the suite's tiny
+# programs cost more to optimize than to run, and a unit module's CPU time drops by about a third. Results can
+# differ from an optimized build's in the last bits (LLVM fuses multiply-adds); the tests' exact comparisons are
+# between runs of this same build. Inherited by the subprocesses tests launch (the CLIs, the multi-process
+# runs); test_aot.py turns it off for its TPU compiles; JAX_DISABLE_MOST_OPTIMIZATIONS=0 keeps every optimization.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import gin  # noqa: E402
 import jax  # noqa: E402
@@ -18,8 +25,8 @@ from rollverify_jax.models import init_model, model_config  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "end_to_end: a module of whole runs (minutes of compiling and training), "
-                            "started first (pytest_collection_modifyitems)")
+    config.addinivalue_line("markers", "end_to_end: a whole run or script (tens of seconds to minutes of compiling "
+                            "and training); its module starts first (pytest_collection_modifyitems)")
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # the order below replaces xdist's (by tests per module)
 
@@ -29,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
     them), each module's tests together and in their order. ``make test`` runs ``--dist loadfile`` on 2 workers,
     which take whole modules in this order: the longest start first and the short ones fill in, so the workers
     end together (xdist's own order put these few-test, several-minute modules last, where one worker ran them
-    while the other sat idle)."""
+    while the other sat idle; a worker also takes its next module while two of its tests are left, so a slow
+    module with few tests at the end of the order still keeps one worker busy alone: mark its slow test)."""
     counts = collections.Counter(item.path for item in items)
     heavy = {item.path for item in items if item.get_closest_marker("end_to_end")}
     first = {}

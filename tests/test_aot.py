@@ -5,6 +5,7 @@ decode), and the report's numbers hang together."""
 import json
 
 import gin
+import jax
 import pytest
 
 from rollverify_jax import aot
@@ -22,6 +23,16 @@ PARAMS = [
     "make_mesh.shape = (1, -1, 1)",
     "AotConfig.topology = 'v5p:2x2x1'",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def optimized_backend():
+    """The TPU programs compile as ``python -m rollverify_jax.aot`` compiles them, with every optimization (the
+    suite turns LLVM's passes off for its CPU programs, conftest.py)."""
+    saved = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", saved)
 
 
 @pytest.fixture(scope="module")

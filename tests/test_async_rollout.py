@@ -93,6 +93,10 @@ ASYNC = ("AsyncConfig.rollout_devices = 4", "AsyncConfig.overlap_dispatches = 2"
          "TrainConfig.eval_every = 0")  # an evaluation at the last step only (the resumed launch's is compared)
 
 
+# Three launches of one run (whole, killed, resumed): started first under xdist, compiled once through the
+# session's compilation cache (conftest.py).
+@pytest.mark.end_to_end
+@pytest.mark.usefixtures("compilation_cache")
 def test_an_async_run_publishes_verifies_and_resumes_exactly(policy, tmp_path, monkeypatch, capsys):
     """Three steps: each update is published whole as the next version while the rollout decodes, except step
     1's, whose copy is interrupted (the rollout samples step 2 with version 0 while the learner is at 1); the

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rollverify_jax.data.synthetic import SyntheticTask, char_vocabulary, num_ops
 from rollverify_jax.models.hf import load_pretrained
 from rollverify_jax.models.tokenizer import Tokenizer
@@ -46,6 +48,7 @@ def _sampled_accuracy(readme: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.end_to_end  # the recipe's CLI, a whole training run: started first under xdist (conftest.py)
 def test_recipe_learns_and_writes_a_loadable_policy(tmp_path):
     """The CLI end to end on a smaller model: 30 SFT steps take the loss well below the first batch's (the recipe
     learns), and the directory it writes is a policy the configs can load."""

@@ -36,6 +36,10 @@ def _refused(capsys, *args) -> str:
     return err
 
 
+# Two launches of the tiny run (the test_train.py programs): started first under xdist, compiled once through
+# the session's compilation cache (conftest.py).
+@pytest.mark.end_to_end
+@pytest.mark.usefixtures("compilation_cache")
 def test_a_data_file_edited_in_place_or_another_tokenizer_is_refused_on_resume(policy, tmp_path, capsys):  # noqa: F811
     """The data file is rewritten with other prompts, same row count: the resume used to continue on them in
     silence; now it is refused (exit 2, nothing trained) naming the data's hash, and so is a tokenizer with other

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("check_gpu.py")
 
@@ -22,6 +24,7 @@ def _run(tmp_path, *flags, timeout=900):
     return done, report
 
 
+@pytest.mark.end_to_end  # the whole script in a subprocess: started first under xdist (conftest.py)
 def test_speed_sections_run_on_cpu_and_report_what_a_gpu_session_needs(tmp_path):
     done, report = _run(
         tmp_path, "--sections", "long_context", "decode_throughput", "decode_fixed_cost", "train_step",
