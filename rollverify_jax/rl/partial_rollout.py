@@ -256,9 +256,10 @@ class RolloutManager:
             **self.shift_stats.metrics(),
             "verify/regen_tokens": stats.regen_tokens,
             "verify/regen_equal_rate": stats.regen_equal / stats.regen_tokens if stats.regen_tokens else float("nan"),
-            "verify/near_ties_kept": stats.near_ties_kept,
             "mode/on_policy": int(self.on_policy),
         }
+        if self.verify_cfg.rule == "coupled":  # kept only by VerifyConfig.coupled_tolerance: 0 when exact
+            metrics["verify/near_ties_kept"] = stats.near_ties_kept
         for s, count in zip(*np.unique(cache_stale, return_counts=True), strict=True):
             metrics[f"cache/staleness_hist/{int(s)}"] = int(count)
         if sched.env is not None:
