@@ -14,7 +14,7 @@ import torch
 import transformers
 from flax import nnx
 from shared import train_run
-from test_train import LENGTH_REWARD, _assert_same_rows, _Killed
+from test_train import LENGTH_REWARD, _assert_same_rows, _killed_in_rollout
 
 from rollverify_jax import export
 from rollverify_jax.infra import mesh as mesh_lib
@@ -24,7 +24,6 @@ from rollverify_jax.models.hf import read_config
 from rollverify_jax.models.lora import LoraConfig
 from rollverify_jax.models.qwen3 import init_model, model_config
 from rollverify_jax.rl import learner, packing
-from rollverify_jax.rl.partial_rollout import RolloutManager
 from rollverify_jax.rollout import Engine, EngineConfig, SamplingConfig, Scheduler, Trajectory
 from rollverify_jax.rollout.publish import WeightPublisher
 from rollverify_jax.run import builder
@@ -224,18 +223,8 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_peft_and_refuses_another_
     policy = shutil.copytree(policy, tmp_path / "base")  # its weights are replaced at the end
     full = train_run(policy, tmp_path / "full", "rollverify", 2, LORA_RUN)
     assert any(abs(m["loss"]) > 1e-6 for m in full) and full[0]["ops/token_mean"] < 1e-5  # on-policy at step 1
-    phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
-
-    def dying_step(self):
-        if len(phases) == 2 and self.stats.dispatches >= 2:
-            raise _Killed
-        return step(self)
-
-    monkeypatch.setattr(RolloutManager, "run_phase", lambda self: (phases.append(1), run_phase(self))[1])
-    monkeypatch.setattr(Scheduler, "step", dying_step)
-    with pytest.raises(_Killed):
+    with _killed_in_rollout(monkeypatch):
         train_run(policy, tmp_path / "split", "rollverify", 2, LORA_RUN)
-    monkeypatch.setattr(Scheduler, "step", step)
     resumed = train_run(policy, tmp_path / "split", "rollverify", 2, LORA_RUN)
     _assert_same_rows(full, resumed)
     base = load_pretrained(policy)

@@ -1,6 +1,7 @@
 """The main job end to end on a small random policy: metrics, configs, checkpoints, exact resume. (Stops,
 faults and refusals of a run: test_train_stops.py; the two files split the end-to-end runs between the workers.)"""
 
+import contextlib
 import json
 import random
 import re
@@ -149,13 +150,32 @@ class _Killed(BaseException):
     """A ``kill -9`` stand-in: nothing in a run catches it, and it stops the launch where it is raised."""
 
 
+@contextlib.contextmanager
+def _killed_in_rollout(monkeypatch, also=lambda scheduler: True):
+    """The launch run inside is killed (``_Killed``) in step 2's rollout, once its scheduler has run 2 dispatches
+    and ``also(scheduler)`` holds; afterwards the scheduler steps as usual again."""
+    from rollverify_jax.rl.partial_rollout import RolloutManager
+    from rollverify_jax.rollout.scheduler import Scheduler
+
+    phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
+
+    def dying_step(self):
+        if len(phases) == 2 and self.stats.dispatches >= 2 and also(self):
+            raise _Killed
+        return step(self)
+
+    monkeypatch.setattr(RolloutManager, "run_phase", lambda self: (phases.append(1), run_phase(self))[1])
+    monkeypatch.setattr(Scheduler, "step", dying_step)
+    with pytest.raises(_Killed):
+        yield
+    monkeypatch.setattr(Scheduler, "step", step)
+
+
 def test_a_tool_use_run_resumes_as_it_runs_whatever_its_tools_latency(tmp_path, monkeypatch):
     """Tool-use runs are held to the resume test too, with every calculator call made slow at random (0 to 30 ms,
     other draws in each launch): two uninterrupted launches log the same step, and one killed in step 2's rollout
     (with calls running) resumes from step 1's checkpoint (trajectories paused mid-turn or mid-call in it) to the
     uninterrupted run's metrics and train state, bit for bit. Four train steps and a part in all."""
-    from rollverify_jax.rl.partial_rollout import RolloutManager
-    from rollverify_jax.rollout.scheduler import Scheduler
     from rollverify_jax.rollout.tool_use import ToolEnvironment
 
     rng, run = random.Random(0), ToolEnvironment._run
@@ -168,18 +188,8 @@ def test_a_tool_use_run_resumes_as_it_runs_whatever_its_tools_latency(tmp_path, 
     assert all(m["tools/calls"] > 0 for m in full) and sum(m["rollout/extend_tokens"] for m in full) > 0
     assert len({m["reward/mean"] for m in full}) > 1
 
-    phases, run_phase, step = [], RolloutManager.run_phase, Scheduler.step
-
-    def dying_step(self):
-        if len(phases) == 2 and self.stats.dispatches >= 2 and self.waits:  # step 2's rollout, calls running
-            raise _Killed
-        return step(self)
-
-    monkeypatch.setattr(RolloutManager, "run_phase", lambda self: (phases.append(1), run_phase(self))[1])
-    monkeypatch.setattr(Scheduler, "step", dying_step)
-    with pytest.raises(_Killed):
+    with _killed_in_rollout(monkeypatch, also=lambda scheduler: bool(scheduler.waits)):  # calls running
         train_run(TOOL_POLICY, tmp_path / "split", "rollverify", 2, no_first_eval)
-    monkeypatch.setattr(Scheduler, "step", step)
     _assert_same_rows(full[:1], read_metrics(tmp_path / "split" / "metrics.jsonl"))  # the step before the kill
     assert any(t.get("env_spans") for t in final_state(tmp_path / "split", TOOL_POLICY)[2]["rollout"]["cache"]
                ["paused"])
