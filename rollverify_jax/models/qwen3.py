@@ -604,16 +604,20 @@ def token_logprobs(logits: Array, targets: Array, temperature: float = 1.0) -> A
 
 
 
+def at_tokens(x: Array, targets: Array) -> Array:
+    """``x[..., targets]`` for x [..., V] and targets int[...] -> [...]. A masked sum rather than a gather: it
+    partitions cleanly over a sharded vocab axis, and, unlike a one-hot matmul, stays exact float32 on TPU (no bf16
+    matmul passes)."""
+    return jnp.sum(jnp.where(targets[..., None] == jnp.arange(x.shape[-1], dtype=targets.dtype), x, 0.0), axis=-1)
+
+
 def score_tokens(z: Array, targets: Array) -> tuple[Array, Array]:
     """z float32[..., V] (logits / T), targets int32[...] -> (log-prob of each target, entropy of pi) [...].
 
     The entropy is a metric only, so it is computed on stop-gradient'ed logits and adds no backward cost.
     """
     lse = jax.nn.logsumexp(z, axis=-1)
-    # A masked sum rather than a gather: it partitions cleanly over a sharded vocab axis, and, unlike a one-hot
-    # matmul, stays exact float32 on TPU (no bf16 matmul passes).
-    hit = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
-    logp = jnp.sum(jnp.where(hit, z, 0.0), axis=-1) - lse
+    logp = at_tokens(z, targets) - lse
     zs, lses = jax.lax.stop_gradient(z), jax.lax.stop_gradient(lse)
     entropy = lses - jnp.sum(jax.nn.softmax(zs, axis=-1) * zs, axis=-1)
     return logp, entropy

@@ -8,6 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rollverify_jax.models.qwen3 import at_tokens
+
 # How the noise of one token is drawn; both sample softmax(filter(logits / T)) exactly, and both make the token a
 # function of (seed, index) and the logits, as the coupled verification rule needs. 'flat': V Gumbel values and
 # their argmax (jax.random.categorical's draw): two policies draw the same token with probability at least
@@ -156,15 +158,9 @@ def samples(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index:
 SAMPLED, NEAR_TIE, NOT_SAMPLED = 1, 2, 0
 
 
-def _at(x: jax.Array, index: jax.Array) -> jax.Array:
-    """``x[..., index]`` for x [..., V] and index [...], as a masked sum: it partitions over a vocabulary split
-    between devices (a gather would collect the whole row on one)."""
-    return jnp.sum(jnp.where(index[..., None] == jnp.arange(x.shape[-1], dtype=index.dtype), x, 0.0), axis=-1)
-
-
 def _near(scores: jax.Array, index: jax.Array, tolerance: jax.Array) -> jax.Array:
     """bool[...]: ``scores[..., index]`` is above the maximum over the last axis less ``tolerance`` (never, at 0)."""
-    return _at(scores, index) > jnp.max(scores, axis=-1) - tolerance
+    return at_tokens(scores, index) > jnp.max(scores, axis=-1) - tolerance
 
 
 def check_tokens(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_index: jax.Array,
@@ -196,8 +192,8 @@ def check_tokens(logits: jax.Array, tokens: jax.Array, seeds: jax.Array, token_i
     code = jnp.where(token == tokens, SAMPLED, jnp.where(near, NEAR_TIE, NOT_SAMPLED)).astype(jnp.int8)
     z = logits / cfg.logp_temperature
     if block_lse is None or cfg.top_k or cfg.top_p < 1:
-        return _at(z, tokens) - jax.nn.logsumexp(z, axis=-1), code
-    return _at(z, tokens) - jax.nn.logsumexp(block_lse, axis=-1), code
+        return at_tokens(z, tokens) - jax.nn.logsumexp(z, axis=-1), code
+    return at_tokens(z, tokens) - jax.nn.logsumexp(block_lse, axis=-1), code
 
 
 def _token_logp(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
